@@ -1,0 +1,66 @@
+# Every target installs what it needs first (make setup), so each works on a fresh checkout.
+PY ?= python3
+VENV ?= .venv
+# --system-site-packages lets a GPU machine reuse its own CUDA torch: make setup VENV_FLAGS=--system-site-packages
+VENV_FLAGS ?=
+# Installed only when the environment has no torch: the CPU build lies on the CI/dev disk.
+TORCH_SPEC ?= torch==2.13.0
+PYTHON := $(VENV)/bin/python
+PYTEST := $(PYTHON) -m pytest
+RESULTS ?= results
+BENCH_JSON ?= $(RESULTS)/bench.json
+# pytest-benchmark comparison: the stored run to compare with (default: the newest of this machine)
+COMPARE_WITH ?=
+COMPARE_FAIL ?= median:15%
+SMOKE_MODELS ?= all
+SMOKE_SEEDS ?= 17,42,97
+SMOKE_STEPS ?= 20
+SMOKE_DEVICE ?= cpu
+SMOKE_OUT ?= smoke_runs
+
+.PHONY: setup test bench accuracy smoke compare report data lint clean
+
+setup: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	test -x $(PYTHON) || $(PY) -m venv $(VENV_FLAGS) $(VENV)
+	$(PYTHON) -m pip install -q --upgrade pip
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_SPEC)"
+	$(PYTHON) -m pip install -q -e ".[test]"
+	touch $@
+
+# All tests: accuracy, model smoke tests and every benchmark case run once as a test (no timing).
+test: setup
+	$(PYTEST) accuracy_tests smoke_tests perf_tests --benchmark-disable -q
+
+# The benchmark suite: pytest-benchmark JSON in $(BENCH_JSON), a copy stored under .benchmarks/, a summary.
+bench: setup
+	mkdir -p $(RESULTS)
+	$(PYTEST) perf_tests --benchmark-only --benchmark-autosave --benchmark-json=$(BENCH_JSON) -q
+	$(PYTHON) -m pcvr_lib report $(BENCH_JSON)
+
+accuracy: setup
+	$(PYTEST) accuracy_tests -q
+
+smoke: setup
+	$(PYTHON) -m pcvr_lib smoke --models $(SMOKE_MODELS) --seeds $(SMOKE_SEEDS) --steps $(SMOKE_STEPS) \
+		--device $(SMOKE_DEVICE) --out $(SMOKE_OUT)
+
+# Runs the perf suite and compares it with a stored run of the same machine; refuses when there is none.
+compare: setup
+	$(PYTHON) -m pcvr_lib compare-check $(if $(COMPARE_WITH),--with $(COMPARE_WITH))
+	mkdir -p $(RESULTS)
+	$(PYTEST) perf_tests --benchmark-only --benchmark-json=$(RESULTS)/compare.json -q \
+		--benchmark-compare$(if $(COMPARE_WITH),=$(COMPARE_WITH)) --benchmark-compare-fail=$(COMPARE_FAIL)
+
+report: setup
+	$(PYTHON) -m pcvr_lib report $(BENCH_JSON)
+
+data: setup
+	$(PYTHON) -m pcvr_lib generate --schema fixtures/sample_1000_raw.schema.json --rows 1000 --multiplier 30
+
+lint: setup
+	$(PYTHON) -m ruff check .
+
+clean:
+	rm -rf $(RESULTS) .cache .pytest_cache .hypothesis

@@ -1,0 +1,53 @@
+"""Root conftest: makes the checkout importable without an install and adds the shared options.
+
+The GPU host runs `python3 -m pytest` from a bare copy of the checkout, so `pcvr_lib` must be importable
+from here rather than from site-packages.
+"""
+
+import os
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+
+def pytest_addoption(parser):
+    group = parser.getgroup("pcvr")
+    group.addoption(
+        "--data-scale",
+        choices=["ci", "default", "full"],
+        default=None,
+        help="size of the generated benchmark data: ci (tiny, the default when CI is set), "
+        "default (stable numbers in a few minutes) or full (the reference's 300x)",
+    )
+
+
+@pytest.fixture(scope="session")
+def repo_root() -> Path:
+    return ROOT
+
+
+@pytest.fixture(scope="session")
+def data_cache_dir() -> Path:
+    """Where generated parquet files are cached by content hash (ignored by git)."""
+    path = Path(os.environ.get("PCVR_CACHE_DIR", ROOT / ".cache" / "pcvr"))
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+@pytest.fixture(scope="session")
+def data_scale(request) -> str:
+    chosen = request.config.getoption("--data-scale")
+    if chosen:
+        return chosen
+    return "ci" if os.environ.get("CI") else "default"
+
+
+def pytest_benchmark_update_machine_info(config, machine_info):
+    from pcvr_lib.timing import update_machine_info
+
+    update_machine_info(machine_info)

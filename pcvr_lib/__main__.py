@@ -1,0 +1,3 @@
+from pcvr_lib.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,1 @@
+"""Data side: generation, Arrow -> batch conversion, caches, augmentations, splits and the loader."""
