@@ -48,10 +48,8 @@ smoke: setup
 
 # Runs the perf suite and compares it with a stored run of the same machine; refuses when there is none.
 compare: setup
-	$(PYTHON) -m pcvr_lib compare-check $(if $(COMPARE_WITH),--with $(COMPARE_WITH))
-	mkdir -p $(RESULTS)
-	$(PYTEST) perf_tests --benchmark-only --benchmark-json=$(RESULTS)/compare.json -q \
-		--benchmark-compare$(if $(COMPARE_WITH),=$(COMPARE_WITH)) --benchmark-compare-fail=$(COMPARE_FAIL)
+	$(PYTHON) -m pcvr_lib compare $(if $(COMPARE_WITH),--with $(COMPARE_WITH)) --fail $(COMPARE_FAIL) \
+		--output $(RESULTS)/compare.json perf_tests
 
 report: setup
 	$(PYTHON) -m pcvr_lib report $(BENCH_JSON)

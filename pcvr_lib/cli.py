@@ -14,7 +14,7 @@ import sys
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("pcvr_lib.data.generate", "write demo-like PCVR parquet data from a schema"),
     "report": ("pcvr_lib.report", "summarise a pytest-benchmark JSON file"),
-    "compare-check": ("pcvr_lib.report", "check that a stored run exists to compare with"),
+    "compare": ("pcvr_lib.report", "run the perf suite and compare it with a stored run (regression gate)"),
 }
 
 
