@@ -1,0 +1,29 @@
+"""Launch shapes shared by the norm kernels (RMSNorm and LayerNorm, Triton and TileLang).
+
+A "width class" is the padded width (next power of two); the tile holds BLOCK_M rows of it, chosen so
+one program moves about 4096 elements: narrow rows get many rows per program (enough bytes in flight),
+wide rows one row. The row count never enters the choice, so a new M reuses the compiled kernel.
+"""
+
+from __future__ import annotations
+
+import functools
+
+MAX_WIDTH = 16384  # one row must fit in registers; wider rows are rejected with a clear error
+TILE_ELEMENTS = 4096
+
+
+def next_pow2(n: int) -> int:
+    return 1 << (max(1, n) - 1).bit_length()
+
+
+@functools.cache
+def block_config(width: int) -> tuple[int, int]:
+    """(rows per program, warps per program) for a row width."""
+    if width > MAX_WIDTH:
+        raise ValueError(f"norm width {width} exceeds the supported maximum {MAX_WIDTH}")
+    block_n = next_pow2(width)
+    block_m = max(1, min(64, TILE_ELEMENTS // block_n))
+    elements = block_m * block_n
+    num_warps = min(16, max(4, elements // 512))
+    return block_m, num_warps

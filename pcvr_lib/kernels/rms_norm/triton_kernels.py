@@ -1,0 +1,82 @@
+"""RMSNorm in Triton: forward (optionally saving 1/rms) and backward (dx + per-program dw partials).
+
+Each program handles BLOCK_M rows of the full (padded) width, so narrow rows still give every program
+several kilobytes to move. The row count M is not specialised on: a new M never recompiles.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from pcvr_lib.kernels._triton import kernel, next_pow2, sm_count
+from pcvr_lib.kernels.rms_norm.config import block_config
+
+
+@kernel(do_not_specialize=["M"])
+def _rms_fwd(X, W, Y, RSTD, M, eps, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             SAVE_RSTD: tl.constexpr):
+    pid = tl.program_id(0)
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = tl.arange(0, BLOCK_N)
+    rmask = rows < M
+    cmask = cols < N
+    mask = rmask[:, None] & cmask[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+    y = x * rstd[:, None] * w[None, :]
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    if SAVE_RSTD:
+        tl.store(RSTD + rows, rstd, mask=rmask)
+
+
+@kernel(do_not_specialize=["M"])
+def _rms_bwd(DY, X, W, RSTD, DX, DWP, M, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    pid = tl.program_id(0)
+    step = tl.num_programs(0) * BLOCK_M
+    cols = tl.arange(0, BLOCK_N)
+    cmask = cols < N
+    w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
+    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    for start in range(pid * BLOCK_M, M, step):
+        rows = start + tl.arange(0, BLOCK_M)
+        rmask = rows < M
+        mask = rmask[:, None] & cmask[None, :]
+        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+        xhat = x * rstd[:, None]
+        gw = dy * w[None, :]
+        c = tl.sum(gw * xhat, axis=1) / N
+        dx = (gw - xhat * c[:, None]) * rstd[:, None]
+        tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
+        dw += tl.sum(dy * xhat, axis=0)
+    tl.store(DWP + pid * N + cols, dw, mask=cmask)
+
+
+def forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, save_rstd: bool):
+    """x2: (M, N) contiguous. Returns (y, rstd or None)."""
+    m, n = x2.shape
+    block_m, num_warps = block_config(n)
+    y = torch.empty_like(x2)
+    rstd = torch.empty(m, dtype=torch.float32, device=x2.device) if save_rstd else y
+    grid = (triton.cdiv(m, block_m),)
+    _rms_fwd.for_device(x2.device)[grid](x2, weight, y, rstd, m, eps, N=n, BLOCK_M=block_m,
+                                         BLOCK_N=next_pow2(n), SAVE_RSTD=save_rstd, num_warps=num_warps)
+    return y, (rstd if save_rstd else None)
+
+
+def backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
+    """Returns (dx, dw) for the (M, N) forward input x2."""
+    m, n = x2.shape
+    block_m, num_warps = block_config(n)
+    programs = max(1, min(triton.cdiv(m, block_m), 4 * sm_count(x2.device.index)))
+    dx = torch.empty_like(x2)
+    partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
+    _rms_bwd.for_device(x2.device)[(programs,)](dy, x2, weight, rstd, dx, partial, m, N=n, BLOCK_M=block_m,
+                                                BLOCK_N=next_pow2(n), num_warps=num_warps)
+    return dx, partial.sum(0).to(weight.dtype)

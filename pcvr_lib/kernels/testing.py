@@ -1,0 +1,67 @@
+"""Helpers for kernel correctness checks: poisoned outputs and seeded inputs.
+
+A kernel that forgets to write part of its output must fail its check, so outputs are poisoned before
+each run: `poisoned_outputs()` makes `torch.empty*` fill new float tensors with NaN (and integer ones
+with their largest value) on every device, and `poison_cuda_allocator()` fills the CUDA caching
+allocator's free blocks with all-ones bytes (NaN in fp16/bf16/fp32, -1 in integers), which also catches
+buffers that never pass through `torch.empty`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+
+import torch
+
+
+def poison_cuda_allocator(device=None, large_bytes: int = 256 << 20, small_blocks: int = 32) -> None:
+    """Fill free memory of the CUDA caching allocator with 0xFF bytes (NaN for floats).
+
+    Frees the cache first, then allocates one large block (served to later large allocations, which
+    split it) and `small_blocks` blocks of 1 MiB (the small-allocation pool), fills them, and frees
+    them back to the cache. No-op without CUDA.
+    """
+    if not torch.cuda.is_available():
+        return
+    device = torch.device(device if device is not None else "cuda")
+    torch.cuda.synchronize(device)
+    torch.cuda.empty_cache()
+    free, _total = torch.cuda.mem_get_info(device)
+    big = torch.empty(min(large_bytes, free // 4), dtype=torch.uint8, device=device).fill_(0xFF)
+    small = [torch.empty(1 << 20, dtype=torch.uint8, device=device).fill_(0xFF) for _ in range(small_blocks)]
+    torch.cuda.synchronize(device)
+    del big, small  # back to the cache, still holding 0xFF
+
+
+@contextlib.contextmanager
+def poisoned_outputs(device=None):
+    """Within the block, newly allocated tensors start as NaN / max-int instead of stale memory."""
+    import torch.utils.deterministic as det
+
+    before = (torch.are_deterministic_algorithms_enabled(),
+              torch.is_deterministic_algorithms_warn_only_enabled(), det.fill_uninitialized_memory)
+    poison_cuda_allocator(device)
+    # fill_uninitialized_memory acts only while deterministic mode is on; warn_only keeps
+    # nondeterministic ops (e.g. atomics in index_add) usable instead of raising.
+    torch.use_deterministic_algorithms(True, warn_only=True)
+    det.fill_uninitialized_memory = True
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(before[0], warn_only=before[1])
+        det.fill_uninitialized_memory = before[2]
+
+
+def generator(seed: int, device="cpu") -> torch.Generator:
+    return torch.Generator(device=device).manual_seed(seed)
+
+
+def randn(shape, dtype: torch.dtype, device, seed: int, *, scale: float = 1.0, shift: float = 0.0) -> torch.Tensor:
+    """Seeded normal values drawn on the CPU (identical on every device), then moved and cast."""
+    t = torch.randn(tuple(shape), generator=generator(seed), dtype=torch.float32) * scale + shift
+    return t.to(device=device, dtype=dtype)
+
+
+def fp64(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """Detached fp64 CPU copies, the inputs of every reference computation."""
+    return tuple(t.detach().to(device="cpu", dtype=torch.float64) for t in tensors)

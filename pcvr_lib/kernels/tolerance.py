@@ -1,0 +1,97 @@
+"""One tolerance table for every kernel check, and the comparison against an fp64 reference.
+
+A result passes when, element-wise, |actual - expected| <= atol * scale + rtol * |expected|, where
+`scale` is the RMS of the expected tensor (so atol is relative to the tensor's own magnitude: gradients
+summed over many rows and tiny outputs are judged alike). Non-finite values must match exactly:
+NaN where the reference is NaN, the same infinity where it is infinite; a NaN never passes otherwise.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    atol: float  # in units of the expected tensor's RMS
+    rtol: float
+
+
+# Rounding the fp32-accumulated result to the output dtype costs half an ulp (fp16 2^-11, bf16 2^-9);
+# the table allows about four of those, fp32 a few accumulation roundings over long rows.
+TOLERANCES: dict[torch.dtype, Tolerance] = {
+    torch.float32: Tolerance(atol=2e-5, rtol=2e-5),
+    torch.float16: Tolerance(atol=2e-3, rtol=2e-3),
+    torch.bfloat16: Tolerance(atol=8e-3, rtol=8e-3),
+}
+
+DTYPE_NAMES = {torch.float32: "fp32", torch.float16: "fp16", torch.bfloat16: "bf16", torch.float64: "fp64"}
+
+
+def tolerance(dtype: torch.dtype) -> Tolerance:
+    try:
+        return TOLERANCES[dtype]
+    except KeyError:
+        names = [DTYPE_NAMES[d] for d in TOLERANCES]
+        raise ValueError(f"no tolerance for dtype {dtype}; the table has {names}") from None
+
+
+def max_errors(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, float]:
+    """(max abs error, max abs error / max |expected|) over the finite elements of the reference.
+
+    The relative figure is normalised by the largest reference magnitude, not element-wise, so values
+    near zero do not blow it up. NaN in `actual` where the reference is finite gives (nan, nan).
+    """
+    a = actual.detach().to(torch.float64).cpu()
+    e = expected.detach().to(torch.float64).cpu()
+    finite = torch.isfinite(e)
+    if finite.sum() == 0:
+        return 0.0, 0.0
+    diff = (a[finite] - e[finite]).abs()
+    if diff.numel() and torch.isnan(diff).any():
+        return float("nan"), float("nan")
+    max_abs = float(diff.max()) if diff.numel() else 0.0
+    denom = float(e[finite].abs().max())
+    return max_abs, (max_abs / denom if denom > 0 else max_abs)
+
+
+def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtype | None = None, *,
+                 what: str = "output", tol: Tolerance | None = None) -> None:
+    """Fail (AssertionError) unless `actual` matches the fp64 reference `expected` within the table."""
+    if dtype is None:
+        dtype = actual.dtype
+    tol = tol or tolerance(dtype)
+    if tuple(actual.shape) != tuple(expected.shape):
+        raise AssertionError(f"{what}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
+    a = actual.detach().to(torch.float64).cpu()
+    e = expected.detach().to(torch.float64).cpu()
+
+    e_nan, a_nan = torch.isnan(e), torch.isnan(a)
+    if not torch.equal(e_nan, a_nan):
+        bad = (e_nan != a_nan).nonzero()
+        raise AssertionError(
+            f"{what}: NaN pattern differs at {bad.shape[0]} of {a.numel()} elements "
+            f"(actual NaN: {int(a_nan.sum())}, expected NaN: {int(e_nan.sum())}; first at {bad[0].tolist()})"
+        )
+    e_inf = torch.isinf(e)
+    if not torch.equal(e_inf, torch.isinf(a)) or not torch.equal(a[e_inf], e[e_inf]):
+        raise AssertionError(f"{what}: infinities differ from the reference")
+
+    finite = torch.isfinite(e)
+    ef, af = e[finite], a[finite]
+    if ef.numel() == 0:
+        return
+    scale = float(ef.pow(2).mean().sqrt())
+    diff = (af - ef).abs()
+    allowed = tol.atol * max(scale, 1e-30) + tol.rtol * ef.abs()
+    over = diff > allowed
+    if over.any():
+        max_abs, max_rel = max_errors(actual, expected)
+        worst = int(torch.argmax(diff - allowed))
+        raise AssertionError(
+            f"{what} ({DTYPE_NAMES.get(dtype, dtype)}): {int(over.sum())} of {ef.numel()} elements outside "
+            f"atol={tol.atol:g}*rms({scale:.3g}) + rtol={tol.rtol:g}*|ref|; max abs error {max_abs:.3g}, "
+            f"max rel error {max_rel:.3g}; worst: got {float(af[worst]):.6g}, expected {float(ef[worst]):.6g}"
+        )
