@@ -1,0 +1,66 @@
+"""Adagrad for embedding tables with sparse (COO) row gradients.
+
+For a table W (V, D) and a row gradient G (its rows merged first, so each touched row appears once with the
+sum of its duplicates: squaring before merging would be wrong):
+
+    S[r] <- S[r] + G[r]^2;   W[r] <- W[r] - lr * G[r] / (sqrt(S[r]) + eps)      for touched rows r only
+
+which equals torch's Adagrad (lr_decay 0, weight decay 0, initial accumulator 0) on the touched rows and
+leaves the other rows and their state untouched. A dense gradient gets the same update on every row.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import OptimizerError, check_common
+
+
+class SparseAdagrad(torch.optim.Optimizer):
+    def __init__(self, params, lr: float = 0.05, eps: float = 1e-10, initial_accumulator_value: float = 0.0):
+        check_common("sparse_adagrad", lr=lr, eps=eps)
+        if initial_accumulator_value < 0:
+            raise OptimizerError(
+                f"sparse_adagrad: initial_accumulator_value must be >= 0, got {initial_accumulator_value!r}"
+            )
+        params = list(params)
+        if not params:
+            raise OptimizerError("sparse_adagrad: got an empty parameter list")
+        super().__init__(params, dict(lr=lr, eps=eps, initial_accumulator_value=initial_accumulator_value))
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        for group in self.param_groups:
+            lr, eps = group["lr"], group["eps"]
+            for p in group["params"]:
+                g = p.grad
+                if g is None:
+                    continue
+                state = self.state[p]
+                if not state:
+                    state["step"] = 0
+                    state["sum"] = torch.full_like(p, group["initial_accumulator_value"],
+                                                   memory_format=torch.preserve_format)
+                state["step"] += 1
+                acc = state["sum"]
+                if g.is_sparse:
+                    if g.sparse_dim() != 1:
+                        raise OptimizerError(
+                            f"sparse_adagrad: expects row-sparse gradients (sparse_dim 1), got sparse_dim "
+                            f"{g.sparse_dim()} for a parameter of shape {tuple(p.shape)}"
+                        )
+                    g = g.coalesce()  # merges duplicate rows (sums them) before anything is squared
+                    rows, values = g.indices()[0], g.values()
+                    if rows.numel() == 0:
+                        continue
+                    s = acc.index_select(0, rows).addcmul_(values, values)
+                    acc.index_copy_(0, rows, s)
+                    p.index_add_(0, rows, values / s.sqrt_().add_(eps), alpha=-lr)
+                else:
+                    acc.addcmul_(g, g)
+                    p.addcdiv_(g, acc.sqrt().add_(eps), value=-lr)
+        return loss

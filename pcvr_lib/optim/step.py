@@ -1,0 +1,163 @@
+"""The training step: backward -> clip the global grad norm (dense and sparse) -> dense step -> sparse step.
+
+Orthogonal AdamW's gradient transform is the first stage of its own `step()`, so it runs after clipping and
+before the AdamW update, as the reference orders it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+import torch
+
+from .errors import OptimizerError
+
+CLIP_EPS = 1e-6
+
+
+@dataclass
+class OptimizerSet:
+    """The dense optimizer of a model and, optionally, the sparse one of its embedding tables.
+
+    The base lr of every group is remembered (`base_lr`) so that `set_lr_multiplier` can scale them all.
+    """
+
+    dense: torch.optim.Optimizer | None
+    sparse: torch.optim.Optimizer | None = None
+
+    def __post_init__(self):
+        if self.dense is None and self.sparse is None:
+            raise OptimizerError("OptimizerSet needs a dense or a sparse optimizer (both are None)")
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group.setdefault("base_lr", group["lr"])
+
+    @property
+    def optimizers(self) -> list[torch.optim.Optimizer]:
+        return [o for o in (self.dense, self.sparse) if o is not None]
+
+    def parameters(self) -> list[torch.Tensor]:
+        return [p for o in self.optimizers for g in o.param_groups for p in g["params"]]
+
+    def set_lr_multiplier(self, multiplier: float) -> None:
+        for opt in self.optimizers:
+            for group in opt.param_groups:
+                group["lr"] = group["base_lr"] * multiplier
+
+    def step(self) -> None:
+        if self.dense is not None:
+            self.dense.step()
+        if self.sparse is not None:
+            self.sparse.step()
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        for opt in self.optimizers:
+            opt.zero_grad(set_to_none=set_to_none)
+
+    def state_dict(self) -> dict:
+        return {"dense": self.dense.state_dict() if self.dense is not None else None,
+                "sparse": self.sparse.state_dict() if self.sparse is not None else None}
+
+    def load_state_dict(self, state: dict) -> None:
+        for name in ("dense", "sparse"):
+            opt = getattr(self, name)
+            if (opt is None) != (state.get(name) is None):
+                raise OptimizerError(f"OptimizerSet.load_state_dict: the saved state's {name} part does not "
+                                     "match this set's")
+            if opt is not None:
+                opt.load_state_dict(state[name])
+
+
+@torch.no_grad()
+def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
+    """The L2 norm over all gradients, dense and sparse, as a 0-d fp32 tensor (no host sync).
+
+    Sparse gradients are coalesced in place first (p.grad is replaced), so duplicate rows are summed
+    before squaring, exactly as the optimizer will see them.
+    """
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    parts: list[torch.Tensor] = []
+    device = None
+    for p in params:
+        g = p.grad
+        if g is None:
+            continue
+        device = device or g.device
+        if g.is_sparse:
+            if not g.is_coalesced():
+                g = g.coalesce()
+                p.grad = g
+            parts.append(torch.linalg.vector_norm(g.values(), dtype=torch.float32).reshape(1))
+        else:
+            by_dtype.setdefault(g.dtype, []).append(g)
+    if device is None:
+        raise OptimizerError("global_grad_norm: no parameter has a gradient (was backward called?)")
+    for grads in by_dtype.values():
+        parts.append(torch.stack(torch._foreach_norm(grads)).to(torch.float32))
+    flat = torch.cat([t.to(device) for t in parts])
+    return torch.linalg.vector_norm(flat)
+
+
+@torch.no_grad()
+def clip_global_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """Scale all gradients (dense and sparse) so that their global norm is at most max_norm.
+
+    Returns (norm before clipping, the factor applied), both 0-d device tensors; no host sync. A
+    non-finite norm makes the factor NaN, so a step that is not skipped shows it instead of hiding it.
+    """
+    if not max_norm > 0:
+        raise OptimizerError(f"max_grad_norm must be > 0 (or None for no clipping), got {max_norm!r}")
+    params = [p for p in params if p.grad is not None]
+    norm = global_grad_norm(params)
+    coef = torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)
+    dense = [p.grad for p in params if not p.grad.is_sparse]
+    if dense:
+        torch._foreach_mul_(dense, coef.to(dense[0].device))
+    for p in params:
+        if p.grad.is_sparse:
+            p.grad.values().mul_(coef.to(p.grad.device))  # coalesced: values() is a view
+    return norm, coef
+
+
+def train_step(
+    loss: torch.Tensor,
+    optimizers: OptimizerSet,
+    max_grad_norm: float | None = 1.0,
+    lr_multiplier: float | None = None,
+    skip_nonfinite: bool = True,
+) -> dict:
+    """One optimisation step from a scalar loss; gradients are set to None afterwards.
+
+    Order: loss.backward() -> clip the global grad norm over dense and sparse gradients (skipped when
+    max_grad_norm is None) -> dense step (orthogonal_adamw transforms its gradients first) -> sparse step.
+    With skip_nonfinite, a non-finite loss or grad norm skips both steps (this costs one host sync
+    before the step). Returns floats: loss, grad_norm (before clipping), clip_coef, lr_multiplier and
+    skipped.
+    """
+    if loss.dim() != 0 and loss.numel() != 1:
+        raise OptimizerError(f"train_step needs a scalar loss, got shape {tuple(loss.shape)}")
+    loss.backward()
+    params = optimizers.parameters()
+    if max_grad_norm is None:
+        norm = global_grad_norm(params)
+        coef = torch.ones_like(norm)
+    else:
+        norm, coef = clip_global_grad_norm(params, max_grad_norm)
+    if lr_multiplier is not None:
+        optimizers.set_lr_multiplier(lr_multiplier)
+    skipped = False
+    if skip_nonfinite:
+        values = torch.stack([loss.detach().float().reshape(()), norm, coef]).tolist()
+        skipped = not all(map(_finite, values[:2]))
+    if not skipped:
+        optimizers.step()
+    optimizers.zero_grad(set_to_none=True)
+    if not skip_nonfinite:
+        values = torch.stack([loss.detach().float().reshape(()), norm, coef]).tolist()
+    return {"loss": values[0], "grad_norm": values[1], "clip_coef": values[2],
+            "lr_multiplier": 1.0 if lr_multiplier is None else lr_multiplier, "skipped": skipped}
+
+
+def _finite(x: float) -> bool:
+    return x == x and abs(x) != float("inf")
