@@ -1,0 +1,511 @@
+"""Converter (pcvr_lib.data.convert) against the per-row reference, every rule of data.md section 2, and
+bad input for the converter and pcvr_lib.data.parquet.open_dataset."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+from accuracy_tests.convert_reference import ReferenceOOB, reference_convert
+from pcvr_lib.data.convert import Converter, OutOfVocabError
+from pcvr_lib.data.generate import generate_dataset
+from pcvr_lib.data.parquet import DataError, MissingColumnError, expected_columns, open_dataset
+from pcvr_lib.schema import load_schema
+
+DEMO_SCHEMA = "fixtures/sample_1000_raw.schema.json"
+
+# A small schema with every kind of column: width-1 and list ints, a vocab-0 column, dense, a sequence
+# domain with two side features (one of vocab 0) and one with only its timestamp.
+SMALL = {
+    "format": "raw_parquet",
+    "user_int": [[1, 10, 1], [2, 5, 3]],
+    "item_int": [[3, 0, 1], [4, 100, 2]],
+    "user_dense": [[2, 3]],
+    "item_dense": [[7, 2]],
+    "seq": {
+        "s": {"prefix": "sq", "ts_fid": 9, "features": [[8, 50], [9, 2_000_000_000], [10, 0]]},
+        "t": {"prefix": "tq", "ts_fid": 1, "features": [[1, 0]]},
+    },
+}
+SMALL_LENS = {"s": 3, "t": 2}
+ARROW_TYPES = {
+    "int64": pa.int64(),
+    "int32": pa.int32(),
+    "list<int64>": pa.list_(pa.int64()),
+    "list<float>": pa.list_(pa.float32()),
+}
+
+
+def small_schema(**changes):
+    raw = {**SMALL, **changes}
+    return load_schema(raw, max_lens=SMALL_LENS)
+
+
+def make_batch(schema, rows: list[dict], *, order=None) -> pa.RecordBatch:
+    """A record batch from per-row dicts; absent list columns are empty lists, absent scalars defaults."""
+    defaults = {"timestamp": 1000, "label_type": 1, "user_id": 7}
+    arrays, names = [], []
+    for name, kind in expected_columns(schema).items():
+        default = defaults.get(name, 0 if kind in ("int64", "int32") else [])
+        arrays.append(pa.array([r.get(name, default) for r in rows], type=ARROW_TYPES[kind]))
+        names.append(name)
+    batch = pa.RecordBatch.from_arrays(arrays, names=names)
+    if order is not None:
+        batch = batch.select([names[i] for i in order])
+    return batch
+
+
+def compare(batch, ref, schema) -> None:
+    """Assert a converted Batch equals the reference's dict exactly (values, masks, dtypes)."""
+    for side in ("user", "item"):
+        block = getattr(batch, side)
+        assert block.int_values.dtype == torch.int32 and block.dense_values.dtype == torch.float32
+        for key in ("int_values", "int_missing", "dense_values", "dense_missing"):
+            np.testing.assert_array_equal(getattr(block, key).numpy(), ref[side][key], err_msg=f"{side}.{key}")
+    assert list(batch.sequences) == [d.name for d in schema.domains]
+    for domain in schema.domains:
+        got, want = batch.sequences[domain.name], ref["seq"][domain.name]
+        assert got.values.dtype == torch.int32 and got.timestamps.dtype == torch.int64
+        assert got.lengths.dtype == torch.int32
+        for key in ("values", "timestamps", "lengths"):
+            np.testing.assert_array_equal(getattr(got, key).numpy(), want[key], err_msg=f"{domain.name}.{key}")
+    np.testing.assert_array_equal(batch.request_timestamp.numpy(), ref["request_timestamp"])
+    np.testing.assert_array_equal(batch.label.numpy(), ref["label"])
+    np.testing.assert_array_equal(batch.user_id.numpy(), ref["user_id"])
+
+
+@pytest.fixture(scope="module")
+def demo_schema(repo_root):
+    return load_schema(repo_root / DEMO_SCHEMA)
+
+
+@pytest.fixture(scope="module")
+def demo_batches(demo_schema, data_cache_dir):
+    path = generate_dataset(demo_schema, rows=200, seed=3, row_group_size=100, cache_dir=data_cache_dir, progress=False)
+    return list(pq.ParquetFile(path).iter_batches(batch_size=72))
+
+
+# ----------------------------------------------------------------------------------------------
+# against the per-row reference
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["nonstrict", "strict"])
+@pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
+def test_matches_reference_on_generated_data(demo_schema, demo_batches, strict, training):
+    converter = Converter(demo_schema, training=training, strict_time_filter=strict)
+    oob = {}
+    offset = 0
+    for rb in demo_batches:
+        batch = converter(rb, row_offset=offset)
+        ref = reference_convert(rb, demo_schema, training=training, strict=strict)
+        compare(batch, ref, demo_schema)
+        np.testing.assert_array_equal(batch.row_index.numpy(), np.arange(offset, offset + rb.num_rows))
+        offset += rb.num_rows
+        for k, v in ref["oob"].items():
+            oob[k] = oob.get(k, 0) + v
+    assert oob, "generated data should contain out-of-vocab values"
+    assert converter.stats["oob_per_feature"] == oob
+    assert converter.stats["oob_total"] == sum(oob.values())
+    assert converter.stats["rows"] == offset and converter.stats["batches"] == len(demo_batches)
+    assert converter.stats["strict_time_filter"] is strict and converter.strict_time_filter is strict
+
+
+def test_generated_data_exercises_truncation_and_strict_filter(demo_schema, demo_batches):
+    rb = demo_batches[0]
+    loose = Converter(demo_schema)(rb)
+    strict = Converter(demo_schema, strict_time_filter=True)(rb)
+    for domain in demo_schema.domains:
+        lengths = np.diff(rb.column(domain.ts_feature.column).offsets.to_numpy())
+        assert (lengths > domain.max_len).any(), domain.name
+        # strict drops future / zero-time events, so some rows keep fewer events
+        assert (strict.sequences[domain.name].lengths <= loose.sequences[domain.name].lengths).all()
+    assert any((strict.sequences[d.name].lengths < loose.sequences[d.name].lengths).any() for d in demo_schema.domains)
+
+
+def test_clip_off_raises_naming_column_and_value(demo_schema, demo_batches):
+    rb = demo_batches[0]
+    with pytest.raises(ReferenceOOB):
+        reference_convert(rb, demo_schema, clip_oov=False)
+    with pytest.raises(OutOfVocabError, match=r"column '.+': value \d+ \(row \d+\) is out of vocabulary"):
+        Converter(demo_schema, clip_oov=False)(rb)
+
+
+def test_clip_off_passes_clean_data():
+    schema = small_schema()
+    rb = make_batch(schema, [{"user_int_feats_1": 9, "sq_8": [49, 1], "sq_9": [5, 6]}])
+    batch = Converter(schema, clip_oov=False)(rb)
+    assert batch.user.int_values[0, 0] == 9
+    assert batch.sequences["s"].values[0, 0, :2].tolist() == [49, 1]
+
+
+# hypothesis: random small schemas and batches -----------------------------------------------------
+
+_vocab = st.sampled_from([0, 1, 2, 3, 7, 50])
+_ids = st.integers(min_value=-3, max_value=60)
+
+
+@st.composite
+def schema_and_batch(draw):
+    n_user = draw(st.integers(1, 3))
+    n_item = draw(st.integers(1, 2))
+    user_int = [[fid, draw(_vocab), draw(st.integers(1, 3))] for fid in range(1, n_user + 1)]
+    item_int = [[fid, draw(_vocab), draw(st.integers(1, 3))] for fid in range(1, n_item + 1)]
+    user_dense = [[fid, draw(st.integers(1, 3))] for fid in range(1, draw(st.integers(0, 2)) + 1)]
+    item_dense = [[fid, draw(st.integers(1, 2))] for fid in range(1, draw(st.integers(0, 1)) + 1)]
+    seq, lens = {}, {}
+    for d in range(draw(st.integers(0, 2))):
+        n_feat = draw(st.integers(1, 3))
+        fids = list(range(20, 20 + n_feat))
+        seq[f"d{d}"] = {
+            "prefix": f"p{d}",
+            "ts_fid": draw(st.sampled_from(fids)),
+            "features": [[fid, draw(_vocab)] for fid in fids],
+        }
+        lens[f"d{d}"] = draw(st.integers(1, 4))
+    raw = {
+        "format": "raw_parquet",
+        "user_int": user_int,
+        "item_int": item_int,
+        "user_dense": user_dense,
+        "item_dense": item_dense,
+        "seq": seq,
+    }
+    schema = load_schema(raw, max_lens=lens)
+    n_rows = draw(st.integers(0, 5))
+    request = [draw(st.integers(0, 30)) for _ in range(n_rows)]
+    arrays = {
+        "timestamp": pa.array(request, pa.int64()),
+        "label_type": pa.array([draw(st.sampled_from([None, 0, 1, 2])) for _ in range(n_rows)], pa.int32()),
+        "user_id": pa.array([draw(st.one_of(st.none(), st.integers(0, 9))) for _ in range(n_rows)], pa.int64()),
+    }
+    maybe_null_list = lambda elems, n: st.one_of(st.none(), st.lists(elems, max_size=n))  # noqa: E731
+    for feat in schema.user_int + schema.item_int:
+        if feat.dim == 1:
+            cells = [draw(st.one_of(st.none(), _ids)) for _ in range(n_rows)]
+            arrays[feat.column] = pa.array(cells, pa.int64())
+        else:
+            cells = [draw(maybe_null_list(_ids, feat.dim + 2)) for _ in range(n_rows)]
+            arrays[feat.column] = pa.array(cells, pa.list_(pa.int64()))
+    floats = st.one_of(st.floats(-5, 5, width=32), st.sampled_from([float("nan"), float("inf"), -float("inf")]))
+    for feat in schema.user_dense + schema.item_dense:
+        cells = [draw(maybe_null_list(floats, feat.dim + 1)) for _ in range(n_rows)]
+        arrays[feat.column] = pa.array(cells, pa.list_(pa.float32()))
+    for domain in schema.domains:
+        base_len = [draw(st.integers(0, domain.max_len + 3)) for _ in range(n_rows)]
+        for feat in domain.features:
+            cells = []
+            for r in range(n_rows):
+                if draw(st.integers(0, 9)) == 0:
+                    cells.append(None)  # a null list
+                    continue
+                n = base_len[r] if draw(st.integers(0, 4)) else draw(st.integers(0, domain.max_len + 3))
+                elems = st.integers(-2, 40) if feat.fid == domain.ts_fid else _ids
+                cells.append([draw(elems) for _ in range(n)])
+            arrays[feat.column] = pa.array(cells, pa.list_(pa.int64()))
+    names = list(arrays)
+    perm = draw(st.permutations(names))
+    batch = pa.RecordBatch.from_arrays([arrays[n] for n in perm], names=perm)
+    return schema, batch
+
+
+@settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+@given(case=schema_and_batch(), strict=st.booleans(), training=st.booleans())
+def test_matches_reference_on_hypothesis_schemas(case, strict, training):
+    schema, rb = case
+    converter = Converter(schema, training=training, strict_time_filter=strict)
+    batch = converter(rb)
+    ref = reference_convert(rb, schema, training=training, strict=strict)
+    compare(batch, ref, schema)
+    assert converter.stats["oob_per_feature"] == ref["oob"]
+    assert converter.stats["null_user_id"] == sum(u is None for u in rb.column("user_id").to_pylist())
+    # missing <=> value 0 for int features
+    for side in ("user", "item"):
+        block = getattr(batch, side)
+        assert torch.equal(block.int_missing, block.int_values == 0)
+    # a table of several chunks and slices give the same result
+    if rb.num_rows >= 2:
+        table = pa.Table.from_batches([rb.slice(0, 1), rb.slice(1)])
+        compare(Converter(schema, training=training, strict_time_filter=strict)(table), ref, schema)
+
+
+# ----------------------------------------------------------------------------------------------
+# each rule of data.md section 2, small and exact
+# ----------------------------------------------------------------------------------------------
+
+
+def test_strict_example_from_the_spec():
+    # events ts [10, 150, 90] at request 100 -> events 1 and 3 kept: length 2, values [1, 3, 0]
+    schema = small_schema()
+    rb = make_batch(schema, [{"timestamp": 100, "sq_9": [10, 150, 90], "sq_8": [1, 2, 3], "sq_10": [4, 5, 6]}])
+    seq = Converter(schema, strict_time_filter=True)(rb).sequences["s"]
+    assert seq.lengths.tolist() == [2]
+    assert seq.values[0, 0].tolist() == [1, 3, 0]
+    assert seq.values[0, 1].tolist() == [0, 0, 0]  # vocab 0 zeroes the feature
+    assert seq.timestamps[0].tolist() == [10, 90, 0]
+
+
+def test_strict_keeps_last_L_valid_events_and_drops_zero_times():
+    schema = small_schema()
+    ts = [5, 0, 6, 7, 8, 200, 9, -4]  # request 100: valid 5,6,7,8,9 -> last three 7, 8, 9
+    rb = make_batch(schema, [{"timestamp": 100, "sq_9": ts, "sq_8": list(range(1, 9))}])
+    seq = Converter(schema, strict_time_filter=True)(rb).sequences["s"]
+    assert seq.lengths.tolist() == [3]
+    assert seq.timestamps[0].tolist() == [7, 8, 9]
+    assert seq.values[0, 0].tolist() == [4, 5, 7]
+
+
+def test_nonstrict_keeps_newest_L_elements_left_aligned():
+    schema = small_schema()
+    rows = [
+        {"sq_9": [1, 2, 3, 4, 5], "sq_8": [11, 12, 13, 14, 15]},  # longer than L=3: the last three
+        {"sq_9": [7], "sq_8": [21]},  # shorter: left-aligned, zero padded
+        {},  # empty
+    ]
+    seq = Converter(schema)(make_batch(schema, rows)).sequences["s"]
+    assert seq.lengths.tolist() == [3, 1, 0]
+    assert seq.values[:, 0].tolist() == [[13, 14, 15], [21, 0, 0], [0, 0, 0]]
+    assert seq.timestamps.tolist() == [[3, 4, 5], [7, 0, 0], [0, 0, 0]]
+
+
+def test_nonstrict_copies_timestamps_raw_and_length_is_max_over_side_columns():
+    schema = small_schema()
+    rb = make_batch(schema, [{"timestamp": 5, "sq_9": [-3, 0, 99], "sq_8": [1], "sq_10": [1, 1]}])
+    seq = Converter(schema)(rb).sequences["s"]
+    assert seq.timestamps[0].tolist() == [-3, 0, 99]  # never zeroed or clipped
+    assert seq.lengths.tolist() == [2]
+    # a domain with only its timestamp feature takes the timestamp column's length
+    rb = make_batch(schema, [{"tq_1": [4, 5, 6]}])
+    t = Converter(schema)(rb).sequences["t"]
+    assert t.values.shape == (1, 0, 2) and t.lengths.tolist() == [2] and t.timestamps[0].tolist() == [5, 6]
+
+
+def test_sequence_tokens_nonpositive_and_oob_are_zeroed_and_counted():
+    schema = small_schema()
+    rb = make_batch(schema, [{"sq_9": [1, 2, 3], "sq_8": [-1, 50, 49]}])
+    converter = Converter(schema)
+    seq = converter(rb).sequences["s"]
+    assert seq.values[0, 0].tolist() == [0, 0, 49]
+    assert seq.lengths.tolist() == [3]
+    assert converter.stats["oob_per_group"]["s"] == 1 and converter.stats["oob_per_feature"] == {"sq_8": 1}
+    with pytest.raises(OutOfVocabError, match=r"'sq_8': value 50 \(row 0\)"):
+        Converter(schema, clip_oov=False)(rb)
+
+
+def test_width1_missing_mask_nulls_nonpositive_oob():
+    schema = small_schema()
+    cells = [None, 0, -5, 3, 10, 9]  # vocab 10: 10 is out of vocab, 9 is the largest valid id
+    rb = make_batch(schema, [{"user_int_feats_1": c} for c in cells])
+    converter = Converter(schema)
+    user = converter(rb).user
+    assert user.int_values[:, 0].tolist() == [0, 0, 0, 3, 0, 9]
+    assert user.int_missing[:, 0].tolist() == [True, True, True, False, True, False]
+    assert converter.stats["oob_per_feature"] == {"user_int_feats_1": 1}
+    assert converter.stats["oob_per_group"] == {"user_int": 1, "item_int": 0, "s": 0, "t": 0}
+
+
+def test_list_int_pads_truncates_to_first_dim_elements():
+    schema = small_schema()
+    rows = [
+        {"user_int_feats_2": [1, 2, 3, 4, 5]},  # first dim=3 kept (not time-ordered)
+        {"user_int_feats_2": [4, 0]},  # padding is missing
+        {"user_int_feats_2": None},  # null list = empty
+        {"user_int_feats_2": [5, -1, 2]},  # vocab 5: 5 is OOB
+    ]
+    converter = Converter(schema)
+    user = converter(make_batch(schema, rows)).user
+    assert user.int_values[:, 1:4].tolist() == [[1, 2, 3], [4, 0, 0], [0, 0, 0], [0, 0, 2]]
+    assert user.int_missing[:, 1:4].tolist() == [
+        [False, False, False],
+        [False, True, True],
+        [True, True, True],
+        [True, True, False],
+    ]
+    assert converter.stats["oob_per_feature"] == {"user_int_feats_2": 1}
+
+
+def test_vocab_zero_zeroes_the_column():
+    schema = small_schema()
+    rb = make_batch(schema, [{"item_int_feats_3": 5}, {"item_int_feats_3": 123456}])
+    converter = Converter(schema, clip_oov=False)  # vocab 0 is not out-of-vocab: no error
+    item = converter(rb).item
+    assert item.int_values[:, 0].tolist() == [0, 0] and item.int_missing[:, 0].all()
+    assert converter.stats["oob_total"] == 0
+
+
+def test_dense_pad_truncate_nonfinite():
+    schema = small_schema()
+    nan, inf = float("nan"), float("inf")
+    rows = [
+        {"user_dense_feats_2": [1.5, nan, -inf, 7.0]},
+        {"user_dense_feats_2": [2.5]},
+        {"user_dense_feats_2": None},
+    ]
+    user = Converter(schema)(make_batch(schema, rows)).user
+    assert user.dense_values.tolist() == [[1.5, 0.0, 0.0], [2.5, 0.0, 0.0], [0.0, 0.0, 0.0]]
+    assert user.dense_missing.tolist() == [[False, True, True], [False, True, True], [True, True, True]]
+
+
+def test_empty_item_dense_gives_zero_width():
+    schema = small_schema(item_dense=[])
+    item = Converter(schema)(make_batch(schema, [{}, {}])).item
+    assert item.dense_values.shape == (2, 0) and item.dense_missing.shape == (2, 0)
+    assert item.dense_values.dtype == torch.float32
+
+
+def test_labels_and_eval_mode():
+    schema = small_schema()
+    rb = make_batch(schema, [{"label_type": t} for t in [2, 1, 0, None, 2, 3]])
+    assert Converter(schema)(rb).label.tolist() == [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    assert Converter(schema, training=False)(rb).label.tolist() == [0.0] * 6
+
+
+def test_null_user_id_becomes_minus_one_and_is_counted():
+    schema = small_schema()
+    rb = make_batch(schema, [{"user_id": None}, {"user_id": 42}])
+    converter = Converter(schema)
+    assert converter(rb).user_id.tolist() == [-1, 42]
+    assert converter.stats["null_user_id"] == 1
+
+
+def test_column_order_does_not_matter():
+    schema = small_schema()
+    rows = [{"user_int_feats_1": 3, "sq_9": [1, 2, 3, 4], "sq_8": [5, 6, 7, 8], "timestamp": 3}, {"label_type": 2}]
+    plain = Converter(schema, strict_time_filter=True)(make_batch(schema, rows))
+    n = len(expected_columns(schema))
+    shuffled = Converter(schema, strict_time_filter=True)(make_batch(schema, rows, order=list(range(n))[::-1]))
+    assert all(torch.equal(a, b) for a, b in zip(plain.tensors(), shuffled.tensors(), strict=True))
+
+
+def test_sliced_batches_and_row_offset(demo_schema, demo_batches):
+    rb = demo_batches[0]
+    converter = Converter(demo_schema)
+    full = converter(rb, row_offset=1000)
+    part = converter(rb.slice(10, 25), row_offset=1010)
+    rows = torch.arange(10, 35)
+    assert all(torch.equal(a, b) for a, b in zip(full.select(rows).tensors(), part.tensors(), strict=True))
+
+
+def test_null_list_over_values_is_empty():
+    # an in-memory list array whose null row spans values: the null row must read as empty
+    schema = small_schema()
+    rb = make_batch(schema, [{}, {}])
+    offsets = pa.array([0, 2, 3], pa.int32())
+    lists = pa.ListArray.from_arrays(offsets, pa.array([1, 2, 3], pa.int64()), mask=pa.array([True, False]))
+    rb = rb.set_column(rb.schema.get_field_index("sq_8"), "sq_8", lists)
+    rb = rb.set_column(rb.schema.get_field_index("sq_9"), "sq_9", lists)
+    seq = Converter(schema)(rb).sequences["s"]
+    assert seq.lengths.tolist() == [0, 1]
+    assert seq.values[:, 0].tolist() == [[0, 0, 0], [3, 0, 0]]
+
+
+def test_zero_row_batch_gives_empty_batch():
+    schema = small_schema()
+    batch = Converter(schema, strict_time_filter=True)(make_batch(schema, []))
+    assert batch.batch_size == 0
+    assert batch.user.int_values.shape == (0, schema.int_width("user"))
+    assert batch.sequences["s"].values.shape == (0, 2, 3)
+
+
+# ----------------------------------------------------------------------------------------------
+# bad input
+# ----------------------------------------------------------------------------------------------
+
+
+def test_missing_column_raises_key_error_naming_it():
+    schema = small_schema()
+    rb = make_batch(schema, [{}])
+    rb = rb.drop_columns(["user_int_feats_2"])
+    with pytest.raises(KeyError, match="user_int_feats_2"):
+        Converter(schema)(rb)
+
+
+def test_missing_item_dense_column_raises():
+    schema = small_schema()
+    rb = make_batch(schema, [{}]).drop_columns(["item_dense_feats_7"])
+    with pytest.raises(MissingColumnError, match="item_dense_feats_7"):
+        Converter(schema)(rb)
+
+
+@pytest.mark.parametrize(
+    "column,arrow_type,expected",
+    [
+        ("user_int_feats_1", pa.list_(pa.int64()), "int64"),
+        ("user_int_feats_2", pa.int64(), "list<int64>"),
+        ("user_dense_feats_2", pa.list_(pa.float64()), "list<float>"),
+        ("sq_8", pa.list_(pa.int32()), "list<int64>"),
+        ("timestamp", pa.int32(), "int64"),
+        ("label_type", pa.string(), "int32"),
+    ],
+)
+def test_wrong_type_names_column_found_and_expected(column, arrow_type, expected):
+    schema = small_schema()
+    rb = make_batch(schema, [{}])
+    value = {pa.string(): "x", pa.int64(): 1, pa.int32(): 1}.get(arrow_type, [])
+    rb = rb.set_column(rb.schema.get_field_index(column), column, pa.array([value], arrow_type))
+    with pytest.raises(DataError, match=rf"column '{column}' has type .+, expected {expected}"):
+        Converter(schema)(rb)
+
+
+def test_null_element_inside_list_raises():
+    schema = small_schema()
+    rb = make_batch(schema, [{"sq_8": [1, None, 3], "sq_9": [1, 2, 3]}])
+    with pytest.raises(DataError, match=r"column 'sq_8': 1 null element\(s\) inside lists \(first in row 0\)"):
+        Converter(schema)(rb)
+
+
+def test_null_timestamp_raises():
+    schema = small_schema()
+    rb = make_batch(schema, [{}, {"timestamp": None}])
+    with pytest.raises(DataError, match=r"column 'timestamp': 1 null request timestamp\(s\) \(first in row 1\)"):
+        Converter(schema)(rb)
+
+
+def test_non_arrow_input_raises():
+    with pytest.raises(TypeError, match="RecordBatch or Table"):
+        Converter(small_schema())({"timestamp": [1]})
+
+
+def _write(path, schema, rows):
+    pq.write_table(pa.Table.from_batches([make_batch(schema, rows)]), path)
+    return path
+
+
+def test_open_dataset_ok_and_bad_files(tmp_path):
+    schema = small_schema()
+    good = _write(tmp_path / "good.parquet", schema, [{}, {}])
+    assert open_dataset(good, schema).metadata.num_rows == 2
+    with pytest.raises(FileNotFoundError, match="missing.parquet"):
+        open_dataset(tmp_path / "missing.parquet", schema)
+    empty = tmp_path / "empty.parquet"
+    empty.write_bytes(b"")
+    with pytest.raises(DataError, match="empty file"):
+        open_dataset(empty, schema)
+    truncated = tmp_path / "truncated.parquet"
+    truncated.write_bytes(good.read_bytes()[: good.stat().st_size // 2])
+    with pytest.raises(DataError, match="not a readable parquet file"):
+        open_dataset(truncated, schema)
+    text = tmp_path / "text.parquet"
+    text.write_text("hello, not parquet\n")
+    with pytest.raises(DataError, match="not a readable parquet file"):
+        open_dataset(text, schema)
+    zero = _write(tmp_path / "zero.parquet", schema, [])
+    with pytest.raises(DataError, match="zero rows"):
+        open_dataset(zero, schema)
+
+
+def test_open_dataset_missing_column_and_wrong_type(tmp_path):
+    schema = small_schema()
+    table = pa.Table.from_batches([make_batch(schema, [{}])])
+    pq.write_table(table.drop_columns(["sq_10"]), tmp_path / "a.parquet")
+    with pytest.raises(MissingColumnError, match="'sq_10'"):
+        open_dataset(tmp_path / "a.parquet", schema)
+    col = table.schema.get_field_index("user_id")
+    pq.write_table(table.set_column(col, "user_id", pa.array(["u"])), tmp_path / "b.parquet")
+    with pytest.raises(DataError, match="column 'user_id' has type string, expected int64"):
+        open_dataset(tmp_path / "b.parquet", schema)
