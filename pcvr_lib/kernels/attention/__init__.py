@@ -1,0 +1,157 @@
+"""flash_attention: scaled dot-product attention with PCVR masks; torch (SDPA), triton and tilelang backends.
+
+    out = flash_attention(q, k, v, key_lengths=lengths, causal=False, causal_valid=False,
+                          dropout_p=0.0, training=False, scale=None, generator=None, backend="triton")
+
+q (B, H, Sq, D), k and v (B, H, Skv, D), D in {32, 64, 128}; Sq may differ from Skv. Mask modes and the
+dropout keep rule are defined in masks.py (key lengths are per batch row, int32 preferred; longer than Skv
+means all keys). fp16 and bf16 run natively; fp32 inputs are computed in bf16 and the output returned as
+fp32 (documented precision: bf16). Rows with no visible key return zeros. Dropout applies only with
+training=True; its seed is drawn from `generator` (torch's default CPU generator when None), so a seeded
+generator reproduces the call exactly on every backend.
+
+Host path: one dict lookup per backend, shape/dtype checks, one kernel launch forward (no device sync);
+backward is two launches. Compiled kernels are cached by (dtype, head dim, mask mode, dropout, bucket of
+the sequence length), so a new length inside a bucket does not recompile.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .. import registry
+from .masks import MODES, allowed_mask, draw_seed, dropout_keep_mask, key_lengths_from_mask, mode_name
+
+__all__ = [
+    "flash_attention", "key_lengths_from_mask", "allowed_mask", "dropout_keep_mask", "MODES", "OP", "BACKENDS",
+]
+
+OP = "flash_attention"
+BACKENDS = ("torch", "triton", "tilelang")
+HEAD_DIMS = (32, 64, 128)
+_HALF = (torch.float16, torch.bfloat16)
+
+
+def _tilelang_problem(device: torch.device) -> str | None:
+    if device.type == "cuda" and torch.cuda.get_device_capability(device) < (8, 0):
+        return "needs an sm_80 or newer GPU"
+    return None
+
+
+registry.register_op(OP, {"torch": None, "triton": None, "tilelang": _tilelang_problem})
+
+_ready: set = set()  # backends whose availability on CUDA was checked once (the hot path skips it)
+
+
+def _impl(backend: str, device: torch.device):
+    """The backend's module (forward/backward) after checking it can run on `device`.
+
+    On CUDA the check runs once per backend; CPU tensors are re-checked at every call (only the torch
+    backend, and triton under TRITON_INTERPRET=1 for tests, run on them).
+    """
+    if device.type != "cuda" or backend not in _ready:
+        registry.validate_backend(OP, backend)
+        if device.type != "cuda" and backend != "torch":
+            if not (backend == "triton" and registry.triton_interpret_enabled()):
+                raise RuntimeError(f"{OP} requires CUDA tensors for backend {backend!r} (got {device})")
+            registry.require_backend(OP, backend, device)
+        elif device.type == "cuda":
+            registry.require_backend(OP, backend, device)
+            _ready.add(backend)
+    if backend == "triton":
+        from . import triton_impl
+
+        return triton_impl
+    if backend == "tilelang":
+        from . import tilelang_impl
+
+        return tilelang_impl
+    return None
+
+
+class _FlashAttention(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, key_lengths, mode, scale, seed, dropout_p, impl, interpret):
+        o, lse = impl.forward(q, k, v, key_lengths, mode, scale, seed, dropout_p, True, interpret=interpret)
+        ctx.save_for_backward(q, k, v, o, lse, key_lengths)
+        ctx.args = (mode, scale, seed, dropout_p, impl, interpret)
+        return o
+
+    @staticmethod
+    def backward(ctx, do):
+        q, k, v, o, lse, key_lengths = ctx.saved_tensors
+        mode, scale, seed, dropout_p, impl, interpret = ctx.args
+        dq, dk, dv = impl.backward(do, q, k, v, o, lse, key_lengths, mode, scale, seed, dropout_p,
+                                   interpret=interpret)
+        return dq, dk, dv, None, None, None, None, None, None, None
+
+
+def _check(q, k, v, key_lengths):
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{OP}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dim() != 4:
+            raise ValueError(f"{OP}: {name} must have shape (B, H, S, D), got {tuple(t.shape)}")
+    B, H, _, D = q.shape
+    if k.shape != v.shape or k.shape[0] != B or k.shape[1] != H or k.shape[3] != D:
+        raise ValueError(f"{OP}: shapes do not match: q {tuple(q.shape)}, k {tuple(k.shape)}, v {tuple(v.shape)} "
+                         "(k and v must be (B, H, Skv, D) with q's B, H and D)")
+    if D not in HEAD_DIMS:
+        raise ValueError(f"{OP}: head dim {D} not supported (supported: {HEAD_DIMS})")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise TypeError(f"{OP}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
+    if q.dtype not in _HALF and q.dtype != torch.float32:
+        raise TypeError(f"{OP}: dtype {q.dtype} not supported (float16, bfloat16, float32)")
+    if not (q.device == k.device == v.device):
+        raise RuntimeError(f"{OP}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
+    if key_lengths is not None:
+        if not isinstance(key_lengths, torch.Tensor) or key_lengths.shape != (B,):
+            got = tuple(key_lengths.shape) if isinstance(key_lengths, torch.Tensor) else type(key_lengths).__name__
+            raise ValueError(f"{OP}: key_lengths must be a tensor of shape ({B},), got {got}")
+        if key_lengths.dtype.is_floating_point or key_lengths.dtype == torch.bool:
+            raise TypeError(f"{OP}: key_lengths must be integer, got {key_lengths.dtype} "
+                            "(use key_lengths_from_mask for a boolean padding mask)")
+        if key_lengths.device != q.device:
+            raise RuntimeError(f"{OP}: key_lengths on {key_lengths.device}, q on {q.device}")
+
+
+def flash_attention(q, k, v, *, key_lengths=None, causal=False, causal_valid=False, dropout_p=0.0,
+                    training=False, scale=None, generator=None, backend="torch"):
+    """softmax(q k^T * scale + mask) [dropout] @ v; see the module docstring for the contract."""
+    _check(q, k, v, key_lengths)
+    if not 0.0 <= dropout_p < 1.0:
+        raise ValueError(f"{OP}: dropout_p must be in [0, 1), got {dropout_p}")
+    if q.dtype == torch.float32:  # documented: computed in bf16, returned as fp32
+        out = flash_attention(q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16),
+                              key_lengths=key_lengths, causal=causal, causal_valid=causal_valid,
+                              dropout_p=dropout_p, training=training, scale=scale, generator=generator,
+                              backend=backend)
+        return out.float()
+    if scale is None:
+        scale = 1.0 / math.sqrt(q.shape[3])
+    p = float(dropout_p) if training else 0.0
+    seed = draw_seed(generator) if p > 0.0 else 0
+    impl = _impl(backend, q.device)
+    if impl is None:  # torch
+        return _torch_attention(q, k, v, key_lengths, causal, causal_valid, scale, seed, p)
+    mode = mode_name(key_lengths, causal, causal_valid)
+    if key_lengths is not None and key_lengths.dtype != torch.int32:
+        key_lengths = key_lengths.to(torch.int32)
+    if q.stride(3) != 1:
+        q = q.contiguous()
+    if k.stride(3) != 1:
+        k = k.contiguous()
+    if v.stride(3) != 1:
+        v = v.contiguous()
+    interpret = not q.is_cuda
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        return _FlashAttention.apply(q, k, v, key_lengths, mode, scale, seed, p, impl, interpret)
+    return impl.forward(q, k, v, key_lengths, mode, scale, seed, p, False, interpret=interpret)[0]
+
+
+def _torch_attention(q, k, v, key_lengths, causal, causal_valid, scale, seed, p):
+    from .torch_impl import attention
+
+    return attention(q, k, v, key_lengths, causal, causal_valid, scale, seed, p)

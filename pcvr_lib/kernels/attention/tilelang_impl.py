@@ -1,0 +1,415 @@
+"""Flash attention in TileLang: forward, and a backward of two kernels (dQ + delta, then dK/dV).
+
+Same algorithm, masks and dropout hash as triton_impl.py (base-2 scores, +inf LSE for rows with no key).
+Batch, heads and both sequence lengths are dynamic symbols (`T.dynamic`), so one compiled kernel serves
+every length; kernels are cached by (head dim, dtype, mask mode, key lengths, dropout, tile config).
+Inputs must be contiguous (B, H, S, D); the wrapper makes them so.
+
+`compile_only(target)` lowers and compiles every variant for a given target (CI compiles for sm_90 on a
+machine without a GPU).
+"""
+
+
+import functools
+
+import tilelang
+import tilelang.language as T
+
+_LOG2E = 1.4426950408889634
+_DT = {"float16": "float16", "bfloat16": "bfloat16"}
+_MODE_CODE = {"none": 1, "key_lengths": 1, "causal": 2, "causal_valid": 3}
+
+
+def _keep(row, col, skv, stream, thr):
+    """The dropout keep test of masks.py for element (row, col) of one (b, h) stream (TIR expression)."""
+    x = T.Cast("uint32", row * skv + col) ^ stream
+    x = x ^ (x >> T.uint32(16))
+    x = x * T.uint32(0x21F0AAAD)
+    x = x ^ (x >> T.uint32(15))
+    x = x * T.uint32(0x735A2D97)
+    x = x ^ (x >> T.uint32(15))
+    return (x >> T.uint32(8)) >= T.Cast("uint32", thr)
+
+
+def _stream(seed, bh):
+    x = T.Cast("uint32", seed) + T.Cast("uint32", bh) * T.uint32(0x61C88647)
+    x = x ^ (x >> T.uint32(16))
+    x = x * T.uint32(0x21F0AAAD)
+    x = x ^ (x >> T.uint32(15))
+    x = x * T.uint32(0x735A2D97)
+    return x ^ (x >> T.uint32(15))
+
+
+def _allowed(mode, row, col, qlen, kv_len, sq, skv):
+    """Whether query `row` may see key `col` (masks.py), as a TIR boolean."""
+    if mode == 1:
+        return (col < kv_len) & (row < sq)
+    if mode == 2:
+        return (col <= row) & (col < kv_len) & (row < sq)
+    return (((col <= row) & (row < qlen)) | (col == row)) & (col < skv) & (row < sq)
+
+
+# (block_M, block_N, threads, num_stages) per (head dim, bucket of Sq)
+FWD_CONFIGS = {
+    (32, 0): (64, 64, 128, 1), (64, 0): (64, 64, 128, 1), (128, 0): (64, 64, 128, 1),
+    (32, 1): (128, 128, 256, 2), (64, 1): (128, 128, 256, 2), (128, 1): (128, 128, 256, 2),
+    (32, 2): (128, 128, 256, 2), (64, 2): (128, 128, 256, 2), (128, 2): (128, 128, 256, 2),
+}
+BWD_CONFIGS = {  # shared by the dQ kernel (rows x keys) and the dK/dV kernel (keys x rows)
+    (32, 0): (64, 64, 128, 1), (64, 0): (64, 64, 128, 1), (128, 0): (64, 64, 128, 1),
+    (32, 1): (64, 64, 128, 2), (64, 1): (64, 64, 128, 2), (128, 1): (64, 64, 128, 2),
+    (32, 2): (64, 64, 128, 2), (64, 2): (64, 64, 128, 2), (128, 2): (64, 64, 128, 2),
+}
+
+
+def _padded(sq: int) -> int:
+    """Row statistics (LSE, delta) are stored padded to whole 128-row tiles: every tile load stays in bounds
+    and the rows stay 16-byte aligned, as the bulk-copy (TMA) descriptors require."""
+    return (sq + 127) // 128 * 128
+
+
+def _pass_configs(config: tuple) -> dict:
+    """Small tiles (the short-sequence bucket) skip TMA and warp specialisation: fewer host-side descriptor
+    encodes per call and no producer warpgroup for one or two tiles of work."""
+    if config[0] <= 64 and config[3] <= 1:
+        return {tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
+                tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
+    return {}
+
+
+def _bucket(s: int) -> int:
+    return 0 if s <= 128 else (1 if s <= 512 else 2)
+
+
+def fwd_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
+    B, H, Sq, Skv, NKL, SqP = T.dynamic("B, H, Sq, Skv, NKL, SqP")
+    acc = "float32"
+    neg_inf = -T.infinity(acc)
+
+    @T.prim_func
+    def attn_fwd(
+        Q: T.Tensor([B, H, Sq, D], dtype),
+        K: T.Tensor([B, H, Skv, D], dtype),
+        V: T.Tensor([B, H, Skv, D], dtype),
+        O: T.Tensor([B, H, Sq, D], dtype),
+        LSE: T.Tensor([B, H, SqP], acc),
+        KL: T.Tensor([NKL], "int32"),
+        qk_scale: T.float32,
+        seed: T.int32,
+        thr: T.int32,
+        drop_scale: T.float32,
+    ):
+        with T.Kernel(T.ceildiv(Sq, bm), H, B, threads=threads) as (bx, by, bz):
+            Q_s = T.alloc_shared([bm, D], dtype)
+            K_s = T.alloc_shared([bn, D], dtype)
+            V_s = T.alloc_shared([bn, D], dtype)
+            s = T.alloc_fragment([bm, bn], acc)
+            s_cast = T.alloc_fragment([bm, bn], dtype)
+            o = T.alloc_fragment([bm, D], acc)
+            m = T.alloc_fragment([bm], acc)
+            m_prev = T.alloc_fragment([bm], acc)
+            m_use = T.alloc_fragment([bm], acc)
+            alpha = T.alloc_fragment([bm], acc)
+            row_sum = T.alloc_fragment([bm], acc)
+            l = T.alloc_fragment([bm], acc)
+            lse = T.alloc_fragment([bm], acc)
+
+            qlen = T.max(KL[bz], 0) if has_kl else Sq
+            kv_len = T.min(qlen, Skv)
+            m_start = bx * bm
+            if mode == 1:
+                lo = 0
+                hi = T.ceildiv(kv_len, bn)
+            elif mode == 2:
+                lo = 0
+                hi = T.ceildiv(T.min(kv_len, m_start + bm), bn)
+            else:
+                lo = T.if_then_else(m_start >= qlen, m_start // bn, 0)
+                hi = T.max(lo, T.ceildiv(T.min(Skv, m_start + bm), bn))
+            stream = _stream(seed, bz * H + by)
+
+            T.copy(Q[bz, by, m_start:m_start + bm, :], Q_s)
+            T.fill(o, 0)
+            T.fill(l, 0)
+            T.fill(m, neg_inf)
+            for kk in T.Pipelined(lo, hi, num_stages=stages):
+                T.copy(K[bz, by, kk * bn:(kk + 1) * bn, :], K_s)
+                T.clear(s)
+                T.gemm(Q_s, K_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                for i, j in T.Parallel(bm, bn):
+                    s[i, j] = T.if_then_else(
+                        _allowed(mode, m_start + i, kk * bn + j, qlen, kv_len, Sq, Skv), s[i, j] * qk_scale, neg_inf)
+                T.copy(m, m_prev)
+                T.reduce_max(s, m, dim=1, clear=False)
+                for i in T.Parallel(bm):
+                    m_use[i] = T.if_then_else(m[i] == neg_inf, 0.0, m[i])
+                    alpha[i] = T.exp2(m_prev[i] - m_use[i])
+                for i, j in T.Parallel(bm, bn):
+                    s[i, j] = T.exp2(s[i, j] - m_use[i])
+                T.reduce_sum(s, row_sum, dim=1)
+                for i in T.Parallel(bm):
+                    l[i] = l[i] * alpha[i] + row_sum[i]
+                if dropout:
+                    for i, j in T.Parallel(bm, bn):
+                        s[i, j] = T.if_then_else(_keep(m_start + i, kk * bn + j, Skv, stream, thr), s[i, j], 0.0)
+                for i, j in T.Parallel(bm, D):
+                    o[i, j] *= alpha[i]
+                T.copy(s, s_cast)
+                T.copy(V[bz, by, kk * bn:(kk + 1) * bn, :], V_s)
+                T.gemm(s_cast, V_s, o, policy=T.GemmWarpPolicy.FullRow)
+            for i, j in T.Parallel(bm, D):
+                o[i, j] = T.if_then_else(l[i] == 0.0, 0.0, o[i, j] * drop_scale / l[i])
+            T.copy(o, O[bz, by, m_start:m_start + bm, :])
+            for i in T.Parallel(bm):
+                lse[i] = T.if_then_else(l[i] == 0.0, T.infinity(acc), m[i] + T.log2(l[i]))
+            T.copy(lse, LSE[bz, by, m_start:m_start + bm])
+
+    return attn_fwd
+
+
+def bwd_dq_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
+    B, H, Sq, Skv, NKL, SqP = T.dynamic("B, H, Sq, Skv, NKL, SqP")
+    acc = "float32"
+
+    @T.prim_func
+    def attn_bwd_dq(
+        Q: T.Tensor([B, H, Sq, D], dtype),
+        K: T.Tensor([B, H, Skv, D], dtype),
+        V: T.Tensor([B, H, Skv, D], dtype),
+        O: T.Tensor([B, H, Sq, D], dtype),
+        dO: T.Tensor([B, H, Sq, D], dtype),
+        dQ: T.Tensor([B, H, Sq, D], dtype),
+        LSE: T.Tensor([B, H, SqP], acc),
+        Delta: T.Tensor([B, H, SqP], acc),
+        KL: T.Tensor([NKL], "int32"),
+        qk_scale: T.float32,
+        sm_scale: T.float32,
+        seed: T.int32,
+        thr: T.int32,
+        drop_scale: T.float32,
+    ):
+        with T.Kernel(T.ceildiv(Sq, bm), H, B, threads=threads) as (bx, by, bz):
+            Q_s = T.alloc_shared([bm, D], dtype)
+            dO_s = T.alloc_shared([bm, D], dtype)
+            K_s = T.alloc_shared([bn, D], dtype)
+            V_s = T.alloc_shared([bn, D], dtype)
+            o_f = T.alloc_fragment([bm, D], dtype)
+            do_f = T.alloc_fragment([bm, D], dtype)
+            prod = T.alloc_fragment([bm, D], acc)
+            delta = T.alloc_fragment([bm], acc)
+            delta_s = T.alloc_shared([bm], acc)
+            lse_s = T.alloc_shared([bm], acc)
+            s = T.alloc_fragment([bm, bn], acc)
+            dp = T.alloc_fragment([bm, bn], acc)
+            ds_cast = T.alloc_fragment([bm, bn], dtype)
+            dq = T.alloc_fragment([bm, D], acc)
+
+            qlen = T.max(KL[bz], 0) if has_kl else Sq
+            kv_len = T.min(qlen, Skv)
+            m_start = bx * bm
+            if mode == 1:
+                lo = 0
+                hi = T.ceildiv(kv_len, bn)
+            elif mode == 2:
+                lo = 0
+                hi = T.ceildiv(T.min(kv_len, m_start + bm), bn)
+            else:
+                lo = T.if_then_else(m_start >= qlen, m_start // bn, 0)
+                hi = T.max(lo, T.ceildiv(T.min(Skv, m_start + bm), bn))
+            stream = _stream(seed, bz * H + by)
+
+            T.copy(O[bz, by, m_start:m_start + bm, :], o_f)
+            T.copy(dO[bz, by, m_start:m_start + bm, :], do_f)
+            for i, j in T.Parallel(bm, D):
+                prod[i, j] = T.Cast(acc, o_f[i, j]) * T.Cast(acc, do_f[i, j])
+            T.reduce_sum(prod, delta, dim=1)
+            T.copy(delta, Delta[bz, by, m_start:m_start + bm])
+            T.copy(delta, delta_s)
+            T.copy(LSE[bz, by, m_start:m_start + bm], lse_s)
+            T.copy(Q[bz, by, m_start:m_start + bm, :], Q_s)
+            T.copy(dO[bz, by, m_start:m_start + bm, :], dO_s)
+            T.clear(dq)
+            for kk in T.Pipelined(lo, hi, num_stages=stages):
+                T.copy(K[bz, by, kk * bn:(kk + 1) * bn, :], K_s)
+                T.copy(V[bz, by, kk * bn:(kk + 1) * bn, :], V_s)
+                T.clear(s)
+                T.gemm(Q_s, K_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.clear(dp)
+                T.gemm(dO_s, V_s, dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                for i, j in T.Parallel(bm, bn):
+                    p = T.if_then_else(_allowed(mode, m_start + i, kk * bn + j, qlen, kv_len, Sq, Skv),
+                                       T.exp2(s[i, j] * qk_scale - lse_s[i]), 0.0)
+                    if dropout:
+                        kept = _keep(m_start + i, kk * bn + j, Skv, stream, thr)
+                        dpv = T.if_then_else(kept, dp[i, j] * drop_scale, 0.0)
+                        ds_cast[i, j] = p * (dpv - delta_s[i])
+                    else:
+                        ds_cast[i, j] = p * (dp[i, j] - delta_s[i])
+                T.gemm(ds_cast, K_s, dq, policy=T.GemmWarpPolicy.FullRow)
+            for i, j in T.Parallel(bm, D):
+                dq[i, j] = dq[i, j] * sm_scale
+            T.copy(dq, dQ[bz, by, m_start:m_start + bm, :])
+
+    return attn_bwd_dq
+
+
+def bwd_dkdv_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
+    B, H, Sq, Skv, NKL, SqP = T.dynamic("B, H, Sq, Skv, NKL, SqP")
+    acc = "float32"
+
+    @T.prim_func
+    def attn_bwd_dkdv(
+        Q: T.Tensor([B, H, Sq, D], dtype),
+        K: T.Tensor([B, H, Skv, D], dtype),
+        V: T.Tensor([B, H, Skv, D], dtype),
+        dO: T.Tensor([B, H, Sq, D], dtype),
+        dK: T.Tensor([B, H, Skv, D], dtype),
+        dV: T.Tensor([B, H, Skv, D], dtype),
+        LSE: T.Tensor([B, H, SqP], acc),
+        Delta: T.Tensor([B, H, SqP], acc),
+        KL: T.Tensor([NKL], "int32"),
+        qk_scale: T.float32,
+        sm_scale: T.float32,
+        seed: T.int32,
+        thr: T.int32,
+        drop_scale: T.float32,
+    ):
+        with T.Kernel(T.ceildiv(Skv, bn), H, B, threads=threads) as (bx, by, bz):
+            K_s = T.alloc_shared([bn, D], dtype)
+            V_s = T.alloc_shared([bn, D], dtype)
+            Q_s = T.alloc_shared([bm, D], dtype)
+            dO_s = T.alloc_shared([bm, D], dtype)
+            lse_s = T.alloc_shared([bm], acc)
+            delta_s = T.alloc_shared([bm], acc)
+            sT = T.alloc_fragment([bn, bm], acc)
+            dpT = T.alloc_fragment([bn, bm], acc)
+            p_cast = T.alloc_fragment([bn, bm], dtype)
+            ds_cast = T.alloc_fragment([bn, bm], dtype)
+            dk = T.alloc_fragment([bn, D], acc)
+            dv = T.alloc_fragment([bn, D], acc)
+
+            qlen = T.max(KL[bz], 0) if has_kl else Sq
+            kv_len = T.min(qlen, Skv)
+            n_start = bx * bn
+            if mode == 1:
+                lo = 0
+                hi = T.if_then_else(n_start < kv_len, T.ceildiv(Sq, bm), 0)
+            elif mode == 2:
+                lo = n_start // bm
+                hi = T.if_then_else(n_start < kv_len, T.max(lo, T.ceildiv(Sq, bm)), lo)
+            else:
+                lo = n_start // bm
+                hi = T.max(lo, T.ceildiv(T.min(Sq, T.max(qlen, n_start + bn)), bm))
+            stream = _stream(seed, bz * H + by)
+
+            T.copy(K[bz, by, n_start:n_start + bn, :], K_s)
+            T.copy(V[bz, by, n_start:n_start + bn, :], V_s)
+            T.clear(dk)
+            T.clear(dv)
+            for mm in T.Pipelined(lo, hi, num_stages=stages):
+                T.copy(Q[bz, by, mm * bm:(mm + 1) * bm, :], Q_s)
+                T.copy(dO[bz, by, mm * bm:(mm + 1) * bm, :], dO_s)
+                T.copy(LSE[bz, by, mm * bm:(mm + 1) * bm], lse_s)
+                T.copy(Delta[bz, by, mm * bm:(mm + 1) * bm], delta_s)
+                T.clear(sT)
+                T.gemm(K_s, Q_s, sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.clear(dpT)
+                T.gemm(V_s, dO_s, dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                for i, j in T.Parallel(bn, bm):
+                    p = T.if_then_else(_allowed(mode, mm * bm + j, n_start + i, qlen, kv_len, Sq, Skv),
+                                       T.exp2(sT[i, j] * qk_scale - lse_s[j]), 0.0)
+                    if dropout:
+                        kept = _keep(mm * bm + j, n_start + i, Skv, stream, thr)
+                        p_cast[i, j] = T.if_then_else(kept, p * drop_scale, 0.0)
+                        ds_cast[i, j] = p * (T.if_then_else(kept, dpT[i, j] * drop_scale, 0.0) - delta_s[j])
+                    else:
+                        p_cast[i, j] = p
+                        ds_cast[i, j] = p * (dpT[i, j] - delta_s[j])
+                T.gemm(p_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(ds_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)
+            for i, j in T.Parallel(bn, D):
+                dk[i, j] = dk[i, j] * sm_scale
+            T.copy(dk, dK[bz, by, n_start:n_start + bn, :])
+            T.copy(dv, dV[bz, by, n_start:n_start + bn, :])
+
+    return attn_bwd_dkdv
+
+
+_PROGRAMS = {"fwd": fwd_program, "dq": bwd_dq_program, "dkdv": bwd_dkdv_program}
+
+
+@functools.cache
+def compiled(which: str, D: int, dtype: str, mode: int, has_kl: bool, dropout: bool, config: tuple,
+             target=None):
+    """The compiled kernel `which` ("fwd", "dq", "dkdv") for one variant (cached for the process)."""
+    program = _PROGRAMS[which](D, dtype, mode, has_kl, dropout, *config)
+    return tilelang.compile(program, target=target or "auto", execution_backend="tvm_ffi",
+                            pass_configs=_pass_configs(config))
+
+
+def compile_only(target, D: int = 64, dtype: str = "bfloat16", mode: int = 3, has_kl: bool = True,
+                 dropout: bool = True, bucket: int = 0):
+    """Lower and compile the three kernels of one variant for `target` (no device needed); returns sources."""
+    cfg_f = FWD_CONFIGS[(D, bucket)]
+    cfg_b = BWD_CONFIGS[(D, bucket)]
+    out = {}
+    for which, cfg in (("fwd", cfg_f), ("dq", cfg_b), ("dkdv", cfg_b)):
+        program = _PROGRAMS[which](D, dtype, mode, has_kl, dropout, *cfg)
+        kernel = tilelang.compile(program, target=target, execution_backend="tvm_ffi", pass_configs=_pass_configs(cfg))
+        out[which] = kernel.get_kernel_source()
+    return out
+
+
+_dummy_kl: dict = {}
+
+
+def _kl_arg(key_lengths, device):
+    if key_lengths is not None:
+        return key_lengths
+    t = _dummy_kl.get(device)
+    if t is None:
+        import torch
+
+        t = _dummy_kl[device] = torch.zeros(1, dtype=torch.int32, device=device)
+    return t
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p: float, store_lse: bool,
+            interpret: bool = False, config=None):
+    import torch
+
+    if interpret:
+        raise RuntimeError("flash_attention: the tilelang backend has no interpreter; it needs CUDA tensors")
+    q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
+    B, H, Sq, D = q.shape
+    cfg = config or FWD_CONFIGS[(D, _bucket(Sq))]
+    kernel = compiled("fwd", D, _dtype_name(q.dtype), _MODE_CODE[mode], key_lengths is not None,
+                      dropout_p > 0.0, cfg)
+    o = torch.empty_like(q)
+    lse = torch.empty((B, H, _padded(Sq)), dtype=torch.float32, device=q.device)
+    kernel(q, k, v, o, lse, _kl_arg(key_lengths, q.device), scale * _LOG2E, seed,
+           int(round(dropout_p * (1 << 24))), 1.0 / (1.0 - dropout_p))
+    return o, lse
+
+
+def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: int, dropout_p: float,
+             interpret: bool = False, config=None):
+    import torch
+
+    q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
+    B, H, Sq, D = q.shape
+    cfg = config or BWD_CONFIGS[(D, _bucket(Sq))]
+    variant = (D, _dtype_name(q.dtype), _MODE_CODE[mode], key_lengths is not None, dropout_p > 0.0, cfg)
+    dq = torch.empty_like(q)
+    dk = torch.empty_like(k)
+    dv = torch.empty_like(v)
+    delta = torch.empty((B, H, _padded(Sq)), dtype=torch.float32, device=q.device)
+    kl = _kl_arg(key_lengths, q.device)
+    scalars = (scale * _LOG2E, scale, seed, int(round(dropout_p * (1 << 24))), 1.0 / (1.0 - dropout_p))
+    compiled("dq", *variant)(q, k, v, o, do, dq, lse, delta, kl, *scalars)
+    compiled("dkdv", *variant)(q, k, v, do, dk, dv, lse, delta, kl, *scalars)
+    return dq, dk, dv

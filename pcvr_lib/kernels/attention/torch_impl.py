@@ -1,0 +1,36 @@
+"""The torch backend: SDPA with the boolean mask equivalent to the mode (masks.py), no-key rows zeroed.
+
+Without dropout this is `F.scaled_dot_product_attention` (PyTorch picks flash/efficient/cuDNN/math).
+With dropout SDPA's own random stream cannot be given a keep mask, so the torch backend then computes
+softmax(QK^T) * keep / (1-p) @ V explicitly (fp32 softmax) with the shared keep mask: all backends drop
+the same weights for the same seed.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from .masks import allowed_mask, dropout_keep_mask
+
+
+def attention(q, k, v, key_lengths, causal: bool, causal_valid: bool, scale: float, seed: int | None,
+              dropout_p: float) -> torch.Tensor:
+    B, H, Sq, _ = q.shape
+    Skv = k.shape[2]
+    if dropout_p == 0.0 and key_lengths is None:
+        # no padding: a causal row always sees key 0, so no row is empty (unless Skv == 0)
+        return F.scaled_dot_product_attention(q, k, v, is_causal=causal or causal_valid, scale=scale)
+    allowed = allowed_mask(B, Sq, Skv, key_lengths, causal, causal_valid, q.device)
+    has_key = allowed.any(dim=-1, keepdim=True)
+    # an empty row may see every key (any finite result) and is zeroed after: no NaN in either pass
+    mask = allowed | ~has_key
+    if dropout_p == 0.0:
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
+    else:
+        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        keep = dropout_keep_mask(seed, B, H, Sq, Skv, dropout_p, q.device)
+        probs = probs * keep / (1.0 - dropout_p)
+        out = torch.matmul(probs.to(q.dtype), v)
+    return torch.where(has_key, out, torch.zeros((), dtype=out.dtype, device=out.device))

@@ -1,0 +1,493 @@
+"""Flash attention in Triton: one forward kernel, two backward kernels (dQ with delta, then dK/dV).
+
+Layout (B, H, S, D), last dim contiguous. Scores are kept in base 2 (`qk_scale = scale * log2(e)`); the
+forward saves the per-row log-sum-exp in that base (+inf for rows without any key, so that the backward's
+`exp2(s - lse)` is 0 there and those rows get zero gradients).
+
+Masks (see masks.py): MODE 1 no causal mask, 2 causal (top-left aligned), 3 causal-valid; HAS_KL adds
+key lengths (required for causal-valid). Each program walks only the key tiles its rows can see; tiles that
+need no mask run a loop without the element-wise mask, the rest a masked loop.
+
+Dropout uses the counter hash of masks.py (`keep = hash(seed, b*H+h, i*Skv+j) >> 8 >= threshold`), written
+out inline: the kernels contain no nested @triton.jit helpers so that the same source runs compiled and
+under TRITON_INTERPRET=1 (the interpreter executes a kernel as Python with its module's globals).
+
+The kernels are wrapped by `kernels(interpret)`, built once per mode: a test may switch the interpreter on
+for itself without the module being imported under it. Sequence lengths, key lengths and the seed are not
+specialised on, so a new sequence length does not recompile.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import triton
+import triton.language as tl
+
+_RUNTIME_INTS = ["H", "Sq", "Skv", "seed", "drop_threshold"]
+
+
+def _attn_fwd(
+    Q, K, V, O, LSE, KL,
+    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
+    H, Sq, Skv, qk_scale, seed, drop_threshold, drop_scale,
+    MODE: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, STORE_LSE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    m_start = pid_m * BLOCK_M
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n0 = tl.arange(0, BLOCK_N)
+
+    # -- which key tiles this block of rows can see, and which of them need no element mask
+    qlen = Sq
+    kv_len = Skv
+    if HAS_KL:
+        qlen = tl.maximum(tl.load(KL + b), 0)
+        kv_len = tl.minimum(qlen, Skv)
+    kv_lo = 0
+    if MODE <= 1:
+        kv_hi = kv_len
+        full_hi = (kv_len // BLOCK_N) * BLOCK_N
+    elif MODE == 2:
+        kv_hi = tl.minimum(kv_len, m_start + BLOCK_M)
+        full_hi = (tl.minimum(kv_len, m_start + 1) // BLOCK_N) * BLOCK_N
+    else:
+        # causal-valid: rows i < qlen see keys j <= i; a padded row i >= qlen sees only key i
+        kv_hi = tl.minimum(Skv, m_start + BLOCK_M)
+        if m_start + BLOCK_M <= qlen:
+            full_hi = (tl.minimum(Skv, m_start + 1) // BLOCK_N) * BLOCK_N
+        else:
+            full_hi = 0
+        if m_start >= qlen:
+            kv_lo = (m_start // BLOCK_N) * BLOCK_N
+
+    q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
+    k_base = K + b.to(tl.int64) * skb + h.to(tl.int64) * skh
+    v_base = V + b.to(tl.int64) * svb + h.to(tl.int64) * svh
+    row_ok = offs_m < Sq
+    q = tl.load(q_base + offs_m[:, None] * sqm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+
+    if DROPOUT:
+        # per-(b, h) stream key: one round of the hash over seed + bh * golden-ratio constant
+        hk = seed.to(tl.uint32) + bh.to(tl.uint32) * 0x61C88647
+        hk ^= hk >> 16
+        hk *= 0x21F0AAAD
+        hk ^= hk >> 15
+        hk *= 0x735A2D97
+        hk ^= hk >> 15
+
+    m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
+    l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
+    acc = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+
+    # tiles with no element mask (all keys valid, all below the diagonal)
+    for n_start in range(kv_lo, full_hi, BLOCK_N):
+        offs_n = n_start + offs_n0
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :])
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        p = tl.exp2(s - m_new[:, None])
+        alpha = tl.exp2(m_i - m_new)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            x = (offs_m[:, None] * Skv + offs_n[None, :]).to(tl.uint32) ^ hk
+            x ^= x >> 16
+            x *= 0x21F0AAAD
+            x ^= x >> 15
+            x *= 0x735A2D97
+            x ^= x >> 15
+            p = tl.where((x >> 8) >= drop_threshold, p, 0.0)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :])
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    # tiles on the diagonal or the key-length edge
+    for n_start in range(tl.maximum(full_hi, kv_lo), kv_hi, BLOCK_N):
+        offs_n = n_start + offs_n0
+        col_ok = offs_n < Skv
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        s = tl.dot(q, tl.trans(k)) * qk_scale
+        if MODE <= 1:
+            allowed = (offs_n < kv_len)[None, :] & row_ok[:, None]
+        elif MODE == 2:
+            allowed = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < kv_len)[None, :]
+        else:
+            allowed = ((offs_n[None, :] <= offs_m[:, None]) & (offs_m < qlen)[:, None]) | (
+                offs_n[None, :] == offs_m[:, None]
+            )
+            allowed = allowed & col_ok[None, :]
+        s = tl.where(allowed, s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked row stays at p = 0
+        p = tl.exp2(s - m_sub[:, None])
+        alpha = tl.exp2(m_i - m_sub)
+        l_i = l_i * alpha + tl.sum(p, 1)
+        if DROPOUT:
+            x = (offs_m[:, None] * Skv + offs_n[None, :]).to(tl.uint32) ^ hk
+            x ^= x >> 16
+            x *= 0x21F0AAAD
+            x ^= x >> 15
+            x *= 0x735A2D97
+            x ^= x >> 15
+            p = tl.where((x >> 8) >= drop_threshold, p, 0.0)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+        m_i = m_new
+
+    empty = l_i == 0.0
+    inv_l = tl.where(empty, 0.0, drop_scale / tl.where(empty, 1.0, l_i))
+    out = acc * inv_l[:, None]
+    o_base = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
+    tl.store(o_base + offs_m[:, None] * som + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    if STORE_LSE:
+        lse = tl.where(empty, float("inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        tl.store(LSE + bh.to(tl.int64) * Sq + offs_m, lse, mask=row_ok)
+
+
+def _attn_bwd_dq(
+    Q, K, V, O, DO, DQ, LSE, DELTA, KL,
+    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som, sdob, sdoh, sdom,
+    H, Sq, Skv, qk_scale, sm_scale, seed, drop_threshold, drop_scale,
+    MODE: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """dQ for one block of rows; also stores delta = rowsum(dO * O) for the dK/dV kernel."""
+    pid_m = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    m_start = pid_m * BLOCK_M
+    offs_m = m_start + tl.arange(0, BLOCK_M)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_n0 = tl.arange(0, BLOCK_N)
+
+    qlen = Sq
+    kv_len = Skv
+    if HAS_KL:
+        qlen = tl.maximum(tl.load(KL + b), 0)
+        kv_len = tl.minimum(qlen, Skv)
+    kv_lo = 0
+    if MODE <= 1:
+        kv_hi = kv_len
+        full_hi = (kv_len // BLOCK_N) * BLOCK_N
+    elif MODE == 2:
+        kv_hi = tl.minimum(kv_len, m_start + BLOCK_M)
+        full_hi = (tl.minimum(kv_len, m_start + 1) // BLOCK_N) * BLOCK_N
+    else:
+        kv_hi = tl.minimum(Skv, m_start + BLOCK_M)
+        if m_start + BLOCK_M <= qlen:
+            full_hi = (tl.minimum(Skv, m_start + 1) // BLOCK_N) * BLOCK_N
+        else:
+            full_hi = 0
+        if m_start >= qlen:
+            kv_lo = (m_start // BLOCK_N) * BLOCK_N
+
+    row_ok = offs_m < Sq
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    q = tl.load(Q + b64 * sqb + h64 * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    do = tl.load(DO + b64 * sdob + h64 * sdoh + offs_m[:, None] * sdom + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    o = tl.load(O + b64 * sob + h64 * soh + offs_m[:, None] * som + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    tl.store(DELTA + bh.to(tl.int64) * Sq + offs_m, delta, mask=row_ok)
+    lse = tl.load(LSE + bh.to(tl.int64) * Sq + offs_m, mask=row_ok, other=float("inf"))
+    k_base = K + b64 * skb + h64 * skh
+    v_base = V + b64 * svb + h64 * svh
+
+    if DROPOUT:
+        hk = seed.to(tl.uint32) + bh.to(tl.uint32) * 0x61C88647
+        hk ^= hk >> 16
+        hk *= 0x21F0AAAD
+        hk ^= hk >> 15
+        hk *= 0x735A2D97
+        hk ^= hk >> 15
+
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for n_start in range(kv_lo, full_hi, BLOCK_N):
+        offs_n = n_start + offs_n0
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :])
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :])
+        p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+        dp = tl.dot(do, tl.trans(v))
+        if DROPOUT:
+            x = (offs_m[:, None] * Skv + offs_n[None, :]).to(tl.uint32) ^ hk
+            x ^= x >> 16
+            x *= 0x21F0AAAD
+            x ^= x >> 15
+            x *= 0x735A2D97
+            x ^= x >> 15
+            dp = tl.where((x >> 8) >= drop_threshold, dp * drop_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    for n_start in range(tl.maximum(full_hi, kv_lo), kv_hi, BLOCK_N):
+        offs_n = n_start + offs_n0
+        col_ok = offs_n < Skv
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        if MODE <= 1:
+            allowed = (offs_n < kv_len)[None, :] & row_ok[:, None]
+        elif MODE == 2:
+            allowed = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < kv_len)[None, :]
+        else:
+            allowed = ((offs_n[None, :] <= offs_m[:, None]) & (offs_m < qlen)[:, None]) | (
+                offs_n[None, :] == offs_m[:, None]
+            )
+            allowed = allowed & col_ok[None, :]
+        p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+        p = tl.where(allowed, p, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        if DROPOUT:
+            x = (offs_m[:, None] * Skv + offs_n[None, :]).to(tl.uint32) ^ hk
+            x ^= x >> 16
+            x *= 0x21F0AAAD
+            x ^= x >> 15
+            x *= 0x735A2D97
+            x ^= x >> 15
+            dp = tl.where((x >> 8) >= drop_threshold, dp * drop_scale, 0.0)
+        ds = p * (dp - delta[:, None])
+        dq += tl.dot(ds.to(k.dtype), k)
+    dq = dq * sm_scale
+    tl.store(DQ + bh.to(tl.int64) * Sq * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
+             dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+
+
+def _attn_bwd_dkdv(
+    Q, K, V, DO, DK, DV, LSE, DELTA, KL,
+    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom,
+    H, Sq, Skv, qk_scale, sm_scale, seed, drop_threshold, drop_scale,
+    MODE: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """dK and dV for one block of keys, walking the query tiles that can see it (transposed scores)."""
+    pid_n = tl.program_id(0)
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    n_start = pid_n * BLOCK_N
+    offs_n = n_start + tl.arange(0, BLOCK_N)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_m0 = tl.arange(0, BLOCK_M)
+    col_ok = offs_n < Skv
+
+    qlen = Sq
+    kv_len = Skv
+    if HAS_KL:
+        qlen = tl.maximum(tl.load(KL + b), 0)
+        kv_len = tl.minimum(qlen, Skv)
+    edge = n_start + BLOCK_N > kv_len  # some keys of this tile are padding
+    if MODE <= 1:
+        q_lo = 0
+        q_hi = tl.where(n_start < kv_len, Sq, 0)
+        q_mid = tl.where(edge, q_hi, 0)  # masked tiles: [q_lo, q_mid), then unmasked up to q_hi
+    elif MODE == 2:
+        q_lo = (n_start // BLOCK_M) * BLOCK_M
+        q_hi = tl.where(n_start < kv_len, Sq, 0)
+        q_mid = tl.where(edge, q_hi, tl.minimum(q_hi, ((n_start + BLOCK_N + BLOCK_M - 1) // BLOCK_M) * BLOCK_M))
+    else:
+        q_lo = (n_start // BLOCK_M) * BLOCK_M
+        q_hi = tl.minimum(Sq, tl.maximum(qlen, n_start + BLOCK_N))
+        q_mid = q_hi
+
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    k = tl.load(K + b64 * skb + h64 * skh + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    v = tl.load(V + b64 * svb + h64 * svh + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    q_base = Q + b64 * sqb + h64 * sqh
+    do_base = DO + b64 * sdob + h64 * sdoh
+    lse_base = LSE + bh.to(tl.int64) * Sq
+    delta_base = DELTA + bh.to(tl.int64) * Sq
+
+    if DROPOUT:
+        hk = seed.to(tl.uint32) + bh.to(tl.uint32) * 0x61C88647
+        hk ^= hk >> 16
+        hk *= 0x21F0AAAD
+        hk ^= hk >> 15
+        hk *= 0x735A2D97
+        hk ^= hk >> 15
+
+    dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
+    for m_start in range(q_lo, q_mid, BLOCK_M):
+        offs_m = m_start + offs_m0
+        row_ok = offs_m < Sq
+        q = tl.load(q_base + offs_m[:, None] * sqm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * sdom + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
+        delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+        pT = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
+        if MODE <= 1:
+            allowedT = (offs_n < kv_len)[:, None] & row_ok[None, :]
+        elif MODE == 2:
+            allowedT = (offs_n[:, None] <= offs_m[None, :]) & (offs_n < kv_len)[:, None] & row_ok[None, :]
+        else:
+            allowedT = ((offs_n[:, None] <= offs_m[None, :]) & (offs_m < qlen)[None, :]) | (
+                offs_n[:, None] == offs_m[None, :]
+            )
+            allowedT = allowedT & col_ok[:, None] & row_ok[None, :]
+        pT = tl.where(allowedT, pT, 0.0)
+        dpT = tl.dot(v, tl.trans(do))
+        if DROPOUT:
+            x = (offs_m[None, :] * Skv + offs_n[:, None]).to(tl.uint32) ^ hk
+            x ^= x >> 16
+            x *= 0x21F0AAAD
+            x ^= x >> 15
+            x *= 0x735A2D97
+            x ^= x >> 15
+            keep = (x >> 8) >= drop_threshold
+            dv += tl.dot(tl.where(keep, pT * drop_scale, 0.0).to(do.dtype), do)
+            dpT = tl.where(keep, dpT * drop_scale, 0.0)
+        else:
+            dv += tl.dot(pT.to(do.dtype), do)
+        dsT = pT * (dpT - delta[None, :])
+        dk += tl.dot(dsT.to(q.dtype), q)
+    for m_start in range(q_mid, q_hi, BLOCK_M):
+        offs_m = m_start + offs_m0
+        row_ok = offs_m < Sq
+        q = tl.load(q_base + offs_m[:, None] * sqm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        do = tl.load(do_base + offs_m[:, None] * sdom + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
+        delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+        pT = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
+        dpT = tl.dot(v, tl.trans(do))
+        if DROPOUT:
+            x = (offs_m[None, :] * Skv + offs_n[:, None]).to(tl.uint32) ^ hk
+            x ^= x >> 16
+            x *= 0x21F0AAAD
+            x ^= x >> 15
+            x *= 0x735A2D97
+            x ^= x >> 15
+            keep = (x >> 8) >= drop_threshold
+            dv += tl.dot(tl.where(keep, pT * drop_scale, 0.0).to(do.dtype), do)
+            dpT = tl.where(keep, dpT * drop_scale, 0.0)
+        else:
+            dv += tl.dot(pT.to(do.dtype), do)
+        dsT = pT * (dpT - delta[None, :])
+        dk += tl.dot(dsT.to(q.dtype), q)
+    dk = dk * sm_scale
+    out_off = bh.to(tl.int64) * Skv * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(DK + out_off, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+    tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+
+
+@functools.cache
+def kernels(interpret: bool):
+    """(fwd, bwd_dq, bwd_dkdv) jitted for the compiler or, with interpret=True, for the interpreter.
+
+    triton decides between the two when a function is decorated, from TRITON_INTERPRET, so the variable
+    is set for exactly the duration of the decoration.
+    """
+    saved = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    try:
+        return tuple(
+            triton.jit(fn, do_not_specialize=_RUNTIME_INTS) if not interpret else triton.jit(fn)
+            for fn in (_attn_fwd, _attn_bwd_dq, _attn_bwd_dkdv)
+        )
+    finally:
+        if saved is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = saved
+
+
+# ---------------------------------------------------------------------------------------------------------
+# launch wrappers
+
+_MODE_CODE = {"none": 1, "key_lengths": 1, "causal": 2, "causal_valid": 3}
+
+
+def _bucket(s: int) -> int:
+    """Sequence-length bucket: configs are chosen per bucket, so lengths inside one never recompile."""
+    return 0 if s <= 128 else (1 if s <= 512 else 2)
+
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per (head dim, bucket of Sq)
+FWD_CONFIGS = {
+    (32, 0): (64, 64, 4, 2), (64, 0): (64, 64, 4, 2), (128, 0): (64, 64, 4, 2),
+    (32, 1): (128, 64, 4, 3), (64, 1): (128, 64, 4, 3), (128, 1): (128, 64, 8, 3),
+    (32, 2): (128, 64, 4, 3), (64, 2): (128, 64, 4, 3), (128, 2): (128, 64, 8, 3),
+}
+# dq kernel (rows x keys) and dkdv kernel (queries x keys): (BLOCK_M, BLOCK_N, num_warps, num_stages)
+BWD_DQ_CONFIGS = {
+    (32, 0): (64, 64, 4, 2), (64, 0): (64, 64, 4, 2), (128, 0): (64, 64, 4, 2),
+    (32, 1): (128, 64, 8, 2), (64, 1): (128, 64, 8, 2), (128, 1): (64, 64, 4, 2),
+    (32, 2): (128, 64, 8, 2), (64, 2): (128, 64, 8, 2), (128, 2): (64, 64, 4, 2),
+}
+BWD_KV_CONFIGS = {
+    (32, 0): (64, 64, 4, 2), (64, 0): (64, 64, 4, 2), (128, 0): (64, 64, 4, 2),
+    (32, 1): (64, 128, 8, 2), (64, 1): (64, 128, 8, 2), (128, 1): (64, 64, 4, 2),
+    (32, 2): (64, 128, 8, 2), (64, 2): (64, 128, 8, 2), (128, 2): (64, 64, 4, 2),
+}
+
+
+def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p: float,
+            store_lse: bool, interpret: bool = False, config=None):
+    """O (and the base-2 LSE, (B*H, Sq) fp32, when store_lse) for contiguous-last-dim q, k, v."""
+    import torch
+
+    fwd = kernels(interpret)[0]
+    B, H, Sq, D = q.shape
+    Skv = k.shape[2]
+    o = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
+    lse = torch.empty((B * H, Sq), dtype=torch.float32, device=q.device) if store_lse else o
+    bm, bn, warps, stages = config or FWD_CONFIGS[(D, _bucket(Sq))]
+    has_kl = key_lengths is not None
+    dropout = dropout_p > 0.0
+    fwd[(triton.cdiv(Sq, bm), B * H)](
+        q, k, v, o, lse, key_lengths if has_kl else o,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        H, Sq, Skv, scale * 1.4426950408889634, seed, _threshold(dropout_p), 1.0 / (1.0 - dropout_p),
+        MODE=_MODE_CODE[mode], HAS_KL=has_kl, DROPOUT=dropout, STORE_LSE=store_lse,
+        BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, num_warps=warps, num_stages=stages,
+    )
+    return o, (lse if store_lse else None)
+
+
+def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: int, dropout_p: float,
+             interpret: bool = False, dq_config=None, kv_config=None):
+    """(dQ, dK, dV): two launches, dQ (which also writes delta = rowsum(dO*O)) then dK/dV."""
+    import torch
+
+    _, k_dq, k_kv = kernels(interpret)
+    B, H, Sq, D = q.shape
+    Skv = k.shape[2]
+    if do.stride(-1) != 1:
+        do = do.contiguous()
+    dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, H, Skv, D), dtype=k.dtype, device=q.device)
+    dv = torch.empty((B, H, Skv, D), dtype=v.dtype, device=q.device)
+    delta = torch.empty((B * H, Sq), dtype=torch.float32, device=q.device)
+    has_kl = key_lengths is not None
+    kl = key_lengths if has_kl else delta
+    dropout = dropout_p > 0.0
+    common = (H, Sq, Skv, scale * 1.4426950408889634, scale, seed, _threshold(dropout_p), 1.0 / (1.0 - dropout_p))
+    bm, bn, warps, stages = dq_config or BWD_DQ_CONFIGS[(D, _bucket(Sq))]
+    k_dq[(triton.cdiv(Sq, bm), B * H)](
+        q, k, v, o, do, dq, lse, delta, kl,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), o.stride(0), o.stride(1), o.stride(2),
+        do.stride(0), do.stride(1), do.stride(2), *common,
+        MODE=_MODE_CODE[mode], HAS_KL=has_kl, DROPOUT=dropout,
+        BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, num_warps=warps, num_stages=stages,
+    )
+    bm, bn, warps, stages = kv_config or BWD_KV_CONFIGS[(D, _bucket(Sq))]
+    k_kv[(triton.cdiv(Skv, bn), B * H)](
+        q, k, v, do, dk, dv, lse, delta, kl,
+        q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), do.stride(0), do.stride(1), do.stride(2), *common,
+        MODE=_MODE_CODE[mode], HAS_KL=has_kl, DROPOUT=dropout,
+        BLOCK_M=bm, BLOCK_N=bn, HEAD_DIM=D, num_warps=warps, num_stages=stages,
+    )
+    return dq, dk, dv
+
+
+def _threshold(p: float) -> int:
+    return int(round(p * (1 << 24)))
