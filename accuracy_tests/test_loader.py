@@ -1,0 +1,195 @@
+"""The loader: every preset yields batches, sweeps cover each row once per pass, steps are seeded,
+split sides are respected, the cache never changes what comes out, workers agree, bad options fail clearly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from pcvr_lib.data.cache import belady_hit_count
+from pcvr_lib.data.convert import Converter
+from pcvr_lib.data.generate import generate_table
+from pcvr_lib.data.loader import PRESETS, PcvrLoader
+from pcvr_lib.schema import load_schema
+
+ROWS, GROUP, BATCH = 400, 100, 64  # 4 row groups of 2 batches (64 + 36 rows)
+
+
+@pytest.fixture(scope="module")
+def schema(repo_root):
+    # short windows keep the tests fast; the benchmark uses the default max_len
+    return load_schema(repo_root / "fixtures" / "sample_1000_raw.schema.json", "seq_a:8,seq_b:8,seq_c:16,seq_d:16")
+
+
+@pytest.fixture(scope="module")
+def dataset(schema, tmp_path_factory):
+    """Generated demo data with every event list cut to its first 24 events, so the tests stay fast
+    (the benchmark runs the full-length data)."""
+    table = generate_table(schema, ROWS, seed=0)
+    for domain in schema.domains:
+        for feat in domain.features:
+            i = table.schema.get_field_index(feat.column)
+            table = table.set_column(i, feat.column, pc.list_slice(table.column(i), 0, 24))
+    path = tmp_path_factory.mktemp("loader") / "demo_short.parquet"
+    pq.write_table(table, path, row_group_size=GROUP)
+    return path
+
+
+def row_indices(batches) -> list[np.ndarray]:
+    return [b.row_index.numpy() for b in batches]
+
+
+def assert_batches_equal(a, b):
+    ta, tb = a.tensors(), b.tensors()
+    assert len(ta) == len(tb)
+    for x, y in zip(ta, tb, strict=True):
+        assert x.dtype == y.dtype and torch.equal(x, y)
+
+
+@pytest.mark.parametrize("preset", list(PRESETS))
+def test_every_preset_yields_batches(preset, schema, dataset):
+    loader = PcvrLoader(dataset, schema, preset=preset, batch_size=BATCH, passes=2, shuffle=True, cache_capacity=3)
+    batches = list(loader)
+    views = 2 if "augment" in preset else 1
+    assert len(batches) == 2 * 8 == loader.planned_batches
+    assert sum(b.batch_size for b in batches) == 2 * ROWS * views
+    stats = loader.stats()
+    assert stats["rows"] == 2 * ROWS * views and stats["batches"] == 16
+    assert stats["cache_impl"] == PRESETS[preset].cache_policy
+    assert stats["strict_time_filter"] == PRESETS[preset].strict_time_filter
+    if preset != "none":
+        assert stats["cache"]["hits"] > 0 and stats["cache"]["hits"] + stats["cache"]["misses"] == 16
+    for b in batches:  # batches never cross row groups
+        groups = np.unique(b.row_index.numpy() // GROUP)
+        assert groups.size == 1
+
+
+def test_sweep_covers_each_row_once_per_pass(schema, dataset):
+    loader = PcvrLoader(dataset, schema, batch_size=BATCH, passes=3, shuffle=True, seed=4)
+    batches = list(loader)
+    per_pass = len(batches) // 3
+    orders = []
+    for p in range(3):
+        rows = np.concatenate(row_indices(batches[p * per_pass : (p + 1) * per_pass]))
+        assert np.array_equal(np.sort(rows), np.arange(ROWS))
+        orders.append(rows)
+    assert not all(np.array_equal(orders[0], o) for o in orders[1:])  # shuffled row-group order per pass
+
+
+def test_batches_match_a_direct_conversion(schema, dataset):
+    table = pq.read_table(dataset, columns=schema.converter_columns)
+    loader = PcvrLoader(dataset, schema, batch_size=BATCH)
+    converter = Converter(schema)
+    for batch in loader:
+        start = int(batch.row_index[0])
+        expected = converter(table.slice(start, batch.batch_size), row_offset=start)
+        assert_batches_equal(batch, expected)
+
+
+def test_cache_presets_give_the_same_batches_as_no_cache(schema, dataset):
+    plain = list(PcvrLoader(dataset, schema, preset="none", batch_size=BATCH, mode="steps", steps=30, seed=1))
+    for preset in ("cache", "opt"):
+        cached = PcvrLoader(dataset, schema, preset=preset, batch_size=BATCH, mode="steps", steps=30, seed=1,
+                            cache_capacity=3)
+        got = list(cached)
+        assert cached.stats()["cache"]["hits"] > 0
+        for a, b in zip(plain, got, strict=True):
+            assert_batches_equal(a, b)
+
+
+def test_opt_loader_reaches_belady_and_beats_lru(schema, dataset):
+    kwargs = dict(batch_size=BATCH, mode="steps", steps=120, seed=3, cache_capacity=3)
+    opt = PcvrLoader(dataset, schema, preset="opt", **kwargs)
+    lru = PcvrLoader(dataset, schema, preset="cache", **kwargs)
+    for loader in (opt, lru):
+        for _ in loader:
+            pass
+    trace = [key for _, _, key in opt.plan_items()]
+    assert opt.stats()["cache"]["hits"] == belady_hit_count(trace, 3)
+    assert opt.stats()["cache"]["hit_rate"] > lru.stats()["cache"]["hit_rate"]
+
+
+def test_steps_are_seeded_and_weighted(schema, dataset):
+    def draw(seed):
+        return [int(b.row_index[0]) for b in PcvrLoader(dataset, schema, batch_size=BATCH, mode="steps", steps=40,
+                                                        seed=seed)]
+
+    assert draw(7) == draw(7)
+    assert draw(7) != draw(8)
+    # weighted by rows: 64-row batches are drawn about 64/36 times as often as 36-row ones
+    loader = PcvrLoader(dataset, schema, batch_size=BATCH, mode="steps", steps=4000, seed=0)
+    full = sum(1 for _, _, key in loader.plan_items() if key[2] == 0)
+    assert 0.6 < full / 4000 < 0.68  # expected 64 / 100
+
+
+def test_split_sides_are_respected(schema, dataset):
+    train = PcvrLoader(dataset, schema, batch_size=BATCH, split="timestamp_auto", side="train")
+    valid = PcvrLoader(dataset, schema, batch_size=BATCH, split="timestamp_auto", side="valid")
+    train_rows = np.concatenate(row_indices(train))
+    valid_rows = np.concatenate(row_indices(valid))
+    assert np.array_equal(np.sort(train_rows), train.split.rows("train"))
+    assert np.array_equal(np.sort(valid_rows), valid.split.rows("valid"))
+    assert train.planned_rows == train_rows.size
+    # augmentations apply to training only: the valid side of an augment preset is not cropped/masked
+    aug_valid = PcvrLoader(dataset, schema, preset="augment", batch_size=BATCH, split="timestamp_auto",
+                           side="valid")
+    assert sum(b.batch_size for b in aug_valid) == valid_rows.size
+    # a user-hash split keeps each user on one side
+    users = PcvrLoader(dataset, schema, batch_size=BATCH, split="user_hash", side="valid", valid_ratio=0.3)
+    valid_users = set(torch.cat([b.user_id for b in users]).tolist())
+    other = PcvrLoader(dataset, schema, batch_size=BATCH, split="user_hash", side="train", valid_ratio=0.3)
+    assert not valid_users & set(torch.cat([b.user_id for b in other]).tolist())
+
+
+def test_augment_preset_is_reproducible(schema, dataset):
+    a = list(PcvrLoader(dataset, schema, preset="opt-augment", batch_size=BATCH, seed=5, cache_capacity=2))
+    b = list(PcvrLoader(dataset, schema, preset="opt-augment", batch_size=BATCH, seed=5, cache_capacity=2))
+    for x, y in zip(a, b, strict=True):
+        assert_batches_equal(x, y)
+    c = list(PcvrLoader(dataset, schema, preset="opt-augment", batch_size=BATCH, seed=6, cache_capacity=2))
+    assert any(not torch.equal(x.sequences["seq_d"].lengths, y.sequences["seq_d"].lengths)
+               for x, y in zip(a, c, strict=True))
+
+
+def test_workers_give_the_same_batches_in_order(schema, dataset):
+    kwargs = dict(preset="augment", batch_size=BATCH, passes=2, shuffle=True, seed=2, cache_capacity=4)
+    local = list(PcvrLoader(dataset, schema, **kwargs))
+    loader = PcvrLoader(dataset, schema, num_workers=2, **kwargs)
+    workers = list(loader)
+    assert len(local) == len(workers)
+    for a, b in zip(local, workers, strict=True):
+        assert_batches_equal(a, b)
+    stats = loader.stats()
+    assert stats["batches"] == len(local) and stats["cache"]["hits"] + stats["cache"]["misses"] == len(local)
+
+
+@pytest.mark.parametrize(
+    "kwargs, match",
+    [
+        (dict(preset="fast"), "unknown preset 'fast'; allowed: none, cache, opt, augment, opt-augment"),
+        (dict(batch_size=0), "batch_size must be an integer >= 1, got 0"),
+        (dict(mode="epoch"), "mode must be one of sweep, steps"),
+        (dict(mode="steps"), "needs steps"),
+        (dict(cache_policy="mru"), "cache_policy must be one of none, lru, fifo, lfu, rr, opt"),
+        (dict(side="valid"), "needs a split"),
+        (dict(split="by_day"), "split must be None, a SplitPlan or one of timestamp_auto"),
+        (dict(num_workers=-1), "num_workers must be an integer >= 0"),
+        (dict(cache_capacity=0), "cache_capacity must be an integer >= 1"),
+        (dict(augmentations=[{"type": "crop", "mode": "middle"}]), "mode must be one of random_tail"),
+    ],
+)
+def test_bad_options_name_the_option(kwargs, match, schema, dataset):
+    with pytest.raises(ValueError, match=match):
+        PcvrLoader(dataset, schema, **kwargs)
+
+
+def test_missing_file_and_bad_parquet(schema, tmp_path):
+    with pytest.raises(FileNotFoundError, match="not found"):
+        PcvrLoader(tmp_path / "nope.parquet", schema)
+    empty = tmp_path / "empty.parquet"
+    empty.write_bytes(b"")
+    with pytest.raises(ValueError, match="empty file"):
+        PcvrLoader(empty, schema)
