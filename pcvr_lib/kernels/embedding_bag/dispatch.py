@@ -1,0 +1,94 @@
+"""`embedding_bag_mean`: the one entry point, with an explicit backend and no silent fallback."""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from .. import registry
+from .reference import torch_embedding_bag_mean
+
+OP = "embedding_bag_mean"
+BACKENDS = ("torch", "triton", "tilelang", "cuembed")
+WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+ID_DTYPES = (torch.int32, torch.int64)
+_MODULES = {"triton": "triton_impl", "tilelang": "tilelang_impl", "cuembed": "cuembed"}
+_IMPL: dict[str, object] = {}
+
+
+def _cuembed_problem(device: torch.device) -> str | None:
+    problem = registry.nvcc_problem(device)
+    if problem is None and torch.version.cuda is None:
+        problem = "this torch build has no CUDA support"
+    return problem
+
+
+registry.register_op(OP, {"torch": None, "triton": None, "tilelang": None, "cuembed": _cuembed_problem})
+
+
+def backend_status(backend: str, device=None) -> tuple[bool, str]:
+    """(ok, reason) from the shared registry."""
+    return registry.backend_status(OP, backend, device)
+
+
+def _impl(backend: str, device: torch.device):
+    impl = _IMPL.get(backend)
+    if impl is None:
+        registry.require_backend(OP, backend, device)
+        impl = importlib.import_module(f".{_MODULES[backend]}", __package__)
+        _IMPL[backend] = impl
+    return impl
+
+
+def check_inputs(weight: torch.Tensor, ids: torch.Tensor, backend: str = "torch") -> None:
+    """Every input error with a message naming it (also used when the fast checks below fail)."""
+    registry.validate_backend(OP, backend)
+    registry.check_inputs(OP, weight, ids, backend=backend)
+    if weight.dim() != 2:
+        raise ValueError(f"{OP}: weight must be 2-D (V, D), got shape {tuple(weight.shape)}")
+    if ids.dim() != 2:
+        raise ValueError(f"{OP}: ids must be 2-D (B, L), got shape {tuple(ids.shape)}")
+    if ids.dtype not in ID_DTYPES:
+        raise TypeError(f"{OP}: ids must be int32 or int64, got {ids.dtype}")
+    if weight.dtype not in WEIGHT_DTYPES:
+        raise TypeError(f"{OP}: weight must be float16, bfloat16 or float32, got {weight.dtype}")
+    if backend != "torch" and not weight.is_contiguous():
+        raise ValueError(f"{OP}: weight must be contiguous (copying an embedding table on every call would "
+                         "cost more than the lookup); call .contiguous() once")
+
+
+def embedding_bag_mean(weight: torch.Tensor, ids: torch.Tensor, *, backend: str = "torch",
+                       sparse_grad: bool = False) -> torch.Tensor:
+    """Mean of weight rows over each bag of ids, ignoring every id outside (0, V).
+
+    weight (V, D) float16/bfloat16/float32; ids (B, L) int32/int64 -> (B, D) in weight's dtype, fp32
+    accumulation. Id 0 is padding; ids >= V and negative ids are ignored the same way; an empty bag gives
+    zeros. With grad enabled and weight.requires_grad, the weight gradient is dense (V, D), or a COO
+    tensor of the touched rows when sparse_grad=True (duplicates not merged; see autograd.py).
+    Backends: "torch" (F.embedding_bag), "triton", "tilelang" (forward + backward) and "cuembed"
+    (CUDA C++, forward only: it raises when a gradient is required).
+    """
+    if backend == "torch":
+        check_inputs(weight, ids, backend)
+        return torch_embedding_bag_mean(weight, ids, sparse_grad)
+    # Fast path: a handful of attribute reads; any failure re-runs the full checks for the message.
+    if not (weight.is_cuda and ids.is_cuda and weight.dim() == 2 and ids.dim() == 2 and weight.device == ids.device
+            and weight.dtype in WEIGHT_DTYPES and ids.dtype in ID_DTYPES and weight.is_contiguous()):
+        check_inputs(weight, ids, backend)
+    impl = _IMPL.get(backend) or _impl(backend, weight.device)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    if ids.numel() == 0 or weight.shape[0] == 0:
+        # degenerate shapes (no bag, no position or no row): every bag is empty; torch's op covers them
+        return torch_embedding_bag_mean(weight, ids, sparse_grad)
+    if weight.requires_grad and torch.is_grad_enabled():
+        if backend == "cuembed":
+            raise RuntimeError(f"{OP}: backend 'cuembed' is forward-only; use 'triton' or 'tilelang' when the "
+                               "weight requires a gradient (or call it under torch.no_grad())")
+        from .autograd import EmbeddingBagMeanFunction
+
+        return EmbeddingBagMeanFunction.apply(weight, ids, impl, bool(sparse_grad))
+    if backend == "cuembed":
+        return impl.forward(weight, ids)
+    return impl.forward(weight, ids, False)[0]

@@ -1,0 +1,228 @@
+"""TileLang kernels of `embedding_bag_mean`: forward, sparse (COO) and dense weight-gradient scatter.
+
+Written in TileLang's explicit thread style (T.get_thread_binding + local buffers + T.vectorized):
+a group of TPR threads owns one bag, each thread VEC consecutive columns loaded as one 16-byte vector.
+Per chunk of UNROLL bag positions the ids are read and checked first, then all UNROLL row loads are
+issued unconditionally (an invalid id reads row 0, which stays in L1), then accumulated under the
+mask, so UNROLL independent loads per thread are in flight. B, L, V (and the COO length) are TileLang
+dynamic symbols: one compiled kernel serves every batch size and bag length. Kernels are cached by
+(kind, D, dtypes, vector width); the compiled callable is the TVM-FFI executable itself (one foreign
+call per launch, the current torch stream is picked up by TVM-FFI's DLPack exchange).
+"""
+
+
+import threading
+import time
+
+import torch
+
+from .common import compile_seconds
+
+_TORCH_TO_TL = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
+                torch.int32: "int32", torch.int64: "int64"}
+THREADS = 128
+UNROLL = 4
+_CACHE: dict[tuple, object] = {}
+_LOCK = threading.Lock()
+
+
+def _geometry(dim: int, vec: int) -> tuple[int, int, int]:
+    """(threads per bag, bags per block, column chunks per thread)."""
+    cols = -(-dim // vec)
+    tpr = 1
+    while tpr < cols and tpr < THREADS:
+        tpr *= 2
+    return tpr, THREADS // tpr, -(-cols // tpr)
+
+
+def vector_width(dim: int, elem_bytes: int, *ptrs: int) -> int:
+    vec = 16 // elem_bytes
+    if dim % vec == 0 and all(p % 16 == 0 for p in ptrs):
+        return vec
+    return 1
+
+
+def build_forward(dim: int, dtype: str, idx_dtype: str, vec: int, save_counts: bool):
+    """The forward PrimFunc (W, ids, out[, counts])."""
+    import tilelang.language as T
+
+    B = T.dynamic("B")
+    L = T.dynamic("L")
+    V = T.dynamic("V")
+    tpr, block_b, chunks = _geometry(dim, vec)
+    unroll = UNROLL
+
+    @T.macro
+    def body(W, ids, out, counts):
+        with T.Kernel(T.ceildiv(B, block_b), threads=THREADS) as bx:
+            tx = T.get_thread_binding()
+            acc = T.alloc_local((vec,), "float32")
+            buf = T.alloc_local((unroll, vec), dtype)
+            rows = T.alloc_local((unroll,), idx_dtype)
+            cnt = T.alloc_local((1,), "int32")
+            b = bx * block_b + tx // tpr
+            for ch in T.serial(chunks):
+                c = ((tx % tpr) + ch * tpr) * vec
+                if b < B and c < dim:
+                    for v in T.vectorized(vec):
+                        acc[v] = 0.0
+                    cnt[0] = 0
+                    for l0 in T.serial(T.ceildiv(L, unroll)):
+                        for u in T.unroll(unroll):
+                            r = T.if_then_else(l0 * unroll + u < L, ids[b, T.min(l0 * unroll + u, L - 1)], 0)
+                            rows[u] = T.if_then_else(r > 0 and r < V, r, 0)
+                        for u in T.unroll(unroll):
+                            for v in T.vectorized(vec):
+                                buf[u, v] = W[rows[u], c + v]
+                        for u in T.unroll(unroll):
+                            if rows[u] > 0:
+                                cnt[0] += 1
+                                for v in T.vectorized(vec):
+                                    acc[v] += T.cast(buf[u, v], "float32")
+                    for v in T.vectorized(vec):
+                        out[b, c + v] = T.cast(acc[v] / T.cast(T.max(cnt[0], 1), "float32"), dtype)
+                    if save_counts and tx % tpr == 0 and ch == 0:
+                        counts[b] = cnt[0]
+
+    if save_counts:
+
+        @T.prim_func
+        def fwd_train(W: T.Tensor((V, dim), dtype), ids: T.Tensor((B, L), idx_dtype),
+                      out: T.Tensor((B, dim), dtype), counts: T.Tensor((B,), "int32")):
+            body(W, ids, out, counts)
+
+        return fwd_train
+
+    @T.prim_func
+    def fwd(W: T.Tensor((V, dim), dtype), ids: T.Tensor((B, L), idx_dtype), out: T.Tensor((B, dim), dtype)):
+        body(W, ids, out, None)
+
+    return fwd
+
+
+def build_backward_sparse(dim: int, dtype: str, idx_dtype: str, vec: int):
+    """COO scatter: entries of bag b at [ends[b] - counts[b], ends[b]), positions in bag order."""
+    import tilelang.language as T
+
+    B = T.dynamic("B")
+    L = T.dynamic("L")
+    N = T.dynamic("N")
+    tpr, block_b, chunks = _geometry(dim, vec)
+
+    @T.prim_func
+    def bwd_sparse(ids: T.Tensor((B, L), idx_dtype), counts: T.Tensor((B,), "int32"),
+                   ends: T.Tensor((B,), "int64"), g: T.Tensor((B, dim), dtype),
+                   idx_out: T.Tensor((N,), "int64"), val_out: T.Tensor((N, dim), dtype), num_rows: T.int64):
+        with T.Kernel(T.ceildiv(B, block_b), threads=THREADS) as bx:
+            tx = T.get_thread_binding()
+            val = T.alloc_local((vec,), dtype)
+            slot = T.alloc_local((1,), "int64")
+            b = bx * block_b + tx // tpr
+            for ch in T.serial(chunks):
+                c = ((tx % tpr) + ch * tpr) * vec
+                if b < B and c < dim:
+                    inv = 1.0 / T.cast(T.max(counts[b], 1), "float32")
+                    for v in T.vectorized(vec):
+                        val[v] = T.cast(T.cast(g[b, c + v], "float32") * inv, dtype)
+                    slot[0] = ends[b] - T.cast(counts[b], "int64")
+                    for l in T.serial(L):
+                        r = ids[b, l]
+                        if r > 0 and r < num_rows:
+                            if tx % tpr == 0 and ch == 0:
+                                idx_out[slot[0]] = T.cast(r, "int64")
+                            for v in T.vectorized(vec):
+                                val_out[slot[0], c + v] = val[v]
+                            slot[0] += 1
+
+    return bwd_sparse
+
+
+def build_backward_dense(dim: int, dtype: str, idx_dtype: str):
+    """Dense fp32 (V, D) gradient by atomic adds (one per element)."""
+    import tilelang.language as T
+
+    B = T.dynamic("B")
+    L = T.dynamic("L")
+    V = T.dynamic("V")
+    tpr, block_b, chunks = _geometry(dim, 1)
+
+    @T.prim_func
+    def bwd_dense(ids: T.Tensor((B, L), idx_dtype), counts: T.Tensor((B,), "int32"),
+                  g: T.Tensor((B, dim), dtype), grad: T.Tensor((V, dim), "float32")):
+        with T.Kernel(T.ceildiv(B, block_b), threads=THREADS) as bx:
+            tx = T.get_thread_binding()
+            b = bx * block_b + tx // tpr
+            for ch in T.serial(chunks):
+                c = (tx % tpr) + ch * tpr
+                if b < B and c < dim:
+                    val = T.cast(g[b, c], "float32") / T.cast(T.max(counts[b], 1), "float32")
+                    for l in T.serial(L):
+                        r = ids[b, l]
+                        if r > 0 and r < V:
+                            T.atomic_add(grad[r, c], val)
+
+    return bwd_dense
+
+
+def compile_kernel(func, target=None):
+    """tilelang.compile with the TVM-FFI runtime; target None means the local GPU."""
+    import tilelang
+
+    return tilelang.compile(func, target=target if target is not None else "auto", execution_backend="tvm_ffi")
+
+
+def _executable(kind: str, key: tuple, build):
+    exe = _CACHE.get(key)
+    if exe is not None:
+        return exe
+    with _LOCK:
+        exe = _CACHE.get(key)
+        if exe is None:
+            t0 = time.perf_counter()
+            kernel = compile_kernel(build())
+            getter = getattr(getattr(kernel, "adapter", None), "_get_executable", None)
+            exe = getter() if getter is not None else kernel  # the raw FFI function skips the Python wrapper
+            compile_seconds[("tilelang", kind) + key] = time.perf_counter() - t0
+            _CACHE[key] = exe
+    return exe
+
+
+def forward(weight: torch.Tensor, ids: torch.Tensor, save_counts: bool):
+    batch = ids.shape[0]
+    dim = weight.shape[1]
+    out = torch.empty((batch, dim), dtype=weight.dtype, device=weight.device)
+    vec = vector_width(dim, weight.element_size(), weight.data_ptr())
+    key = ("fwd", dim, weight.dtype, ids.dtype, vec, save_counts)
+    exe = _executable("fwd", key, lambda: build_forward(dim, _TORCH_TO_TL[weight.dtype], _TORCH_TO_TL[ids.dtype],
+                                                         vec, save_counts))
+    if save_counts:
+        counts = torch.empty((batch,), dtype=torch.int32, device=weight.device)
+        exe(weight, ids, out, counts)
+        return out, counts
+    exe(weight, ids, out)
+    return out, None
+
+
+def backward_sparse(ids, counts, ends, grad_out, nnz: int, num_rows: int, weight_dtype):
+    dim = grad_out.shape[1]
+    indices = torch.empty((nnz,), dtype=torch.int64, device=ids.device)
+    values = torch.empty((nnz, dim), dtype=weight_dtype, device=ids.device)
+    if nnz == 0:
+        return indices, values
+    g = grad_out if grad_out.dtype == weight_dtype else grad_out.to(weight_dtype)
+    vec = vector_width(dim, g.element_size(), g.data_ptr())
+    key = ("bwd_sparse", dim, weight_dtype, ids.dtype, vec)
+    exe = _executable("bwd_sparse", key, lambda: build_backward_sparse(dim, _TORCH_TO_TL[weight_dtype],
+                                                                       _TORCH_TO_TL[ids.dtype], vec))
+    exe(ids, counts, ends, g, indices, values, num_rows)
+    return indices, values
+
+
+def backward_dense(ids, counts, grad_out, num_rows: int, weight_dtype):
+    dim = grad_out.shape[1]
+    grad = torch.zeros((num_rows, dim), dtype=torch.float32, device=ids.device)
+    key = ("bwd_dense", dim, grad_out.dtype, ids.dtype)
+    exe = _executable("bwd_dense", key, lambda: build_backward_dense(dim, _TORCH_TO_TL[grad_out.dtype],
+                                                                     _TORCH_TO_TL[ids.dtype]))
+    exe(ids, counts, grad_out, grad)
+    return grad if weight_dtype == torch.float32 else grad.to(weight_dtype)

@@ -1,0 +1,222 @@
+"""Triton kernels of `embedding_bag_mean`: forward, sparse (COO) and dense weight-gradient scatter.
+
+Design (see notes/kernels-embedding.md):
+- One program owns BLOCK_B bags and walks the bag length L in chunks of BLOCK_L, loading a
+  [BLOCK_B, BLOCK_L, BLOCK_D] tile of gathered rows at once, so many independent row loads are in
+  flight (the operator is a latency-bound gather). Accumulation is fp32.
+- B, L and V are run-time arguments that are never specialised (a new batch size or bag length does
+  not recompile); D is a compile-time constant so row offsets are provably multiples of D and the row
+  loads become 16-byte vector loads.
+- Ids are read in their own dtype (int32 or int64): no conversion pass on the host or the device.
+- After the first launch the compiled kernel is called directly (`CompiledKernel[grid](...)`), which
+  skips Triton's per-call argument binding and cache-key hashing (several microseconds per call).
+"""
+
+from __future__ import annotations
+
+import time
+
+import torch
+
+try:  # the package is optional: the registry reports it missing
+    import triton.language as tl
+except ImportError:  # pragma: no cover - exercised only where triton is absent
+    tl = None
+
+from .._triton import kernel as dual_kernel
+from .common import compile_seconds, launch_config
+
+if tl is not None:
+
+    @dual_kernel(do_not_specialize=["B", "L", "V"])
+    def _fwd_kernel(
+        w_ptr,
+        ids_ptr,
+        out_ptr,
+        cnt_ptr,
+        B,
+        L,
+        V,
+        D: tl.constexpr,
+        BLOCK_B: tl.constexpr,
+        BLOCK_L: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+        SAVE_COUNTS: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        rb = pid * BLOCK_B + tl.arange(0, BLOCK_B)
+        bmask = rb < B
+        rl = tl.arange(0, BLOCK_L)
+        rd = tl.arange(0, BLOCK_D)
+        dmask = rd < D
+        ids_rows = ids_ptr + rb.to(tl.int64)[:, None] * L
+        acc = tl.zeros([BLOCK_B, BLOCK_D], dtype=tl.float32)
+        cnt = tl.zeros([BLOCK_B], dtype=tl.int32)
+        for l0 in range(0, L, BLOCK_L):
+            lmask = (l0 + rl) < L
+            idx = tl.load(ids_rows + (l0 + rl)[None, :], mask=bmask[:, None] & lmask[None, :], other=0)
+            valid = (idx > 0) & (idx < V)
+            cnt += tl.sum(valid.to(tl.int32), axis=1)
+            row = tl.where(valid, idx, 0).to(tl.int64) * D
+            rows = tl.load(
+                w_ptr + row[:, :, None] + rd[None, None, :],
+                mask=valid[:, :, None] & dmask[None, None, :],
+                other=0.0,
+            )
+            acc += tl.sum(rows.to(tl.float32), axis=1)
+        inv = 1.0 / tl.maximum(cnt, 1).to(tl.float32)
+        out = acc * inv[:, None]
+        out_ptrs = out_ptr + rb.to(tl.int64)[:, None] * D + rd[None, :]
+        tl.store(out_ptrs, out.to(out_ptr.dtype.element_ty), mask=bmask[:, None] & dmask[None, :])
+        if SAVE_COUNTS:
+            tl.store(cnt_ptr + rb, cnt, mask=bmask)
+
+    @dual_kernel(do_not_specialize=["B", "L", "V"])
+    def _bwd_sparse_kernel(
+        ids_ptr,
+        cnt_ptr,
+        end_ptr,
+        g_ptr,
+        idx_out_ptr,
+        val_out_ptr,
+        B,
+        L,
+        V,
+        D: tl.constexpr,
+        BLOCK_B: tl.constexpr,
+        BLOCK_L: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        # COO entries of bag b occupy [end[b] - cnt[b], end[b]) in bag order, position order inside.
+        pid = tl.program_id(0)
+        rb = pid * BLOCK_B + tl.arange(0, BLOCK_B)
+        bmask = rb < B
+        rl = tl.arange(0, BLOCK_L)
+        rd = tl.arange(0, BLOCK_D)
+        dmask = rd < D
+        cnt = tl.load(cnt_ptr + rb, mask=bmask, other=0)
+        start = tl.load(end_ptr + rb, mask=bmask, other=0) - cnt
+        inv = 1.0 / tl.maximum(cnt, 1).to(tl.float32)
+        g = tl.load(g_ptr + rb.to(tl.int64)[:, None] * D + rd[None, :], mask=bmask[:, None] & dmask[None, :])
+        val = (g.to(tl.float32) * inv[:, None]).to(val_out_ptr.dtype.element_ty)
+        ids_rows = ids_ptr + rb.to(tl.int64)[:, None] * L
+        for l0 in range(0, L, BLOCK_L):
+            lmask = (l0 + rl) < L
+            idx = tl.load(ids_rows + (l0 + rl)[None, :], mask=bmask[:, None] & lmask[None, :], other=0)
+            valid = (idx > 0) & (idx < V)
+            v32 = valid.to(tl.int32)
+            slot = start[:, None] + (tl.cumsum(v32, axis=1) - v32)
+            tl.store(idx_out_ptr + slot, idx.to(tl.int64), mask=valid)
+            vptrs = val_out_ptr + slot[:, :, None] * D + rd[None, None, :]
+            tl.store(vptrs, tl.broadcast_to(val[:, None, :], [BLOCK_B, BLOCK_L, BLOCK_D]),
+                     mask=valid[:, :, None] & dmask[None, None, :])
+            start += tl.sum(v32, axis=1)
+
+    @dual_kernel(do_not_specialize=["B", "L", "V"])
+    def _bwd_dense_kernel(
+        ids_ptr,
+        cnt_ptr,
+        g_ptr,
+        grad_ptr,
+        B,
+        L,
+        V,
+        D: tl.constexpr,
+        BLOCK_B: tl.constexpr,
+        BLOCK_L: tl.constexpr,
+        BLOCK_D: tl.constexpr,
+    ):
+        pid = tl.program_id(0)
+        rb = pid * BLOCK_B + tl.arange(0, BLOCK_B)
+        bmask = rb < B
+        rl = tl.arange(0, BLOCK_L)
+        rd = tl.arange(0, BLOCK_D)
+        dmask = rd < D
+        cnt = tl.load(cnt_ptr + rb, mask=bmask, other=0)
+        inv = 1.0 / tl.maximum(cnt, 1).to(tl.float32)
+        g = tl.load(g_ptr + rb.to(tl.int64)[:, None] * D + rd[None, :], mask=bmask[:, None] & dmask[None, :])
+        val = g.to(tl.float32) * inv[:, None]
+        ids_rows = ids_ptr + rb.to(tl.int64)[:, None] * L
+        for l0 in range(0, L, BLOCK_L):
+            lmask = (l0 + rl) < L
+            idx = tl.load(ids_rows + (l0 + rl)[None, :], mask=bmask[:, None] & lmask[None, :], other=0)
+            valid = (idx > 0) & (idx < V)
+            row = tl.where(valid, idx, 0).to(tl.int64) * D
+            tl.atomic_add(grad_ptr + row[:, :, None] + rd[None, None, :],
+                          tl.broadcast_to(val[:, None, :], [BLOCK_B, BLOCK_L, BLOCK_D]),
+                          mask=valid[:, :, None] & dmask[None, None, :], sem="relaxed")
+
+
+# (kernel name, constexprs, dtypes, 16-byte alignment of the pointers) -> CompiledKernel
+_COMPILED: dict[tuple, object] = {}
+
+
+def _align_key(*tensors: torch.Tensor) -> tuple:
+    """Device index and the 16-byte alignment of each pointer (Triton specialises on it)."""
+    return (tensors[0].device.index,) + tuple(t.data_ptr() % 16 == 0 for t in tensors)
+
+
+def forward(weight: torch.Tensor, ids: torch.Tensor, save_counts: bool):
+    """(out, counts or None); counts are int32 valid-id counts per bag, kept for the backward."""
+    num_rows, dim = weight.shape
+    batch, bag = ids.shape
+    out = torch.empty((batch, dim), dtype=weight.dtype, device=weight.device)
+    counts = torch.empty((batch,), dtype=torch.int32, device=weight.device) if save_counts else out
+    cfg = launch_config(batch, bag, dim, weight.element_size())
+    grid = -(-batch // cfg.block_b)
+    args = (weight, ids, out, counts, batch, bag, num_rows, dim, cfg.block_b, cfg.block_l, cfg.block_d,
+            save_counts)
+    key = ("fwd", weight.dtype, ids.dtype, dim, cfg.block_b, cfg.block_l, save_counts,
+           _align_key(weight, ids), cfg.num_warps)
+    _launch_with_warps("fwd", _fwd_kernel, grid, args, key, cfg.num_warps)
+    return out, (counts if save_counts else None)
+
+
+def _launch_with_warps(name, kernel, grid, args, key, num_warps):
+    """Launch with all arguments positional. On CUDA the first launch per key compiles through Triton's
+    JIT and keeps the CompiledKernel; later launches call it directly. CPU tensors (only under
+    TRITON_INTERPRET=1) go through the interpreter."""
+    ck = _COMPILED.get(key)
+    if ck is not None:
+        ck[(grid, 1, 1)](*args)
+        return
+    if not args[0].is_cuda:
+        kernel.interpreted[(grid,)](*args, num_warps=num_warps)
+        return
+    t0 = time.perf_counter()
+    ck = kernel.compiled[(grid,)](*args, num_warps=num_warps)
+    torch.cuda.synchronize()
+    compile_seconds[("triton", name) + key] = time.perf_counter() - t0
+    _COMPILED[key] = ck
+
+
+def backward_sparse(ids, counts, ends, grad_out, nnz: int, num_rows: int, weight_dtype):
+    """COO pieces (indices int64 [nnz], values [nnz, D] in the weight dtype) of the weight gradient."""
+    batch, bag = ids.shape
+    dim = grad_out.shape[1]
+    indices = torch.empty((nnz,), dtype=torch.int64, device=ids.device)
+    values = torch.empty((nnz, dim), dtype=weight_dtype, device=ids.device)
+    if nnz == 0:
+        return indices, values
+    cfg = launch_config(batch, bag, dim, 4)
+    grid = -(-batch // cfg.block_b)
+    args = (ids, counts, ends, grad_out, indices, values, batch, bag, num_rows, dim, cfg.block_b,
+            cfg.block_l, cfg.block_d)
+    key = ("bwd_sparse", grad_out.dtype, weight_dtype, ids.dtype, dim, cfg.block_b, cfg.block_l,
+           _align_key(ids, grad_out), cfg.num_warps)
+    _launch_with_warps("bwd_sparse", _bwd_sparse_kernel, grid, args, key, cfg.num_warps)
+    return indices, values
+
+
+def backward_dense(ids, counts, grad_out, num_rows: int, weight_dtype):
+    """Dense (V, D) weight gradient: fp32 atomics, then one cast when the weight is not fp32."""
+    batch, bag = ids.shape
+    dim = grad_out.shape[1]
+    grad = torch.zeros((num_rows, dim), dtype=torch.float32, device=ids.device)
+    cfg = launch_config(batch, bag, dim, 4)
+    grid = -(-batch // cfg.block_b)
+    args = (ids, counts, grad_out, grad, batch, bag, num_rows, dim, cfg.block_b, cfg.block_l, cfg.block_d)
+    key = ("bwd_dense", grad_out.dtype, ids.dtype, dim, cfg.block_b, cfg.block_l, _align_key(ids, grad_out),
+           cfg.num_warps)
+    _launch_with_warps("bwd_dense", _bwd_dense_kernel, grid, args, key, cfg.num_warps)
+    return grad if weight_dtype == torch.float32 else grad.to(weight_dtype)
