@@ -30,9 +30,19 @@ class _BucketState:
     bucket: Bucket
     momentum: torch.Tensor  # (B, m, n), the per-parameter momentum buffers are views of it
     scale: float
-    static_in: torch.Tensor | None = None
+    static_in: torch.Tensor  # (B, m, n) view of the group's flat gradient buffer
+
+
+@dataclass
+class _GroupPlan:
+    """The stacked layout of one Muon group: all its gradients are copied into one flat buffer with a
+    single for-each copy, each bucket reads its (B, m, n) slice of it."""
+
+    buckets: list[_BucketState]
+    params: list[torch.Tensor]
+    in_views: list[torch.Tensor]  # per parameter, views of the flat buffer shaped like the parameter
     runner: GraphRunner | None = None
-    out_views: list | None = None
+    out_views: list[torch.Tensor] | None = None
 
 
 class Muon(torch.optim.Optimizer):
@@ -60,7 +70,7 @@ class Muon(torch.optim.Optimizer):
         coefficients = resolve_coefficients(ns_coefficients)
         self._ns_dtype = ns_dtype
         self._cuda_graph = cuda_graph
-        self._buckets: dict[int, list[_BucketState]] = {}
+        self._buckets: dict[int, _GroupPlan] = {}
         defaults = dict(
             lr=lr, momentum=momentum, nesterov=nesterov, ns_steps=ns_steps, ns_coefficients=coefficients,
             weight_decay=weight_decay, adamw_lr=adamw_lr, betas=adamw_betas, eps=adamw_eps,
@@ -122,19 +132,30 @@ class Muon(torch.optim.Optimizer):
             return self._ns_dtype
         return torch.bfloat16 if device.type == "cuda" else dtype
 
-    def _bucket_states(self, index: int, group: dict) -> list[_BucketState]:
-        states = self._buckets.get(index)
-        if states is None:
-            states = []
-            for bucket in make_buckets(group["params"], "stack"):
-                bufs = [self.state[p].get("momentum_buffer") for p in bucket.params]
-                bufs = [torch.zeros_like(p) if b is None else b for p, b in zip(bucket.params, bufs, strict=True)]
-                momentum = bucket.gather(bufs)
-                for p, view in zip(bucket.params, bucket.views(momentum), strict=True):
-                    self.state[p]["momentum_buffer"] = view
-                states.append(_BucketState(bucket, momentum, muon_scale(bucket.m, bucket.n)))
-            self._buckets[index] = states
-        return states
+    def _plan(self, index: int, group: dict) -> _GroupPlan:
+        plan = self._buckets.get(index)
+        if plan is not None:
+            return plan
+        buckets = make_buckets(group["params"], "stack")
+        p0 = group["params"][0]
+        total = sum(b.size * b.m * b.n for b in buckets)
+        flat = torch.empty(total, dtype=p0.dtype, device=p0.device)
+        states, params, in_views, offset = [], [], [], 0
+        for bucket in buckets:
+            bufs = [self.state[p].get("momentum_buffer") for p in bucket.params]
+            bufs = [torch.zeros_like(p) if b is None else b for p, b in zip(bucket.params, bufs, strict=True)]
+            momentum = bucket.gather(bufs)
+            for p, view in zip(bucket.params, bucket.views(momentum), strict=True):
+                self.state[p]["momentum_buffer"] = view
+            size = bucket.size * bucket.m * bucket.n
+            static_in = flat[offset : offset + size].view(bucket.size, bucket.m, bucket.n)
+            offset += size
+            states.append(_BucketState(bucket, momentum, muon_scale(bucket.m, bucket.n), static_in))
+            params.extend(bucket.params)
+            in_views.extend(bucket.views(static_in))
+        plan = _GroupPlan(states, params, in_views)
+        self._buckets[index] = plan
+        return plan
 
     def _math(self, g: torch.Tensor, momentum_buf: torch.Tensor, group: dict, scale: float) -> torch.Tensor:
         mu = group["momentum"]
@@ -144,35 +165,36 @@ class Muon(torch.optim.Optimizer):
         return o.to(g.dtype).mul_(scale)
 
     def _muon_group(self, index: int, group: dict) -> None:
-        params, updates = [], []
-        for bs in self._bucket_states(index, group):
-            bucket = bs.bucket
-            grads = [p.grad for p in bucket.params]
-            if any(g is None for g in grads) or any(g.is_sparse for g in grads):
+        plan = self._plan(index, group)
+        grads = [p.grad for p in plan.params]
+        if any(g is None or g.is_sparse for g in grads) or len({g.dtype for g in grads}) != 1:
+            params, updates = [], []
+            for bs in plan.buckets:
                 self._partial_bucket(bs, group, params, updates)
-                continue
-            if self._uses_graph(bucket.params[0].device):
-                if bs.runner is None:
-                    bs.static_in = torch.empty_like(bs.momentum)
-                    bs.runner = GraphRunner(
-                        lambda bs=bs, group=group: self._math(bs.static_in, bs.momentum, group, bs.scale),
-                        state=[bs.momentum],
-                    )
-                bucket.gather(grads, out=bs.static_in)
-                out = bs.runner()
-                if bs.out_views is None:
-                    bs.out_views = bucket.views(out)
-                views = bs.out_views
+        else:
+            torch._foreach_copy_(plan.in_views, grads)
+            params = plan.params
+            if self._uses_graph(params[0].device):
+                if plan.runner is None:
+                    plan.runner = GraphRunner(lambda: self._math_all(plan, group),
+                                              state=[bs.momentum for bs in plan.buckets])
+                outs = plan.runner()
+                if plan.out_views is None:
+                    plan.out_views = [v for bs, o in zip(plan.buckets, outs, strict=True)
+                                      for v in bs.bucket.views(o)]
+                updates = plan.out_views
             else:
-                views = bucket.views(self._math(bucket.gather(grads), bs.momentum, group, bs.scale))
-            params.extend(bucket.params)
-            updates.extend(views)
+                outs = self._math_all(plan, group)
+                updates = [v for bs, o in zip(plan.buckets, outs, strict=True) for v in bs.bucket.views(o)]
         if not params:
             return
         lr = group["lr"]
         if group["weight_decay"]:
             torch._foreach_mul_(params, 1 - lr * group["weight_decay"])
         torch._foreach_add_(params, updates, alpha=-lr)
+
+    def _math_all(self, plan: _GroupPlan, group: dict) -> list[torch.Tensor]:
+        return [self._math(bs.static_in, bs.momentum, group, bs.scale) for bs in plan.buckets]
 
     def _partial_bucket(self, bs: _BucketState, group: dict, params: list, updates: list) -> None:
         """Some parameters of the bucket have no gradient this step: update only the others, eagerly."""
@@ -181,13 +203,19 @@ class Muon(torch.optim.Optimizer):
         chosen = [i for i, p in enumerate(bucket.params) if p.grad is not None]
         if not chosen:
             return
+        if len(chosen) == len(bucket.params):
+            out = self._math(bucket.gather([p.grad.to(p.dtype) for p in bucket.params]), bs.momentum, group,
+                             bs.scale)
+            params.extend(bucket.params)
+            updates.extend(bucket.views(out))
+            return
         rows = torch.cat([
             torch.arange(bucket.starts[i], bucket.starts[i] + bucket.counts[i]) for i in chosen
         ]).to(bs.momentum.device)
         sub = Bucket(bucket.key, [bucket.params[i] for i in chosen], bucket.m, bucket.n,
                      [bucket.counts[i] for i in chosen])
         momentum = bs.momentum.index_select(0, rows)
-        out = self._math(sub.gather([p.grad for p in sub.params]), momentum, group, bs.scale)
+        out = self._math(sub.gather([p.grad.to(p.dtype) for p in sub.params]), momentum, group, bs.scale)
         bs.momentum.index_copy_(0, rows, momentum)
         params.extend(sub.params)
         updates.extend(sub.views(out))

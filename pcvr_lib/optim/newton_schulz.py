@@ -18,6 +18,8 @@ import math
 
 import torch
 
+from .errors import OptimizerError
+
 CUBIC = (1.5, -0.5, 0.0)
 QUINTIC = (3.4445, -4.7750, 2.0315)
 COEFFICIENTS = {"cubic": CUBIC, "quintic": QUINTIC}
@@ -30,7 +32,7 @@ def resolve_coefficients(name: str) -> tuple[float, float, float]:
     try:
         return COEFFICIENTS[name]
     except KeyError:
-        raise ValueError(
+        raise OptimizerError(
             f"unknown Newton-Schulz iteration {name!r}; known: {', '.join(sorted(COEFFICIENTS))}"
         ) from None
 
@@ -44,8 +46,10 @@ def scalar_map(sigma, steps: int, coefficients: tuple[float, float, float]):
 
 
 def safe_inverse_norm(x: torch.Tensor) -> torch.Tensor:
-    """1 / ||x_i||_F per matrix of a (B, m, n) stack, in fp32, and 0 where the norm is tiny or not finite."""
-    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=torch.float32)
+    """(1 / ||x_i||_F, ||x_i||_F) per matrix of a (B, m, n) stack, in at least fp32; the inverse is 0 where
+    the norm is tiny or not finite."""
+    dtype = torch.promote_types(x.dtype, torch.float32)
+    norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=dtype)
     ok = torch.isfinite(norm) & (norm > TINY_NORM)
     return torch.where(ok, norm.reciprocal(), torch.zeros_like(norm)), norm
 

@@ -2,7 +2,7 @@
 
 The transform (the reference's): a gradient with ndim >= 2 is seen as (rows, prod(rest)) in fp32, on its
 wide orientation (rows <= cols), divided by its Frobenius norm, given `ns_steps` (2) iterations of
-X <- 1.5 X - 0.5 (X X^T) X, and multiplied by the original norm. Vectors and biases keep their gradient.
+X <- 1.5 X - 0.5 (X X^T) X, and rescaled to the original Frobenius norm. Vectors and biases keep their gradient.
 It is the first stage of `step()`, so the training order clip -> transform -> dense step holds.
 
 AdamW itself is torch's, fused where torch has a fused kernel for CUDA (`fused=None`), else torch's default.
@@ -28,18 +28,40 @@ def orthogonal_transform(g: torch.Tensor, steps: int = 2) -> torch.Tensor:
         x = x.mT
     inv, norm = safe_inverse_norm(x)
     x = torch.nan_to_num_(x * inv, nan=0.0, posinf=0.0, neginf=0.0)
-    x = newton_schulz_(x, steps, CUBIC) * norm  # a non-finite norm gives NaN here, on purpose
+    x = newton_schulz_(x, steps, CUBIC)
+    # back to the gradient's norm: the iteration changed ||x||_F (a non-finite norm gives NaN, on purpose)
+    inv_x, _ = safe_inverse_norm(x)
+    x = x * (inv_x * norm)
     if transpose:
         x = x.mT
     return x.to(g.dtype).contiguous()
 
 
 @dataclass
-class _TransformBucket:
-    bucket: Bucket
-    static_in: torch.Tensor | None = None
+class _Plan:
+    """All matrix gradients copied into one flat buffer (one for-each copy); buckets read (B, r, c) slices."""
+
+    buckets: list[Bucket]
+    params: list[torch.Tensor]
+    stacks: list[torch.Tensor]  # per bucket, the (B, r, c) view of the flat buffer
+    in_views: list[torch.Tensor]
     runner: GraphRunner | None = None
-    out_views: list | None = None
+    out_views: list[torch.Tensor] | None = None
+
+
+def _make_plan(mats: list[torch.Tensor]) -> _Plan:
+    buckets = make_buckets(mats, "flatten")
+    p0 = mats[0]
+    flat = torch.empty(sum(p.numel() for p in mats), dtype=p0.dtype, device=p0.device)
+    params, stacks, in_views, offset = [], [], [], 0
+    for b in buckets:
+        size = b.size * b.m * b.n
+        stack = flat[offset : offset + size].view(b.size, b.m, b.n)
+        offset += size
+        stacks.append(stack)
+        params.extend(b.params)
+        in_views.extend(b.views(stack))
+    return _Plan(buckets, params, stacks, in_views)
 
 
 class OrthogonalAdamW(torch.optim.AdamW):
@@ -66,12 +88,12 @@ class OrthogonalAdamW(torch.optim.AdamW):
             check_fused_supported(flat, "orthogonal_adamw")
         self._ns_steps = ns_steps
         self._cuda_graph = cuda_graph
-        self._buckets: list[_TransformBucket] | None = None
+        self._plan: _Plan | None = None
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused or None)
 
     def add_param_group(self, param_group: dict) -> None:
         super().add_param_group(param_group)
-        self._buckets = None
+        self._plan = None
 
     def _uses_graph(self, device: torch.device) -> bool:
         if device.type != "cuda":
@@ -80,38 +102,43 @@ class OrthogonalAdamW(torch.optim.AdamW):
             return False
         return True if self._cuda_graph is None else bool(self._cuda_graph)
 
+    def _transform_all(self, plan: _Plan) -> list[torch.Tensor]:
+        return [orthogonal_transform(stack, self._ns_steps) for stack in plan.stacks]
+
     @torch.no_grad()
     def transform_gradients(self) -> None:
         """Replace every matrix gradient by its orthogonalised, norm-preserving version."""
-        if self._buckets is None:
+        if self._plan is None:
             mats = [p for g in self.param_groups for p in g["params"] if p.dim() >= 2]
-            self._buckets = [_TransformBucket(b) for b in make_buckets(mats, "flatten")]
-        for tb in self._buckets:
-            bucket = tb.bucket
-            params, grads = dense_grads("orthogonal_adamw", bucket.params)
-            if len(params) < len(bucket.params):  # some have no gradient: transform the others eagerly
-                if params:
-                    sub = Bucket(bucket.key, params, bucket.m, bucket.n, [1] * len(params))
-                    for p, v in zip(params, sub.views(orthogonal_transform(sub.gather(grads), self._ns_steps)),
-                                    strict=True):
+            if not mats:
+                return
+            self._plan = _make_plan(mats)
+        plan = self._plan
+        params, grads = dense_grads("orthogonal_adamw", plan.params)
+        if len(params) < len(plan.params) or len({g.dtype for g in grads} | {plan.stacks[0].dtype}) != 1:
+            # some have no gradient (or an unusual dtype): transform the others eagerly, bucket by bucket
+            for b in plan.buckets:
+                ps = [p for p in b.params if p.grad is not None]
+                if ps:
+                    sub = Bucket(b.key, ps, b.m, b.n, [1] * len(ps))
+                    out = orthogonal_transform(sub.gather([p.grad for p in ps]), self._ns_steps)
+                    for p, v in zip(ps, sub.views(out), strict=True):
                         p.grad = v
-                continue
-            if self._uses_graph(params[0].device):
-                if tb.runner is None:
-                    tb.static_in = torch.empty((bucket.size, bucket.m, bucket.n), dtype=params[0].dtype,
-                                               device=params[0].device)
-                    tb.runner = GraphRunner(lambda tb=tb: orthogonal_transform(tb.static_in, self._ns_steps),
-                                            state=[])
-                bucket.gather(grads, out=tb.static_in)
-                out = tb.runner()
-                if tb.out_views is None:
-                    tb.out_views = bucket.views(out)
-                views = tb.out_views
-            else:
-                views = bucket.views(orthogonal_transform(bucket.gather(grads), self._ns_steps))
-            # the transformed gradients are views of the stacked result: no copy back
-            for p, v in zip(params, views, strict=True):
-                p.grad = v
+            return
+        torch._foreach_copy_(plan.in_views, grads)
+        if self._uses_graph(params[0].device):
+            if plan.runner is None:
+                plan.runner = GraphRunner(lambda: self._transform_all(plan), state=[])
+            outs = plan.runner()
+            if plan.out_views is None:
+                plan.out_views = [v for b, o in zip(plan.buckets, outs, strict=True) for v in b.views(o)]
+            views = plan.out_views
+        else:
+            outs = self._transform_all(plan)
+            views = [v for b, o in zip(plan.buckets, outs, strict=True) for v in b.views(o)]
+        # the transformed gradients are views of the stacked results: no copy back
+        for p, v in zip(params, views, strict=True):
+            p.grad = v
 
     @torch.no_grad()
     def step(self, closure=None):

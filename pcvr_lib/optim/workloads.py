@@ -1,0 +1,118 @@
+"""Workloads the optimizer benchmarks and tests train on.
+
+- `mlp`: the reference's synthetic task: an MLP Linear(2F -> H), (depth - 1) x Linear(H -> H), GELU
+  between them, Linear(H -> 1), on a fixed random batch with a binary target that depends on the inputs.
+  Reference defaults: batch 512, F 128, H 512, depth 4.
+- `pcvr_dense`: the dense parameter shapes of a representative PCVR ranking model (d_model 64, 2 blocks,
+  4 heads, HyFormer-like: token projections, per-domain sequence encoders, attention, RankMixer per-token
+  FFNs stored as 3-D stacks, a head MLP), trained on a quadratic bowl towards a fixed random target so the
+  step sees dense gradients of exactly these shapes.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+D_MODEL = 64
+
+
+def pcvr_dense_shapes(d: int = D_MODEL, blocks: int = 2, domains: int = 4, ns_tokens: int = 7,
+                      queries: int = 8, ffn_mult: int = 4) -> list[tuple[int, ...]]:
+    """Dense parameter shapes of a representative PCVR model (weights, biases and norm scales)."""
+    shapes: list[tuple[int, ...]] = []
+
+    def linear(out_f, in_f):
+        shapes.extend([(out_f, in_f), (out_f,)])
+
+    for _ in range(ns_tokens):  # non-sequence tokens from grouped sparse-feature embeddings
+        linear(d, 4 * d)
+    linear(d, 48)  # user dense token
+    linear(d, 16)  # item dense token
+    for _ in range(domains):  # per-domain sequence encoder: side features -> d, then a 1-block encoder
+        linear(d, 3 * d)
+        linear(3 * d, d)  # fused qkv
+        linear(d, d)
+        linear(ffn_mult * d, d)
+        linear(d, ffn_mult * d)
+        shapes.extend([(d,), (d,)])
+    tokens = queries + ns_tokens
+    for _ in range(blocks):
+        linear(3 * d, d)  # sequence self-attention qkv
+        linear(d, d)
+        linear(d, d)  # query -> sequence cross-attention q
+        linear(2 * d, d)  # kv
+        linear(d, d)
+        shapes.extend([(d,)] * 4)  # norms
+        # RankMixer: per-token FFNs, one weight matrix per token, stored stacked
+        shapes.extend([(tokens, ffn_mult * d, d), (tokens, ffn_mult * d), (tokens, d, ffn_mult * d), (tokens, d)])
+    linear(4 * d, queries * d)  # head MLP on the flattened queries
+    linear(2 * d, 4 * d)
+    linear(1, 2 * d)
+    return shapes
+
+
+@dataclass
+class Task:
+    """Parameters and a loss closure; `loss()` runs the forward pass."""
+
+    name: str
+    module: nn.Module
+    loss: callable
+
+    def parameters(self) -> list[torch.Tensor]:
+        return list(self.module.parameters())
+
+
+def make_mlp(features: int = 128, hidden: int = 512, depth: int = 4) -> nn.Sequential:
+    layers: list[nn.Module] = [nn.Linear(2 * features, hidden)]
+    for _ in range(depth - 1):
+        layers += [nn.GELU(), nn.Linear(hidden, hidden)]
+    layers += [nn.GELU(), nn.Linear(hidden, 1)]
+    return nn.Sequential(*layers)
+
+
+def mlp_task(batch: int = 512, features: int = 128, hidden: int = 512, depth: int = 4, seed: int = 0,
+             device="cpu") -> Task:
+    g = torch.Generator().manual_seed(seed)
+    torch.manual_seed(seed)
+    model = make_mlp(features, hidden, depth).to(device)
+    x = torch.randn(batch, 2 * features, generator=g)
+    w = torch.randn(2 * features, generator=g)
+    y = ((x @ w) + 0.5 * (x[:, :features] * x[:, features:]).sum(1) > 0).float().unsqueeze(1)
+    x, y = x.to(device), y.to(device)
+
+    def loss():
+        return nn.functional.binary_cross_entropy_with_logits(model(x), y)
+
+    return Task("mlp", model, loss)
+
+
+def pcvr_dense_task(seed: int = 0, device="cpu", shapes: list[tuple[int, ...]] | None = None) -> Task:
+    g = torch.Generator().manual_seed(seed)
+    shapes = shapes or pcvr_dense_shapes()
+    params = nn.ParameterList()
+    for shape in shapes:
+        fan_in = shape[-1]
+        scale = fan_in**-0.5 if len(shape) >= 2 else 0.1
+        params.append(nn.Parameter((torch.randn(shape, generator=g) * scale).to(device)))
+    total = sum(p.numel() for p in params)
+    target = (torch.randn(total, generator=g) * 0.05).to(device)
+
+    def loss():
+        flat = torch.cat([p.reshape(-1) for p in params])
+        return (flat - target).square().mean() * 1e3
+
+    return Task("pcvr_dense", params, loss)
+
+
+WORKLOADS = {"mlp": mlp_task, "pcvr_dense": pcvr_dense_task}
+
+
+def make_task(name: str, device="cpu", seed: int = 0, **options) -> Task:
+    try:
+        return WORKLOADS[name](seed=seed, device=device, **options)
+    except KeyError:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}") from None
