@@ -1,0 +1,257 @@
+"""Data-pipeline benchmarks: preset x mode.
+
+- mode=loader: the full pipeline (parquet row-group scan -> Arrow -> convert -> cache -> augment) through
+  `PcvrLoader`, row-group sweeps with a shuffled order per pass so caches matter; floor: plainly reading
+  the same columns of the same row groups with pyarrow, measured in the same run.
+- mode=convert: Arrow batches preloaded in memory, only the converter timed (the preset decides the
+  converter's strict_time_filter); floor: copying one converted batch's bytes once.
+
+Rows per second count source rows (the augment presets' second views are extra output, not extra input).
+Sizes come from the `data_scale` fixture: ci (seconds), default (stable numbers in a few minutes on two
+cores), full (the reference's 300x). Correctness is checked before anything is recorded: row and batch
+counts match the plan, and OPT's hits equal Belady's optimum on the same trace.
+"""
+
+from __future__ import annotations
+
+import time
+
+import numpy as np
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+from pcvr_lib.data.cache import CACHE_POLICIES, belady_hit_count, make_cache
+from pcvr_lib.data.convert import Converter
+from pcvr_lib.data.generate import generate_dataset
+from pcvr_lib.data.loader import PRESETS, PcvrLoader
+from pcvr_lib.schema import load_schema
+
+MODES = ("loader", "convert")
+CASES = [pytest.param(p, m, id=f"preset={p},mode={m}") for p in PRESETS for m in MODES]
+
+# rows x multiplier of generated demo data; batches; passes per loader round; preloaded converter batches
+SCALES = {
+    "ci": dict(rows=600, multiplier=1, row_group_size=200, batch_size=128, passes=2, convert_batches=4, rounds=1),
+    "default": dict(
+        rows=1000, multiplier=12, row_group_size=1000, batch_size=256, passes=2, convert_batches=24, rounds=3
+    ),
+    "full": dict(
+        rows=1000, multiplier=300, row_group_size=1000, batch_size=256, passes=2, convert_batches=128, rounds=1
+    ),
+}
+CACHE_FRACTION = 0.4  # cache capacity as a share of the distinct batches (the reference: 512 of ~1200)
+
+
+@pytest.fixture(scope="module")
+def setup(data_scale, data_cache_dir, repo_root):
+    cfg = dict(SCALES[data_scale], scale=data_scale)
+    schema = load_schema(repo_root / "fixtures" / "sample_1000_raw.schema.json")
+    path = generate_dataset(
+        schema,
+        rows=cfg["rows"],
+        multiplier=cfg["multiplier"],
+        row_group_size=cfg["row_group_size"],
+        cache_dir=data_cache_dir,
+        progress=True,
+    )
+    return cfg, schema, path
+
+
+def _loader(cfg, schema, path, preset) -> PcvrLoader:
+    probe = PcvrLoader(path, schema, batch_size=cfg["batch_size"])
+    capacity = max(1, int(probe.planned_batches * CACHE_FRACTION))
+    return PcvrLoader(
+        path,
+        schema,
+        preset=preset,
+        batch_size=cfg["batch_size"],
+        passes=cfg["passes"],
+        shuffle=True,
+        seed=0,
+        cache_capacity=capacity,
+    )
+
+
+def pyarrow_read_rows_per_sec(path, columns, rounds: int) -> float:
+    """Plain pyarrow: read every row group's converter columns once (best of `rounds`)."""
+    best = float("inf")
+    pf = pq.ParquetFile(path)
+    rows = pf.metadata.num_rows
+    for _ in range(rounds):
+        start = time.perf_counter()
+        n = sum(pf.read_row_group(g, columns=columns).num_rows for g in range(pf.metadata.num_row_groups))
+        best = min(best, time.perf_counter() - start)
+        assert n == rows
+    return rows / best
+
+
+def copy_floor_seconds(batch, reps: int = 5) -> float:
+    """Time to copy one converted batch's bytes once (single thread, into preallocated buffers)."""
+    sources = [t.numpy() for t in batch.tensors()]
+    targets = [np.empty_like(a) for a in sources]
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        for dst, src in zip(targets, sources, strict=True):
+            np.copyto(dst, src)
+        best = min(best, time.perf_counter() - start)
+    return best
+
+
+def policy_hit_rates(trace, capacity) -> dict[str, float]:
+    """Hit rate of every cache policy replaying the loader's access trace (tiny payloads)."""
+    token = torch.zeros(1)
+    rates = {}
+    for policy in CACHE_POLICIES:
+        if policy == "none":
+            continue
+        cache = make_cache(policy, capacity)
+        cache.set_trace(trace)
+        for key in trace:
+            if cache.get(key) is None:
+                cache.put(key, token)
+        rates[policy] = cache.stats()["hit_rate"]
+    rates["belady"] = belady_hit_count(trace, capacity) / len(trace)
+    return rates
+
+
+def run_loader_case(benchmark, cfg, schema, path, preset):
+    info = benchmark.extra_info
+    timings: list[float] = []
+    holder: dict = {}
+
+    def make():
+        holder["loader"] = _loader(cfg, schema, path, preset)
+        return (), {}
+
+    def run():
+        loader = holder["loader"]
+        start = time.perf_counter()
+        rows = batches = 0
+        nbytes = 0
+        for batch in loader:
+            rows += batch.batch_size
+            batches += 1
+            nbytes = max(nbytes, batch.nbytes)
+        timings.append(time.perf_counter() - start)
+        return rows, batches, nbytes
+
+    rows, batches, nbytes = benchmark.pedantic(run, setup=make, rounds=cfg["rounds"], iterations=1)
+    loader = holder["loader"]
+    stats = loader.stats()
+    views = 2 if PRESETS[preset].augmentations else 1
+    # correctness before numbers: everything planned came out, once
+    assert batches == loader.planned_batches == stats["batches"]
+    assert rows == loader.planned_rows * views == stats["rows"]
+    cache = stats["cache"]
+    assert cache["hits"] + cache["misses"] == batches
+    trace = [key for _, _, key in loader.plan_items()]
+    rates = policy_hit_rates(trace, loader.cache_capacity)
+    if loader.cache_policy == "opt":
+        assert cache["hits"] == belady_hit_count(trace, loader.cache_capacity)
+    if loader.cache_policy == "none":
+        assert cache["hits"] == 0
+
+    best = min(timings)
+    source_rows = loader.planned_rows
+    floor = pyarrow_read_rows_per_sec(path, loader.columns, rounds=max(1, min(cfg["rounds"], 2)))
+    rows_per_sec = source_rows / best
+    info.update(
+        scale=cfg["scale"],
+        mode="loader",
+        preset=preset,
+        rows_per_sec=rows_per_sec,
+        batches_per_sec=batches / best,
+        measured_rows=source_rows,
+        output_rows=rows,
+        measured_batches=batches,
+        elapsed_sec=best,
+        batch_size=loader.batch_size,
+        passes=loader.passes,
+        num_workers=loader.num_workers,
+        cache_impl=loader.cache_policy,
+        cache_capacity=loader.cache_capacity if loader.cache_policy != "none" else 0,
+        cache_hit_rate=cache["hit_rate"],
+        cache_stats=cache,
+        hit_rates_same_trace=rates,
+        strict_time_filter=loader.strict_time_filter,
+        augmentations=stats["augmentations"],
+        bytes_per_batch=nbytes,
+        row_groups_read=stats["row_groups_read"],
+        late_reads=stats["late_reads"],
+        pyarrow_read_rows_per_sec=floor,
+        ratio_to_pyarrow_read=rows_per_sec / floor,
+    )
+
+
+def run_convert_case(benchmark, cfg, schema, path, preset):
+    info = benchmark.extra_info
+    strict = PRESETS[preset].strict_time_filter
+    pf = pq.ParquetFile(path)
+    size = cfg["batch_size"]
+    batches = []
+    for g in range(pf.metadata.num_row_groups):  # preload Arrow batches (row-group aligned, like the loader)
+        table = pf.read_row_group(g, columns=schema.converter_columns)
+        for start in range(0, table.num_rows, size):
+            batches.append(table.slice(start, size))
+        if len(batches) >= cfg["convert_batches"]:
+            break
+    batches = batches[: cfg["convert_batches"]]
+    converter = Converter(schema, training=True, strict_time_filter=strict)
+    timings: list[float] = []
+    previous = torch.get_num_threads()
+    torch.set_num_threads(1)  # the converter is one process, one thread
+
+    def run():
+        start = time.perf_counter()
+        rows = 0
+        out = None
+        for data in batches:
+            out = converter(data)
+            rows += out.batch_size
+        timings.append(time.perf_counter() - start)
+        return rows, out
+
+    try:
+        rows, last = benchmark.pedantic(run, rounds=cfg["rounds"], iterations=1, warmup_rounds=0)
+        first = converter(batches[0])
+        copy_sec = copy_floor_seconds(first)
+    finally:
+        torch.set_num_threads(previous)
+    assert rows == sum(b.num_rows for b in batches)
+    assert converter.stats["strict_time_filter"] == strict
+    best = min(timings)
+    rows_per_sec = rows / best
+    copy_rows_per_sec = first.batch_size / copy_sec
+    info.update(
+        scale=cfg["scale"],
+        mode="convert",
+        preset=preset,
+        rows_per_sec=rows_per_sec,
+        batches_per_sec=len(batches) / best,
+        measured_rows=rows,
+        measured_batches=len(batches),
+        preloaded_batches=len(batches),
+        elapsed_sec=best,
+        batch_size=size,
+        cache_impl=PRESETS[preset].cache_policy,
+        cache_stats=None,  # convert mode times the converter only; no cache is involved
+        cache_hit_rate=None,
+        strict_time_filter=strict,
+        bytes_per_batch=first.nbytes,
+        copy_floor_sec_per_batch=copy_sec,
+        copy_floor_rows_per_sec=copy_rows_per_sec,
+        ratio_to_copy_floor=rows_per_sec / copy_rows_per_sec,
+        oob_total=converter.stats["oob_total"],
+    )
+
+
+@pytest.mark.benchmark(group="data-pipeline")
+@pytest.mark.parametrize("preset, mode", CASES)
+def test_data_pipeline(benchmark, setup, preset, mode):
+    cfg, schema, path = setup
+    if mode == "loader":
+        run_loader_case(benchmark, cfg, schema, path, preset)
+    else:
+        run_convert_case(benchmark, cfg, schema, path, preset)
