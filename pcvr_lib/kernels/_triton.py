@@ -1,15 +1,18 @@
 """Triton plumbing shared by the operators: one kernel object that runs compiled on CUDA tensors and
 under Triton's interpreter on CPU tensors when TRITON_INTERPRET=1.
 
-Triton decides between the two when `@triton.jit` runs (at import), so a test that sets the variable
-afterwards would still get the compiled kernel. `kernel(fn)` therefore keeps the Python function and
-builds the compiled JITFunction and the InterpretedFunction lazily, choosing per launch from the
-tensors' device; the variable itself is read by triton during interpretation, so tests set it with
-monkeypatch (restored after each test) and nothing leaks.
+Triton 3.x reads TRITON_INTERPRET when `@triton.jit` runs, i.e. at import, for our kernels and for
+its own library functions (`tl.sum` is itself a jit function): a test that sets the variable later
+would still get compiled kernels, and an interpreted kernel would fail on `tl.sum` ("Cannot call
+@triton.jit'd outside of the scope of a kernel"). So `kernel(fn)` keeps the Python function and builds
+the compiled JITFunction and the InterpretedFunction lazily, choosing per launch from the tensors'
+device, and an interpreted launch swaps triton's library jit functions for interpreted ones for its
+duration. Tests set the variable with monkeypatch (restored after each test), so nothing leaks.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 
 import torch
@@ -40,7 +43,41 @@ class DualKernel:
         return self._interpreted
 
     def for_device(self, device: torch.device):
-        return self.compiled if device.type == "cuda" else self.interpreted
+        return self.compiled if device.type == "cuda" else _Interpreted(self.interpreted)
+
+
+class _Interpreted:
+    """`kernel[grid](...)` through the interpreter, with triton's library jit functions interpreted."""
+
+    def __init__(self, fn):
+        self.fn = fn
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            with interpreted_triton_library():
+                return self.fn[grid](*args, **kwargs)
+        return launch
+
+
+@contextlib.contextmanager
+def interpreted_triton_library():
+    """Temporarily replace the JITFunctions of triton.language (sum, max, ...) by interpreted twins."""
+    import triton.language as tl
+    import triton.language.standard as standard
+    from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import JITFunction
+
+    swapped = []
+    for module in (tl, standard):
+        for name, value in list(vars(module).items()):
+            if isinstance(value, JITFunction):
+                swapped.append((module, name, value))
+                setattr(module, name, InterpretedFunction(value.fn))
+    try:
+        yield
+    finally:
+        for module, name, value in swapped:
+            setattr(module, name, value)
 
 
 def kernel(do_not_specialize=()):

@@ -1,0 +1,51 @@
+"""TileLang plumbing shared by the operators: target choice, an in-process kernel cache, compile times.
+
+Kernels are compiled once per key (operator, kernel kind, width class, dtype, launch parameters); the
+row count is a symbolic dimension, so a new M never recompiles. TileLang also keeps compiled kernels on
+disk (TILELANG_CACHE_DIR, default ~/.tilelang/cache), so a second process only loads them.
+Without a GPU the kernels still lower and compile for sm_90 (nvcc), which the CPU tests check.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+
+import torch
+
+COMPILE_SECONDS: dict[tuple, float] = {}
+_KERNELS: dict[tuple, object] = {}
+_TORCH_TO_TL = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+
+
+def tl_dtype(dtype: torch.dtype) -> str:
+    return _TORCH_TO_TL[dtype]
+
+
+def cuda_target(device: torch.device | None = None) -> dict:
+    """The device's architecture when there is one, else sm_90 (the H200's), for compile-only checks."""
+    if device is not None and device.type == "cuda":
+        major, minor = torch.cuda.get_device_capability(device)
+        return {"kind": "cuda", "arch": f"sm_{major}{minor}"}
+    return {"kind": "cuda", "arch": "sm_90"}
+
+
+def get_kernel(key: tuple, build: Callable[[], object], device: torch.device | None = None):
+    """The compiled kernel for `key`, compiling `build()` (a prim_func) on first use."""
+    target = cuda_target(device)
+    full_key = (*key, target["arch"])
+    kernel = _KERNELS.get(full_key)
+    if kernel is None:
+        import tilelang
+
+        t0 = time.perf_counter()
+        kernel = tilelang.compile(build(), out_idx=None, target=target, execution_backend="tvm_ffi")
+        COMPILE_SECONDS[full_key] = time.perf_counter() - t0
+        _KERNELS[full_key] = kernel
+    return kernel
+
+
+def compile_seconds(prefix: tuple) -> float:
+    """Total compile (or disk-cache load) seconds of the kernels whose key starts with `prefix`."""
+    n = len(prefix)
+    return sum(s for k, s in COMPILE_SECONDS.items() if k[:n] == prefix)
