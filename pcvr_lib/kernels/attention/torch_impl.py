@@ -2,8 +2,8 @@
 
 Without dropout this is `F.scaled_dot_product_attention` (PyTorch picks flash/efficient/cuDNN/math).
 With dropout SDPA's own random stream cannot be given a keep mask, so the torch backend then computes
-softmax(QK^T) * keep / (1-p) @ V explicitly (fp32 softmax) with the shared keep mask: all backends drop
-the same weights for the same seed.
+softmax(QK^T) * keep / (1-p) @ V explicitly, like SDPA's math path (matmuls in the input dtype, fp32
+softmax), with the shared keep mask: all backends drop the same weights for the same seed.
 """
 
 from __future__ import annotations
@@ -28,9 +28,10 @@ def attention(q, k, v, key_lengths, causal: bool, causal_valid: bool, scale: flo
     if dropout_p == 0.0:
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale)
     else:
-        scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale
-        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+        # as SDPA's math path: matmuls in the input dtype, softmax in fp32
+        scores = torch.matmul(q * scale, k.transpose(-1, -2))
+        probs = torch.softmax(scores.float().masked_fill(~mask, float("-inf")), dim=-1).to(q.dtype)
         keep = dropout_keep_mask(seed, B, H, Sq, Skv, dropout_p, q.device)
-        probs = probs * keep / (1.0 - dropout_p)
-        out = torch.matmul(probs.to(q.dtype), v)
+        probs = probs * (keep / (1.0 - dropout_p)).to(q.dtype)
+        out = torch.matmul(probs, v)
     return torch.where(has_key, out, torch.zeros((), dtype=out.dtype, device=out.device))

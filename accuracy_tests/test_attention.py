@@ -1,0 +1,345 @@
+"""flash_attention accuracy: every backend against an fp64 reference, with the flash-attention rule.
+
+Rule (as flash-attention's own tests): for the output and each gradient, our max error against the fp64
+reference must be at most 2x the error torch (SDPA, the torch backend) makes in the same dtype, plus one
+ulp of the dtype at the reference's largest magnitude (the rounding of the result itself). NaN never
+passes. Every mask mode, rows with no key, Sq != Skv, odd lengths, and dropout against a reference using
+the same keep mask (for dropout, "torch" is the torch backend's explicit path in the same dtype).
+
+CPU (CI): the torch backend, Triton under TRITON_INTERPRET=1 (in a child pytest, never leaked), TileLang
+lowered and compiled for sm_90a (forward and backward). GPU: everything, outputs poisoned first.
+"""
+
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from pcvr_lib.kernels import flash_attention, key_lengths_from_mask, registry
+from pcvr_lib.kernels.attention import allowed_mask, dropout_keep_mask
+from pcvr_lib.kernels.attention.masks import draw_seed
+from pcvr_lib.kernels.testing import poisoned_outputs
+
+CUDA = torch.cuda.is_available()
+ULP = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+DT = {"fp16": torch.float16, "bf16": torch.bfloat16}
+MODES = {  # name -> (uses key lengths, causal, causal_valid)
+    "none": (False, False, False),
+    "key_lengths": (True, False, False),
+    "causal": (False, True, False),
+    "causal_kl": (True, True, False),
+    "causal_valid": (True, False, True),
+}
+
+
+def _lengths(batch: int, skv: int) -> torch.Tensor:
+    """Key lengths covering an all-padding row (0), full rows, a partial row and an over-long one."""
+    pattern = [0, skv, skv // 2 + 1, skv + 5, 1]
+    return torch.tensor([pattern[i % len(pattern)] for i in range(batch)], dtype=torch.int32)
+
+
+def _inputs(B, H, Sq, Skv, D, dtype, seed):
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Sq, D, generator=g)
+    k = torch.randn(B, H, Skv, D, generator=g)
+    v = torch.randn(B, H, Skv, D, generator=g)
+    do = torch.randn(B, H, Sq, D, generator=g)
+    return [t.to(dtype) for t in (q, k, v, do)]
+
+
+def reference(q, k, v, key_lengths, causal, causal_valid, keep=None, p=0.0):
+    """fp64 attention on the CPU with the mask of masks.py; rows without a key are zeros."""
+    B, H, Sq, D = q.shape
+    Skv = k.shape[2]
+    allowed = allowed_mask(B, Sq, Skv, key_lengths, causal, causal_valid, "cpu")
+    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(D)
+    has_key = allowed.any(dim=-1, keepdim=True)
+    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0), dim=-1)
+    probs = probs * has_key
+    if keep is not None:
+        probs = probs * keep / (1.0 - p)
+    return torch.matmul(probs, v)
+
+
+def _run(backend, q, k, v, do, device, kl, causal, causal_valid, p, seed):
+    q, k, v = (t.to(device).requires_grad_() for t in (q, k, v))
+    kl = kl.to(device) if kl is not None else None
+    out = flash_attention(q, k, v, key_lengths=kl, causal=causal, causal_valid=causal_valid, dropout_p=p,
+                          training=p > 0, generator=torch.Generator().manual_seed(seed), backend=backend)
+    grads = torch.autograd.grad(out, (q, k, v), do.to(device))
+    return [t.detach().cpu() for t in (out, *grads)]
+
+
+def _assert_flash_rule(ours, theirs, ref, dtype, what):
+    ours64, theirs64 = ours.double(), theirs.double()
+    assert not torch.isnan(ours64).any(), f"{what}: NaN in our result"
+    err = float((ours64 - ref).abs().max()) if ref.numel() else 0.0
+    torch_err = float((theirs64 - ref).abs().max()) if ref.numel() else 0.0
+    top = float(ref.abs().max()) if ref.numel() else 0.0
+    bound = 2.0 * torch_err + ULP[dtype] * max(top, 1e-3)
+    assert err <= bound, f"{what}: max error {err:.3g} > 2 x torch's {torch_err:.3g} + ulp*max|ref| ({bound:.3g})"
+
+
+def check_case(backend, B, H, Sq, Skv, D, dtype, mode, p=0.0, device="cpu", seed=0):
+    """Output and dq, dk, dv of `backend` against fp64, judged by torch's own error in the same dtype."""
+    use_kl, causal, causal_valid = MODES[mode]
+    q, k, v, do = _inputs(B, H, Sq, Skv, D, dtype, seed)
+    kl = _lengths(B, Skv) if use_kl else None
+    theirs = _run("torch", q, k, v, do, device, kl, causal, causal_valid, p, seed)
+    if device != "cpu":
+        with poisoned_outputs(device):
+            ours = _run(backend, q, k, v, do, device, kl, causal, causal_valid, p, seed)
+    else:
+        ours = _run(backend, q, k, v, do, device, kl, causal, causal_valid, p, seed)
+    keep = None
+    if p > 0:
+        keep = dropout_keep_mask(draw_seed(torch.Generator().manual_seed(seed)), B, H, Sq, Skv, p)
+    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
+    ref = reference(q64, k64, v64, kl, causal, causal_valid, keep, p)
+    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.double())
+    for name, a, b, r in zip(("out", "dq", "dk", "dv"), ours, theirs, (ref.detach(), *ref_grads), strict=True):
+        _assert_flash_rule(a, b, r, dtype, f"{backend} {mode} {name} B{B} H{H} Sq{Sq} Skv{Skv} D{D} p={p}")
+
+
+# ----------------------------------------------------------------------------------------------- helpers
+
+
+def test_key_lengths_from_mask():
+    mask = torch.tensor([[True, True, False], [False, False, False], [True, True, True]])
+    assert key_lengths_from_mask(mask).tolist() == [2, 0, 3]
+    assert key_lengths_from_mask(mask).dtype == torch.int32
+    with pytest.raises(ValueError, match="row 1 .*not prefix-valid"):
+        key_lengths_from_mask(torch.tensor([[True, False], [False, True]]))
+    with pytest.raises(TypeError, match="boolean"):
+        key_lengths_from_mask(mask.int())
+    with pytest.raises(ValueError, match=r"shape \(B, S\)"):
+        key_lengths_from_mask(mask[0])
+
+
+def test_mask_definitions():
+    kl = torch.tensor([2])
+    cv = allowed_mask(1, 4, 4, kl, False, True, "cpu")[0, 0].int().tolist()
+    # valid queries 0, 1 see the valid past; padded queries 2, 3 see only themselves
+    assert cv == [[1, 0, 0, 0], [1, 1, 0, 0], [0, 0, 1, 0], [0, 0, 0, 1]]
+    causal_kl = allowed_mask(1, 4, 4, kl, True, False, "cpu")[0, 0].int().tolist()
+    assert causal_kl == [[1, 0, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0], [1, 1, 0, 0]]
+    # Sq != Skv: top-left aligned causal mask, like SDPA's is_causal
+    assert allowed_mask(1, 2, 3, None, True, False, "cpu")[0, 0].int().tolist() == [[1, 0, 0], [1, 1, 0]]
+
+
+def test_dropout_keep_mask_rate_and_seed():
+    a = dropout_keep_mask(123, 2, 3, 64, 64, 0.3)
+    assert torch.equal(a, dropout_keep_mask(123, 2, 3, 64, 64, 0.3))
+    assert not torch.equal(a, dropout_keep_mask(124, 2, 3, 64, 64, 0.3))
+    assert abs(a.float().mean().item() - 0.7) < 0.02
+    assert not torch.equal(a[0, 0], a[0, 1]), "heads must draw different masks"
+
+
+def test_errors():
+    q = torch.randn(1, 2, 8, 64, dtype=torch.float16)
+    with pytest.raises(ValueError, match="unknown backend"):
+        flash_attention(q, q, q, backend="nope")
+    with pytest.raises(ValueError, match="head dim 48"):
+        x = torch.randn(1, 2, 8, 48, dtype=torch.float16)
+        flash_attention(x, x, x)
+    with pytest.raises(TypeError, match="share one dtype"):
+        flash_attention(q, q.float(), q)
+    with pytest.raises(ValueError, match="shapes do not match"):
+        flash_attention(q, q[:, :1], q[:, :1])
+    with pytest.raises(TypeError, match="key_lengths must be integer"):
+        flash_attention(q, q, q, key_lengths=torch.ones(1))
+    with pytest.raises(ValueError, match=r"key_lengths must be a tensor of shape \(1,\)"):
+        flash_attention(q, q, q, key_lengths=torch.ones(2, dtype=torch.int32))
+    with pytest.raises(ValueError, match="dropout_p"):
+        flash_attention(q, q, q, dropout_p=1.0, training=True)
+    if not registry.triton_interpret_enabled():
+        with pytest.raises(RuntimeError, match="requires CUDA tensors"):
+            flash_attention(q, q, q, backend="triton")
+        with pytest.raises(RuntimeError, match="requires CUDA tensors"):
+            flash_attention(q, q, q, backend="tilelang")
+
+
+def test_fp32_inputs_run_in_bf16_and_return_fp32():
+    q, k, v, _ = _inputs(2, 2, 9, 11, 32, torch.float32, seed=3)
+    kl = torch.tensor([4, 11], dtype=torch.int32)
+    out = flash_attention(q, k, v, key_lengths=kl)
+    assert out.dtype == torch.float32
+    expected = flash_attention(q.bfloat16(), k.bfloat16(), v.bfloat16(), key_lengths=kl).float()
+    assert torch.equal(out, expected)
+
+
+def test_dropout_only_in_training_and_reproducible():
+    q, k, v, _ = _inputs(1, 2, 16, 16, 32, torch.float32, seed=4)
+    plain = flash_attention(q, k, v)
+    assert torch.equal(flash_attention(q, k, v, dropout_p=0.5, training=False), plain)
+    a = flash_attention(q, k, v, dropout_p=0.5, training=True, generator=torch.Generator().manual_seed(9))
+    b = flash_attention(q, k, v, dropout_p=0.5, training=True, generator=torch.Generator().manual_seed(9))
+    c = flash_attention(q, k, v, dropout_p=0.5, training=True, generator=torch.Generator().manual_seed(10))
+    assert torch.equal(a, b) and not torch.equal(a, c)
+
+
+# ----------------------------------------------------------------------------------------- torch backend
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_torch_backend_cpu(mode, dtype):
+    """The baseline itself: SDPA with the equivalent mask stays within the tolerance table of fp64."""
+    from pcvr_lib.kernels.tolerance import assert_close
+
+    use_kl, causal, causal_valid = MODES[mode]
+    q, k, v, _ = _inputs(5, 2, 13, 19, 32, DT[dtype], seed=1)
+    kl = _lengths(5, 19) if use_kl else None
+    out = flash_attention(q, k, v, key_lengths=kl, causal=causal, causal_valid=causal_valid, backend="torch")
+    ref = reference(q.double(), k.double(), v.double(), kl, causal, causal_valid)
+    assert_close(out, ref, DT[dtype], what=f"torch {mode}")
+    if use_kl and not causal_valid:  # (causal-valid: a padded query sees itself, so no row is empty here)
+        assert torch.equal(out[0], torch.zeros_like(out[0])), "a row with no key must be zeros"
+
+
+# --------------------------------------------------------------------------------- triton (interpreter)
+
+INTERP_SHAPES = [(5, 2, 17, 17, 32), (5, 1, 33, 70, 64), (5, 1, 70, 33, 32)]
+# triton builds its own library functions for the interpreter only when TRITON_INTERPRET=1 is set before
+# it is imported, so the interpreter cases run in a child pytest with the variable set; this process's
+# environment (and every other test) never sees it.
+IN_INTERPRETER_CHILD = os.environ.get("PCVR_ATTENTION_INTERP_CHILD") == "1"
+
+
+@pytest.mark.parametrize("p", [0.0, 0.3])
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("shape", INTERP_SHAPES, ids=lambda s: "B{}xH{}xSq{}xSkv{}xD{}".format(*s))
+def test_triton_interpreter_case(shape, mode, p):
+    if not IN_INTERPRETER_CHILD:
+        pytest.skip("triton: interpreter case, runs inside test_triton_interpreter's child process")
+    check_case("triton", *shape, torch.float16, mode, p=p, device="cpu")
+
+
+def test_triton_interpreter(repo_root):
+    """Runs every test_triton_interpreter_case under TRITON_INTERPRET=1 in a child pytest."""
+    if IN_INTERPRETER_CHILD:
+        pytest.skip("triton: this is the child process")
+    problem = registry.package_problem("triton")
+    if problem:
+        pytest.skip(f"triton: {problem}")
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PCVR_ATTENTION_INTERP_CHILD": "1"}
+    result = subprocess.run(
+        [sys.executable, "-m", "pytest", __file__, "-k", "test_triton_interpreter_case", "-q", "-x",
+         "-p", "no:cacheprovider", "--benchmark-disable", "-W", "ignore::DeprecationWarning"],
+        cwd=repo_root, env=env, capture_output=True, text=True, timeout=600,
+    )
+    tail = (result.stdout + result.stderr)[-4000:]
+    assert result.returncode == 0, f"interpreter cases failed:\n{tail}"
+    assert " passed" in tail and "skipped" not in tail.splitlines()[-1], f"interpreter cases did not run:\n{tail}"
+
+
+# ----------------------------------------------------------------------------- tilelang (compile only)
+
+
+@pytest.mark.slow
+def test_tilelang_compiles_for_sm90():
+    """Forward and both backward kernels lower and compile for sm_90a without a GPU (dropout variant)."""
+    problem = registry.package_problem("tilelang")
+    if problem:
+        pytest.skip(f"tilelang: {problem}")
+    import shutil
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("tilelang: nvcc not found (needed to compile for sm_90a)")
+    from pcvr_lib.kernels.attention import tilelang_impl
+
+    sources = tilelang_impl.compile_only({"kind": "cuda", "arch": "sm_90a"}, D=64, dtype="bfloat16", mode=3,
+                                         has_kl=True, dropout=True, bucket=0)
+    for which in ("fwd", "dq", "dkdv"):
+        src = sources[which]
+        assert "__global__" in src and "wgmma" in src, f"{which}: no Hopper matrix instructions"
+        assert str(0x21F0AAAD) in src, f"{which}: the dropout hash is missing"
+
+
+# -------------------------------------------------------------------------------------------------- GPU
+
+GPU_BACKENDS = ["triton", "tilelang"]
+# (B, H, Sq, Skv, D, dtype, mode, p)
+GPU_CASES = (
+    [(5, 2, sq, skv, 64, dt, mode, 0.0) for (sq, skv) in [(17, 17), (127, 129), (129, 127)]
+     for dt in ("fp16", "bf16") for mode in MODES]
+    + [(5, 2, 65, 65, d, "bf16", "key_lengths", 0.0) for d in (32, 128)]
+    + [(5, 2, 1, 1, 64, "fp16", "causal_valid", 0.0), (5, 2, 1, 17, 64, "fp16", "key_lengths", 0.0),
+       (2, 2, 1000, 1000, 64, "fp16", "causal_valid", 0.0), (2, 2, 1000, 1000, 64, "bf16", "none", 0.0),
+       (2, 1, 600, 1000, 128, "bf16", "none", 0.0)]
+    + [(5, 2, 33, 47, 64, dt, mode, 0.3) for dt in ("fp16", "bf16") for mode in ("key_lengths", "causal_valid")]
+)
+
+
+def _gpu_case_id(c):
+    return "B{}xH{}xSq{}xSkv{}xD{}-{}-{}-p{}".format(*c)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", GPU_CASES, ids=_gpu_case_id)
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_accuracy(backend, case):
+    if not CUDA:
+        pytest.skip(f"{backend}: no CUDA device")
+    ok, reason = registry.backend_status("flash_attention", backend, "cuda")
+    if not ok:
+        pytest.skip(reason)
+    B, H, Sq, Skv, D, dt, mode, p = case
+    check_case(backend, B, H, Sq, Skv, D, DT[dt], mode, p=p, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_no_recompile_within_bucket(backend):
+    if not CUDA:
+        pytest.skip(f"{backend}: no CUDA device")
+    ok, reason = registry.backend_status("flash_attention", backend, "cuda")
+    if not ok:
+        pytest.skip(reason)
+
+    def call(s):
+        q = torch.randn(2, 2, s, 64, device="cuda", dtype=torch.float16)
+        flash_attention(q, q, q, key_lengths=torch.tensor([s, s - 1], device="cuda", dtype=torch.int32),
+                        backend=backend)
+        torch.cuda.synchronize()
+
+    call(100)
+    before = _compiled_count(backend)
+    for s in (101, 117, 127, 128, 64, 33):
+        call(s)
+    assert _compiled_count(backend) == before, "a sequence length inside the bucket recompiled"
+
+
+def _compiled_count(backend):
+    if backend == "tilelang":
+        from pcvr_lib.kernels.attention import tilelang_impl
+
+        return tilelang_impl.compiled.cache_info().currsize
+    from pcvr_lib.kernels.attention import triton_impl
+
+    total = 0
+    for fn in triton_impl.kernels(False):
+        for cache in fn.device_caches.values():
+            total += len(cache[0])
+    return total
+
+
+@pytest.mark.gpu
+def test_gpu_dropout_same_mask_on_every_backend():
+    if not CUDA:
+        pytest.skip("no CUDA device")
+    q, k, v, _ = _inputs(3, 2, 40, 40, 64, torch.bfloat16, seed=7)
+    q, k, v = q.cuda(), k.cuda(), v.cuda()
+    kl = torch.tensor([40, 13, 0], device="cuda", dtype=torch.int32)
+    outs = {}
+    for backend in ["torch", *GPU_BACKENDS]:
+        if not registry.backend_status("flash_attention", backend, "cuda")[0]:
+            continue
+        outs[backend] = flash_attention(q, k, v, key_lengths=kl, dropout_p=0.4, training=True, backend=backend,
+                                        generator=torch.Generator().manual_seed(11)).float()
+    for backend, out in outs.items():
+        err = float((out - outs["torch"]).abs().max())
+        assert err < 0.05, f"{backend} dropout differs from torch's with the same seed by {err}"
