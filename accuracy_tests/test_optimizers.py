@@ -85,11 +85,12 @@ def test_registry_adamw_is_torch_adamw_with_reference_defaults(name):
         torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-6)
 
 
-def test_muon_vectors_take_torch_adamw_steps():
+@pytest.mark.parametrize("fused", [False, True], ids=["foreach", "fused"])
+def test_muon_vectors_take_torch_adamw_steps(fused):
     """Muon's AdamW part (vectors, and a group marked use_muon=False) equals torch's AdamW."""
     ours = _params([(10,), (3,), (6, 4)], 3)
     ref = _params([(10,), (3,), (6, 4)], 3)
-    opt = Muon([{"params": ours[:2]}, {"params": ours[2:], "use_muon": False}], lr=2e-3)
+    opt = Muon([{"params": ours[:2]}, {"params": ours[2:], "use_muon": False}], lr=2e-3, adamw_fused=fused)
     torch_opt = torch.optim.AdamW(ref, lr=2e-3, betas=(0.9, 0.98), eps=1e-8, weight_decay=0.01)
     for step in range(4):
         _set_grads(ours, step)
@@ -192,6 +193,35 @@ def test_muon_stacked_3d_parameter_equals_per_matrix_muon():
         opt_a.step()
         opt_b.step()
     torch.testing.assert_close(stacked.detach(), torch.stack([p.detach() for p in singles]), rtol=0, atol=1e-6)
+
+
+def test_stack_plan_merges_shapes_by_padding_cost():
+    from pcvr_lib.optim.stacking import StackPlan
+
+    mlp = [torch.empty(s) for s in [(512, 256), (512, 512), (512, 512), (512, 512), (1, 512)]]
+    assert [(k.rows, k.cols, k.size) for k in StackPlan(mlp, "stack", 3e8).classes] == [(512, 512, 5)]
+    assert len(StackPlan(mlp, "stack", 0.0).classes) == 3
+    pcvr = [torch.empty(s) for s in pcvr_dense_shapes() if len(s) >= 2]
+    assert len(StackPlan(pcvr, "stack", 0.0).classes) > 10
+    assert len(StackPlan(pcvr, "stack", 3e8).classes) <= 3
+
+
+@pytest.mark.parametrize("name", ["muon", "orthogonal_adamw"])
+def test_merged_padded_stacks_equal_one_stack_per_shape(name):
+    """Zero padding is exact: merging every shape into one padded stack changes nothing (fp64)."""
+    shapes = [(12, 20), (20, 12), (5, 7), (2, 6, 5), (1, 9), (9,)]
+    a = _params(shapes, 23, dtype=torch.float64)
+    b = [nn.Parameter(p.detach().clone()) for p in a]
+    opt_a = build_optimizer(name, a, lr=0.01, merge_flops=1e12)
+    opt_b = build_optimizer(name, b, lr=0.01, merge_flops=0.0)
+    for k in range(3):
+        _set_grads(a, k)
+        _set_grads(b, k)
+        opt_a.step()
+        opt_b.step()
+    tol = 1e-12 if name == "muon" else 1e-6  # the orthogonal transform computes in fp32
+    for x, y in zip(a, b, strict=True):
+        torch.testing.assert_close(x, y, rtol=tol, atol=tol)
 
 
 def test_muon_scale_and_zero_gradient_gives_weight_decay_only():

@@ -45,13 +45,12 @@ def scalar_map(sigma, steps: int, coefficients: tuple[float, float, float]):
     return sigma
 
 
-def safe_inverse_norm(x: torch.Tensor) -> torch.Tensor:
+def safe_inverse_norm(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """(1 / ||x_i||_F, ||x_i||_F) per matrix of a (B, m, n) stack, in at least fp32; the inverse is 0 where
-    the norm is tiny or not finite."""
+    the norm is tiny, infinite (its reciprocal is 0) or NaN (the comparison is false)."""
     dtype = torch.promote_types(x.dtype, torch.float32)
     norm = torch.linalg.vector_norm(x, dim=(-2, -1), keepdim=True, dtype=dtype)
-    ok = torch.isfinite(norm) & (norm > TINY_NORM)
-    return torch.where(ok, norm.reciprocal(), torch.zeros_like(norm)), norm
+    return torch.where(norm > TINY_NORM, norm.reciprocal(), 0.0), norm
 
 
 def newton_schulz_(x: torch.Tensor, steps: int, coefficients: tuple[float, float, float]) -> torch.Tensor:
@@ -95,6 +94,7 @@ def orthogonalize(
     inv, _ = safe_inverse_norm(x)
     # inv is 0 for a non-finite matrix; inf*0 = nan there, which nan_to_num turns into the zero update.
     x = torch.nan_to_num_((x * inv).to(dtype), nan=0.0, posinf=0.0, neginf=0.0)
+    # (x * inv) is computed in fp32 (inv is fp32), then rounded once to the compute dtype
     x = newton_schulz_(x, steps, coefficients)
     if transpose:
         x = x.mT

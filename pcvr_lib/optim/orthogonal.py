@@ -16,8 +16,9 @@ import torch
 
 from .adamw import BETAS, EPS, WEIGHT_DECAY, check_fused_supported, dense_grads
 from .errors import OptimizerError, check_common
+from .muon import MERGE_FLOPS_CUDA
 from .newton_schulz import CUBIC, newton_schulz_, safe_inverse_norm
-from .stacking import Bucket, GraphRunner, make_buckets
+from .stacking import Bucket, GraphRunner, StackPlan
 
 
 def orthogonal_transform(g: torch.Tensor, steps: int = 2) -> torch.Tensor:
@@ -39,29 +40,16 @@ def orthogonal_transform(g: torch.Tensor, steps: int = 2) -> torch.Tensor:
 
 @dataclass
 class _Plan:
-    """All matrix gradients copied into one flat buffer (one for-each copy); buckets read (B, r, c) slices."""
+    """All matrix gradients copied into one flat buffer (one for-each copy), scattered into zero-padded
+    class stacks (see stacking.StackPlan), transformed, and gathered into one flat output buffer whose
+    views become the new gradients."""
 
-    buckets: list[Bucket]
-    params: list[torch.Tensor]
-    stacks: list[torch.Tensor]  # per bucket, the (B, r, c) view of the flat buffer
+    layout: StackPlan
+    grads: torch.Tensor
     in_views: list[torch.Tensor]
+    class_in: list[torch.Tensor]
     runner: GraphRunner | None = None
     out_views: list[torch.Tensor] | None = None
-
-
-def _make_plan(mats: list[torch.Tensor]) -> _Plan:
-    buckets = make_buckets(mats, "flatten")
-    p0 = mats[0]
-    flat = torch.empty(sum(p.numel() for p in mats), dtype=p0.dtype, device=p0.device)
-    params, stacks, in_views, offset = [], [], [], 0
-    for b in buckets:
-        size = b.size * b.m * b.n
-        stack = flat[offset : offset + size].view(b.size, b.m, b.n)
-        offset += size
-        stacks.append(stack)
-        params.extend(b.params)
-        in_views.extend(b.views(stack))
-    return _Plan(buckets, params, stacks, in_views)
 
 
 class OrthogonalAdamW(torch.optim.AdamW):
@@ -75,6 +63,7 @@ class OrthogonalAdamW(torch.optim.AdamW):
         ns_steps: int = 2,
         fused: bool | None = None,
         cuda_graph: bool | None = None,
+        merge_flops: float | None = None,
     ):
         check_common("orthogonal_adamw", lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                      ns_steps=ns_steps)
@@ -88,6 +77,9 @@ class OrthogonalAdamW(torch.optim.AdamW):
             check_fused_supported(flat, "orthogonal_adamw")
         self._ns_steps = ns_steps
         self._cuda_graph = cuda_graph
+        if merge_flops is not None and merge_flops < 0:
+            raise OptimizerError(f"orthogonal_adamw: merge_flops must be >= 0, got {merge_flops!r}")
+        self._merge_flops = merge_flops
         self._plan: _Plan | None = None
         super().__init__(params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused or None)
 
@@ -102,22 +94,39 @@ class OrthogonalAdamW(torch.optim.AdamW):
             return False
         return True if self._cuda_graph is None else bool(self._cuda_graph)
 
-    def _transform_all(self, plan: _Plan) -> list[torch.Tensor]:
-        return [orthogonal_transform(stack, self._ns_steps) for stack in plan.stacks]
+    def _transform_all(self, plan: _Plan) -> torch.Tensor:
+        plan.layout.scatter_to_classes(plan.grads, plan.class_in)
+        outs = [orthogonal_transform(x, self._ns_steps) for x in plan.class_in]
+        out = torch.empty_like(plan.grads)
+        plan.layout.gather_from_classes(outs, out)
+        return out
+
+    def _make_plan(self) -> _Plan | None:
+        mats = [p for g in self.param_groups for p in g["params"] if p.dim() >= 2]
+        if not mats:
+            return None
+        p0 = mats[0]
+        merge = self._merge_flops
+        if merge is None:
+            merge = MERGE_FLOPS_CUDA if p0.device.type == "cuda" else 0.0
+        layout = StackPlan(mats, "flatten", merge)
+        grads = torch.empty(layout.numel, dtype=p0.dtype, device=p0.device)
+        # the transform runs in fp32: class stacks are fp32 whatever the parameter dtype
+        return _Plan(layout, grads, layout.param_views(grads), layout.class_buffers(torch.float32, p0.device))
 
     @torch.no_grad()
     def transform_gradients(self) -> None:
         """Replace every matrix gradient by its orthogonalised, norm-preserving version."""
         if self._plan is None:
-            mats = [p for g in self.param_groups for p in g["params"] if p.dim() >= 2]
-            if not mats:
+            self._plan = self._make_plan()
+            if self._plan is None:
                 return
-            self._plan = _make_plan(mats)
         plan = self._plan
-        params, grads = dense_grads("orthogonal_adamw", plan.params)
-        if len(params) < len(plan.params) or len({g.dtype for g in grads} | {plan.stacks[0].dtype}) != 1:
-            # some have no gradient (or an unusual dtype): transform the others eagerly, bucket by bucket
-            for b in plan.buckets:
+        params, grads = dense_grads("orthogonal_adamw", plan.layout.params)
+        if len(params) < len(plan.layout.params) or any(g.dtype != plan.grads.dtype for g in grads):
+            # some have no gradient (or an unusual dtype): transform the others eagerly, shape by shape
+            for seg in plan.layout.segments:
+                b = seg.bucket
                 ps = [p for p in b.params if p.grad is not None]
                 if ps:
                     sub = Bucket(b.key, ps, b.m, b.n, [1] * len(ps))
@@ -129,14 +138,13 @@ class OrthogonalAdamW(torch.optim.AdamW):
         if self._uses_graph(params[0].device):
             if plan.runner is None:
                 plan.runner = GraphRunner(lambda: self._transform_all(plan), state=[])
-            outs = plan.runner()
+            out = plan.runner()
             if plan.out_views is None:
-                plan.out_views = [v for b, o in zip(plan.buckets, outs, strict=True) for v in b.views(o)]
+                plan.out_views = plan.layout.param_views(out)
             views = plan.out_views
         else:
-            outs = self._transform_all(plan)
-            views = [v for b, o in zip(plan.buckets, outs, strict=True) for v in b.views(o)]
-        # the transformed gradients are views of the stacked results: no copy back
+            views = plan.layout.param_views(self._transform_all(plan))
+        # the transformed gradients are views of the flat result: no copy back
         for p, v in zip(params, views, strict=True):
             p.grad = v
 

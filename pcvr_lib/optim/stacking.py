@@ -106,3 +106,107 @@ class GraphRunner:
             self.graph = graph
         self.graph.replay()
         return self.outputs
+
+
+# ------------------------------------------------------------------ the group layout with merged classes
+
+
+@dataclass
+class Segment:
+    """One same-shape bucket inside a group's flat buffer and its place in a padded class stack."""
+
+    bucket: Bucket
+    offset: int  # element offset of its (B, m, n) block in the flat buffer
+    transpose: bool  # m > n: it is iterated as (n, m)
+    cls: int = -1
+    cls_offset: int = 0  # first matrix index inside the class stack
+
+    @property
+    def numel(self) -> int:
+        return self.bucket.size * self.bucket.m * self.bucket.n
+
+    @property
+    def oriented(self) -> tuple[int, int]:
+        b = self.bucket
+        return (b.n, b.m) if self.transpose else (b.m, b.n)
+
+
+@dataclass
+class StackClass:
+    """A padded (size, rows, cols) stack iterated as one batch; zero padding is exact for Newton-Schulz."""
+
+    rows: int
+    cols: int
+    size: int = 0
+
+
+def gram_flops(rows: int, cols: int, size: int) -> float:
+    return 2.0 * size * rows * rows * cols
+
+
+class StackPlan:
+    """How a group's matrices are laid out: one flat buffer (parameter order by bucket), same-shape
+    buckets as (B, m, n) views of it, and buckets merged into padded classes when the extra work of
+    the padding (in Gram-matrix FLOPs) is at most `merge_flops` (0: one class per shape)."""
+
+    def __init__(self, params, mode: str, merge_flops: float = 0.0):
+        buckets = make_buckets(params, mode)
+        self.segments: list[Segment] = []
+        self.params: list[torch.Tensor] = []
+        offset = 0
+        for b in buckets:
+            self.segments.append(Segment(b, offset, b.m > b.n))
+            offset += b.size * b.m * b.n
+            self.params.extend(b.params)
+        self.numel = offset
+        self.classes: list[StackClass] = []
+        for seg in sorted(self.segments, key=lambda s: gram_flops(*s.oriented, s.bucket.size), reverse=True):
+            r, c = seg.oriented
+            alone = gram_flops(r, c, seg.bucket.size)
+            best, best_extra = None, None
+            for i, k in enumerate(self.classes):
+                rows, cols = max(k.rows, r), max(k.cols, c)
+                extra = gram_flops(rows, cols, k.size + seg.bucket.size) - gram_flops(k.rows, k.cols, k.size) - alone
+                if extra <= merge_flops and (best_extra is None or extra < best_extra):
+                    best, best_extra = i, extra
+            if best is None:
+                self.classes.append(StackClass(r, c))
+                best = len(self.classes) - 1
+            k = self.classes[best]
+            k.rows, k.cols = max(k.rows, r), max(k.cols, c)
+            seg.cls, seg.cls_offset = best, k.size
+            k.size += seg.bucket.size
+
+    def stack(self, flat: torch.Tensor, seg: Segment) -> torch.Tensor:
+        b = seg.bucket
+        return flat[seg.offset : seg.offset + seg.numel].view(b.size, b.m, b.n)
+
+    def param_views(self, flat: torch.Tensor) -> list[torch.Tensor]:
+        """Views of a flat buffer shaped like the parameters, in `self.params` order."""
+        return [v for seg in self.segments for v in seg.bucket.views(self.stack(flat, seg))]
+
+    def class_buffers(self, dtype: torch.dtype, device) -> list[torch.Tensor]:
+        """Zeroed class stacks; the copies write only the data regions, so the padding stays zero."""
+        return [torch.zeros(k.size, k.rows, k.cols, dtype=dtype, device=device) for k in self.classes]
+
+    def scatter_to_classes(self, flat: torch.Tensor, buffers: list[torch.Tensor]) -> None:
+        for seg in self.segments:
+            src = self.stack(flat, seg)
+            r, c = seg.oriented
+            dst = buffers[seg.cls][seg.cls_offset : seg.cls_offset + seg.bucket.size, :r, :c]
+            dst.copy_(src.mT if seg.transpose else src)
+
+    def gather_from_classes(self, outs: list[torch.Tensor], flat_out: torch.Tensor, scales=None) -> None:
+        """Write each segment's block of the class results, back in its own orientation, into flat_out
+        (times scales[i] for segment i when given)."""
+        for i, seg in enumerate(self.segments):
+            r, c = seg.oriented
+            src = outs[seg.cls][seg.cls_offset : seg.cls_offset + seg.bucket.size, :r, :c]
+            if seg.transpose:
+                src = src.mT
+            dst = self.stack(flat_out, seg)
+            scale = 1.0 if scales is None else scales[i]
+            if scale == 1.0:
+                dst.copy_(src)
+            else:
+                torch.mul(src, scale, out=dst)
