@@ -20,7 +20,7 @@ from hypothesis import strategies as st
 from pcvr_lib.kernels import layer_norm, registry, rms_norm
 from pcvr_lib.kernels.layer_norm import layer_norm_reference
 from pcvr_lib.kernels.rms_norm import common as norm_common
-from pcvr_lib.kernels.rms_norm import rms_norm_reference
+from pcvr_lib.kernels.rms_norm import prewarm, rms_norm_reference
 from pcvr_lib.kernels.testing import poisoned_outputs, randn
 from pcvr_lib.kernels.tolerance import DTYPE_NAMES, assert_close
 
@@ -29,8 +29,11 @@ BACKENDS = ["torch", "triton", "tilelang"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 OPS = ["rms_norm", "layer_norm"]
 # odd widths (padding paths), one row, leading dims; bigger rows only where kernels run natively
+# (the widths are the manifest of pcvr_lib.kernels.rms_norm.prewarm, which precompiles TileLang's kernels)
 SHAPES = [(1, 96), (3, 127), (5, 385), (2, 3, 400), (33, 128)]
 GPU_SHAPES = [(4097, 1024), (3, 16384), (1000, 4096), (2, 2, 8192, 128)]
+assert {s[-1] for s in SHAPES} == set(prewarm.ACCURACY_WIDTHS)
+assert {s[-1] for s in GPU_SHAPES} <= set(prewarm.BIG_WIDTHS + prewarm.ACCURACY_WIDTHS)
 
 
 def _id(value) -> str:
@@ -138,11 +141,17 @@ def test_big_rows_forward_backward(op, backend, dtype, shape, device_for):
 @pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: f"backend={b}")
 @pytest.mark.parametrize("op", OPS)
 def test_hypothesis_shapes_and_dtypes(op, backend, device_for):
+    """Random rows, widths, leading dims, dtypes, seeds, forward or backward.
+
+    TileLang compiles per exact width (5-10 s each), so its widths come from the precompiled set;
+    torch and Triton (one compile per width class) draw any width."""
     device = device_for(backend)
+    widths = (st.sampled_from(prewarm.ACCURACY_WIDTHS) if backend == "tilelang"
+              else st.integers(1, 2500 if CUDA else 520))
 
     @settings(max_examples=25 if CUDA else 6, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-    @given(rows=st.integers(1, 300 if CUDA else 40), width=st.integers(1, 2500 if CUDA else 520),
+    @given(rows=st.integers(1, 300 if CUDA else 40), width=widths,
            lead=st.sampled_from([(), (2,)]), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16),
            backward=st.booleans())
     def check(rows, width, lead, dtype, seed, backward):
@@ -157,7 +166,7 @@ def test_hypothesis_shapes_and_dtypes(op, backend, device_for):
 def test_nan_input_rows_stay_local(op, backend, device_for):
     """A NaN in one row makes that row NaN (as the reference does) and leaves the others exact."""
     device = device_for(backend)
-    tensors = _inputs(op, (6, 200), torch.float32, device, 11, requires_grad=False)
+    tensors = _inputs(op, (6, prewarm.NAN_WIDTH), torch.float32, device, 11, requires_grad=False)
     tensors[0][2, 17] = float("nan")
     with poisoned_outputs(device):
         y = _run(op, backend, tensors)
@@ -182,13 +191,14 @@ def test_row_count_change_does_not_recompile(op, backend, device_for):
         kernels = [rms_triton._rms_fwd, rms_triton._rms_bwd, ln_triton._ln_fwd, ln_triton._ln_bwd]
         return sum(len(cache) for k in kernels for cache in (c[0] for c in k.compiled.device_caches.values()))
 
+    width = prewarm.RECOMPILE_WIDTH
     for rows in (17, 4096):  # first: compile inference + training kernels for this width
-        check_forward(op, backend, (rows, 333), torch.float16, device)
-        check_backward(op, backend, (rows, 333), torch.float16, device)
+        check_forward(op, backend, (rows, width), torch.float16, device)
+        check_backward(op, backend, (rows, width), torch.float16, device)
     before = compiled_count()
     for rows in (1, 31, 1000, 12345):
-        check_forward(op, backend, (rows, 333), torch.float16, device, seed=rows)
-        check_backward(op, backend, (rows, 333), torch.float16, device, seed=rows)
+        check_forward(op, backend, (rows, width), torch.float16, device, seed=rows)
+        check_backward(op, backend, (rows, width), torch.float16, device, seed=rows)
     assert compiled_count() == before
 
 

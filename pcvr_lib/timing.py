@@ -249,6 +249,26 @@ def device_time_profiler(fn: Callable[[], object], calls: int = 10) -> float:
     return total_us / 1e6 / calls
 
 
+def device_time(fn: Callable[[], object], graph: bool = True) -> tuple[float, str]:
+    """(seconds per call of device work, method): CUDA-graph replay, else the profiler's kernel sum,
+    else (profiler unavailable, e.g. under gVisor) event time over back-to-back calls."""
+    import torch
+
+    if graph:
+        try:
+            return device_time_graph(fn), "cuda_graph"
+        except Exception:  # noqa: BLE001 - some calls cannot be captured; measure them another way
+            torch.cuda.synchronize()
+    try:
+        seconds = device_time_profiler(fn)
+        if seconds > 0:
+            return seconds, "profiler_kernel_sum"
+    except Exception:  # noqa: BLE001 - no CUPTI here
+        torch.cuda.synchronize()
+    calls = 20
+    return _median_event_seconds(lambda: [fn() for _ in range(calls)], reps=5) / calls, "events_back_to_back"
+
+
 def host_time(fn: Callable[[], object], calls: int) -> tuple[float, float]:
     """(host enqueue seconds per call, wall seconds per call until the GPU is done), back to back."""
     import torch
@@ -277,7 +297,7 @@ def bench_gpu(benchmark, fn: Callable[[], object], *, setup: Callable[[], None] 
 
     Statistics: per-call seconds over `calls` back-to-back calls per round (chosen from the device time
     so a round is ~1 ms), L2 flushed and the GPU idle before each round. extra_info: `device_us`
-    (graph replay, or profiler kernel time when `graph` is False or capture fails), `per_call_us`
+    (see `device_time`), `per_call_us`
     (median of the statistic), `host_us` (enqueue only), `wall_us` (back-to-back wall time per call),
     `per_call_over_device`, `calls_per_round`, `timer`.
     """
@@ -285,14 +305,7 @@ def bench_gpu(benchmark, fn: Callable[[], object], *, setup: Callable[[], None] 
 
     fn()  # compile / autotune / first-touch outside everything
     torch.cuda.synchronize()
-    device_s, device_method = None, None
-    if graph:
-        try:
-            device_s, device_method = device_time_graph(fn), "cuda_graph"
-        except Exception:  # noqa: BLE001 - some calls cannot be captured; the profiler measures them
-            torch.cuda.synchronize()
-    if device_s is None:
-        device_s, device_method = device_time_profiler(fn), "profiler_kernel_sum"
+    device_s, device_method = device_time(fn, graph)
     n = calls or choose_calls(device_s)
     host_s, wall_s = host_time(fn, max(n, 10))
 

@@ -13,6 +13,9 @@ Speedups need the baselines' times: parametrize so that "torch" comes first and 
 
 from __future__ import annotations
 
+import json
+import os
+import sys
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -53,7 +56,14 @@ _TIMES: dict[CaseKey, dict[str, float]] = {}
 
 
 def require_gpu_backend(op: str, backend: str) -> torch.device:
-    """Skip (with the reason) unless a CUDA device is here and `backend` of `op` can run on it."""
+    """Skip (with the reason) unless a CUDA device is here and `backend` of `op` can run on it.
+
+    With PCVR_BENCH_DEADLINE (a Unix time) set, cases starting after it skip, so a time-limited run
+    still ends normally and writes its JSON.
+    """
+    deadline = os.environ.get("PCVR_BENCH_DEADLINE")
+    if deadline and time.time() > float(deadline):
+        pytest.skip("time budget of this run (PCVR_BENCH_DEADLINE) used up")
     if not torch.cuda.is_available():
         pytest.skip(f"{backend}: no CUDA device (GPU benchmark)")
     ok, reason = registry.backend_status(op, backend, "cuda") if backend in registry.op_backends(op) else (
@@ -76,7 +86,7 @@ def quick_time(fn: Callable[[], object]) -> float:
     """Per-call seconds with bench_gpu's method, outside pytest-benchmark (for a missing baseline)."""
     fn()
     torch.cuda.synchronize()
-    device_s = timing.device_time_profiler(fn, calls=3)
+    device_s, _method = timing.device_time(fn)
     n = timing.choose_calls(device_s)
     clock = timing.CudaEventClock(calls=n)
     samples = []
@@ -154,3 +164,43 @@ def run_case(benchmark, *, key: CaseKey, backend: str, call: Callable[[], object
 def session_times() -> dict[CaseKey, dict[str, float]]:
     """Per-call seconds of every case timed so far (used for the summary table)."""
     return _TIMES
+
+
+def summary_rows(data: dict) -> list[dict]:
+    """One row per benchmark of a pytest-benchmark JSON, with the fields of the summary table."""
+    rows = []
+    for bench in data.get("benchmarks", []):
+        info = bench.get("extra_info", {})
+        if "op" not in info:
+            continue
+        rows.append({
+            "case": f"{info['op']} {info['shape']} {info['dtype']} {info['dir']}",
+            "backend": info["backend"],
+            "per_call_us": bench["stats"]["median"] * 1e6,
+            "device_us": info.get("device_us"),
+            "host_us": info.get("host_us"),
+            "ceiling": info.get("fraction_of_copy_ceiling"),
+            "vs_torch": info.get("speedup_vs_torch"),
+            "vs_peer": info.get("speedup_vs_best_peer"),
+            "err": info.get("max_rel_error"),
+        })
+    return rows
+
+
+def format_table(rows: list[dict]) -> str:
+    def num(v, fmt):
+        return "-" if v is None else format(v, fmt)
+
+    lines = [f"{'case':<34} {'backend':<13} {'per-call us':>11} {'device us':>9} {'host us':>8} "
+             f"{'%copy':>6} {'x torch':>7} {'x peer':>6} {'rel err':>8}"]
+    for r in rows:
+        lines.append(
+            f"{r['case']:<34} {r['backend']:<13} {r['per_call_us']:>11.2f} {num(r['device_us'], '9.2f')} "
+            f"{num(r['host_us'], '8.2f')} {num(None if r['ceiling'] is None else 100 * r['ceiling'], '6.1f')} "
+            f"{num(r['vs_torch'], '7.2f')} {num(r['vs_peer'], '6.2f')} {num(r['err'], '8.1e')}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m perf_tests.kernel_bench results.json
+    with open(sys.argv[1]) as fh:
+        print(format_table(summary_rows(json.load(fh))))

@@ -15,6 +15,7 @@ import torch
 
 COMPILE_SECONDS: dict[tuple, float] = {}
 _KERNELS: dict[tuple, object] = {}
+_LAUNCHERS: dict[tuple, Callable] = {}
 _TORCH_TO_TL = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
 
 
@@ -30,8 +31,25 @@ def cuda_target(device: torch.device | None = None) -> dict:
     return {"kind": "cuda", "arch": "sm_90"}
 
 
+def get_launcher(key: tuple, build: Callable[[], object], device: torch.device | None = None) -> Callable:
+    """A callable launching the kernel for `key` with every parameter (outputs preallocated).
+
+    It is the TVM-FFI executable itself (which checks ranks, dtypes and static dims and launches on
+    torch's current stream), skipping the JITKernel wrapper's per-call Python work; when the adapter
+    does not expose it, the JITKernel is returned.
+    """
+    full_key = (*key, cuda_target(device)["arch"])
+    launch = _LAUNCHERS.get(full_key)
+    if launch is None:
+        kernel = get_kernel(key, build, device)
+        adapter = getattr(kernel, "adapter", None)
+        launch = adapter.get_exportable_executable() if hasattr(adapter, "get_exportable_executable") else kernel
+        _LAUNCHERS[full_key] = launch
+    return launch
+
+
 def get_kernel(key: tuple, build: Callable[[], object], device: torch.device | None = None):
-    """The compiled kernel for `key`, compiling `build()` (a prim_func) on first use."""
+    """The compiled kernel (JITKernel) for `key`, compiling `build()` (a prim_func) on first use."""
     target = cuda_target(device)
     full_key = (*key, target["arch"])
     kernel = _KERNELS.get(full_key)

@@ -80,6 +80,60 @@ def interpreted_triton_library():
             setattr(module, name, value)
 
 
+class Launcher:
+    """Launches one DualKernel with little host work per call.
+
+    The first launch for a `key` goes through triton's JIT path (binding, specialisation, cache lookup,
+    compile if needed), which returns the CompiledKernel; later launches with the same key call that
+    kernel's launcher directly, the very call JITFunction.run ends with. The key must therefore pin
+    everything triton specialises on: argument dtypes, 16-byte alignment of pointers and of integers
+    that are not excluded (and whether they equal 1), constexprs and launch options. If the direct
+    call fails (a triton version with another launcher signature), every later launch takes the JIT
+    path and `fast_path_error` says why.
+    """
+
+    def __init__(self, dual: DualKernel):
+        self.dual = dual
+        self.compiled_by_key: dict = {}
+        self.fast_path_error: str | None = None
+
+    def __call__(self, key, grid: tuple[int, ...], args: tuple, num_warps: int, device: torch.device):
+        if device.type != "cuda":
+            return self.dual.for_device(device)[grid](*args, num_warps=num_warps)
+        compiled = self.compiled_by_key.get(key)
+        if compiled is not None and self.fast_path_error is None:
+            try:
+                return _direct_launch(compiled, grid, args, device)
+            except TypeError as exc:  # launcher signature differs in this triton version
+                self.fast_path_error = f"{type(exc).__name__}: {exc}"
+        compiled = self.dual.compiled[grid](*args, num_warps=num_warps)
+        self.compiled_by_key[key] = compiled
+        return compiled
+
+
+def _direct_launch(compiled, grid, args, device):
+    from triton import knobs
+    from triton.runtime.driver import driver
+
+    stream = driver.active.get_current_stream(device.index)
+    meta = compiled.launch_metadata(grid, stream, *args)
+    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
+                 compiled.function, compiled.packed_metadata, meta, knobs.runtime.launch_enter_hook,
+                 knobs.runtime.launch_exit_hook, *args)
+    return compiled
+
+
+def align_key(*values) -> tuple:
+    """What triton specialises on for tensors (16-byte alignment) and ints (multiple of 16, equal to 1)."""
+    out = []
+    for v in values:
+        if isinstance(v, torch.Tensor):
+            out.append((v.dtype, v.data_ptr() % 16 == 0))
+        else:
+            out.append((v % 16 == 0, v == 1))
+    return tuple(out)
+
+
 def kernel(do_not_specialize=()):
     """Decorator: `@kernel(do_not_specialize=["M"])` instead of `@triton.jit`."""
     def wrap(fn):

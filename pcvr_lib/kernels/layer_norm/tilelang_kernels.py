@@ -5,7 +5,7 @@ out of the variance; M and G are symbolic, so the row count never recompiles."""
 import tilelang.language as T
 import torch
 
-from pcvr_lib.kernels._tilelang import get_kernel, tl_dtype
+from pcvr_lib.kernels._tilelang import get_kernel, get_launcher, tl_dtype
 from pcvr_lib.kernels._triton import sm_count
 from pcvr_lib.kernels.rms_norm.config import block_config, next_pow2
 
@@ -116,6 +116,13 @@ def forward_kernel(n: int, dtype: torch.dtype, save_stats: bool, device=None):
                       device)
 
 
+def _launcher(kind, n: int, dtype: torch.dtype, device, *params):
+    name = tl_dtype(dtype)
+    if kind == "fwd":
+        return get_launcher(("layer_norm", "fwd", n, name, *params), lambda: build_forward(n, name, *params), device)
+    return get_launcher(("layer_norm", "bwd", n, name), lambda: build_backward(n, name), device)
+
+
 def backward_kernel(n: int, dtype: torch.dtype, device=None):
     name = tl_dtype(dtype)
     return get_kernel(("layer_norm", "bwd", n, name), lambda: build_backward(n, name), device)
@@ -124,7 +131,7 @@ def backward_kernel(n: int, dtype: torch.dtype, device=None):
 def forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, save_stats: bool):
     m, n = x2.shape
     y = torch.empty_like(x2)
-    kernel = forward_kernel(n, x2.dtype, save_stats, x2.device)
+    kernel = _launcher("fwd", n, x2.dtype, x2.device, save_stats)
     if not save_stats:
         kernel(x2, weight, bias, y, eps)
         return y, None
@@ -139,6 +146,6 @@ def backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, mean: tor
     programs = max(1, min(-(-m // block_m), 4 * sm_count(x2.device.index)))
     dx = torch.empty_like(x2)
     partial = torch.empty((2, programs, n), dtype=torch.float32, device=x2.device)
-    backward_kernel(n, x2.dtype, x2.device)(dy, x2, weight, mean, rstd, dx, partial[0], partial[1])
+    _launcher("bwd", n, x2.dtype, x2.device)(dy, x2, weight, mean, rstd, dx, partial[0], partial[1])
     sums = partial.sum(1).to(weight.dtype)
     return dx, sums[0], sums[1]

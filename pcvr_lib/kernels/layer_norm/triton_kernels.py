@@ -1,5 +1,6 @@
 """LayerNorm in Triton: forward (optionally saving mean and 1/std) and backward (dx + per-program
-dw/db partials). Tiling as RMSNorm's (pcvr_lib.kernels.rms_norm.config); M is not specialised on."""
+dw/db partials). Tiling and specialisation as RMSNorm's (see pcvr_lib.kernels.rms_norm.triton_kernels):
+one compile per width class, none per row count."""
 
 from __future__ import annotations
 
@@ -7,12 +8,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pcvr_lib.kernels._triton import kernel, next_pow2, sm_count
+from pcvr_lib.kernels._triton import Launcher, align_key, kernel, next_pow2, sm_count
 from pcvr_lib.kernels.rms_norm.config import block_config
 
 
 @kernel(do_not_specialize=["M"])
-def _ln_fwd(X, W, B, Y, MEAN, RSTD, M, eps, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _ln_fwd(X, W, B, Y, MEAN, RSTD, M, N, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             SAVE_STATS: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -35,7 +36,7 @@ def _ln_fwd(X, W, B, Y, MEAN, RSTD, M, eps, N: tl.constexpr, BLOCK_M: tl.constex
 
 
 @kernel(do_not_specialize=["M"])
-def _ln_bwd(DY, X, W, MEAN, RSTD, DX, DWP, DBP, M, N: tl.constexpr, BLOCK_M: tl.constexpr,
+def _ln_bwd(DY, X, W, MEAN, RSTD, DX, DWP, DBP, M, N, BLOCK_M: tl.constexpr,
             BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK_M
@@ -65,6 +66,10 @@ def _ln_bwd(DY, X, W, MEAN, RSTD, DX, DWP, DBP, M, N: tl.constexpr, BLOCK_M: tl.
     tl.store(DBP + pid * N + cols, db, mask=cmask)
 
 
+_launch_fwd = Launcher(_ln_fwd)
+_launch_bwd = Launcher(_ln_bwd)
+
+
 def forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, save_stats: bool):
     """x2: (M, N) contiguous. Returns (y, (mean, rstd) or None)."""
     m, n = x2.shape
@@ -75,9 +80,9 @@ def forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: flo
         mean, rstd = stats[0], stats[1]
     else:
         mean = rstd = y  # never touched: SAVE_STATS is a compile-time False
-    grid = (triton.cdiv(m, block_m),)
-    _ln_fwd.for_device(x2.device)[grid](x2, weight, bias, y, mean, rstd, m, eps, N=n, BLOCK_M=block_m,
-                                        BLOCK_N=next_pow2(n), SAVE_STATS=save_stats, num_warps=num_warps)
+    args = (x2, weight, bias, y, mean, rstd, m, n, eps, block_m, next_pow2(n), save_stats)
+    key = (next_pow2(n), align_key(x2, weight, bias, y, mean, rstd, n), save_stats)
+    _launch_fwd(key, (triton.cdiv(m, block_m),), args, num_warps, x2.device)
     return y, ((mean, rstd) if save_stats else None)
 
 
@@ -88,7 +93,7 @@ def backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, mean: tor
     programs = max(1, min(triton.cdiv(m, block_m), 4 * sm_count(x2.device.index)))
     dx = torch.empty_like(x2)
     partial = torch.empty((2, programs, n), dtype=torch.float32, device=x2.device)
-    _ln_bwd.for_device(x2.device)[(programs,)](dy, x2, weight, mean, rstd, dx, partial[0], partial[1], m, N=n,
-                                               BLOCK_M=block_m, BLOCK_N=next_pow2(n), num_warps=num_warps)
+    args = (dy, x2, weight, mean, rstd, dx, partial[0], partial[1], m, n, block_m, next_pow2(n))
+    _launch_bwd((next_pow2(n), align_key(*args[:8], n)), (programs,), args, num_warps, x2.device)
     sums = partial.sum(1).to(weight.dtype)
     return dx, sums[0], sums[1]

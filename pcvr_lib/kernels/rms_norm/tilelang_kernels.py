@@ -3,14 +3,15 @@
 Same tiling as the Triton version (pcvr_lib.kernels.rms_norm.config): BLOCK_M rows of the width padded
 to a power of two per block; TileLang guards the out-of-range rows and columns of each copy, and the
 mean divides by the true width. M (rows) and G (backward programs) are symbolic: one compile per
-(kind, width, dtype).
+(kind, width, dtype). The width stays static on purpose: TileLang then proves the 16-byte alignment
+of every row and emits vector loads (a symbolic width gives guarded scalar code).
 """
 
 
 import tilelang.language as T
 import torch
 
-from pcvr_lib.kernels._tilelang import get_kernel, tl_dtype
+from pcvr_lib.kernels._tilelang import get_kernel, get_launcher, tl_dtype
 from pcvr_lib.kernels._triton import sm_count
 from pcvr_lib.kernels.rms_norm.config import block_config, next_pow2
 
@@ -100,6 +101,13 @@ def forward_kernel(n: int, dtype: torch.dtype, save_rstd: bool, device=None):
     return get_kernel(("rms_norm", "fwd", n, name, save_rstd), lambda: build_forward(n, name, save_rstd), device)
 
 
+def _launcher(kind, n: int, dtype: torch.dtype, device, *params):
+    name = tl_dtype(dtype)
+    if kind == "fwd":
+        return get_launcher(("rms_norm", "fwd", n, name, *params), lambda: build_forward(n, name, *params), device)
+    return get_launcher(("rms_norm", "bwd", n, name), lambda: build_backward(n, name), device)
+
+
 def backward_kernel(n: int, dtype: torch.dtype, device=None):
     name = tl_dtype(dtype)
     return get_kernel(("rms_norm", "bwd", n, name), lambda: build_backward(n, name), device)
@@ -108,7 +116,7 @@ def backward_kernel(n: int, dtype: torch.dtype, device=None):
 def forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, save_rstd: bool):
     m, n = x2.shape
     y = torch.empty_like(x2)
-    kernel = forward_kernel(n, x2.dtype, save_rstd, x2.device)
+    kernel = _launcher("fwd", n, x2.dtype, x2.device, save_rstd)
     if not save_rstd:
         kernel(x2, weight, y, eps)
         return y, None
@@ -123,5 +131,5 @@ def backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: tor
     programs = max(1, min(-(-m // block_m), 4 * sm_count(x2.device.index)))
     dx = torch.empty_like(x2)
     partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
-    backward_kernel(n, x2.dtype, x2.device)(dy, x2, weight, rstd, dx, partial)
+    _launcher("bwd", n, x2.dtype, x2.device)(dy, x2, weight, rstd, dx, partial)
     return dx, partial.sum(0).to(weight.dtype)

@@ -1,7 +1,9 @@
 """RMSNorm in Triton: forward (optionally saving 1/rms) and backward (dx + per-program dw partials).
 
 Each program handles BLOCK_M rows of the full (padded) width, so narrow rows still give every program
-several kilobytes to move. The row count M is not specialised on: a new M never recompiles.
+several kilobytes to move. The row count M is not specialised on (a new M never recompiles); the width
+N is a runtime argument that triton specialises only on divisibility by 16 (the 16-byte vector loads),
+so one compile serves a whole width class (BLOCK_N = next power of two).
 """
 
 from __future__ import annotations
@@ -10,12 +12,12 @@ import torch
 import triton
 import triton.language as tl
 
-from pcvr_lib.kernels._triton import kernel, next_pow2, sm_count
+from pcvr_lib.kernels._triton import Launcher, align_key, kernel, next_pow2, sm_count
 from pcvr_lib.kernels.rms_norm.config import block_config
 
 
 @kernel(do_not_specialize=["M"])
-def _rms_fwd(X, W, Y, RSTD, M, eps, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+def _rms_fwd(X, W, Y, RSTD, M, N, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              SAVE_RSTD: tl.constexpr):
     pid = tl.program_id(0)
     rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -34,7 +36,7 @@ def _rms_fwd(X, W, Y, RSTD, M, eps, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOC
 
 
 @kernel(do_not_specialize=["M"])
-def _rms_bwd(DY, X, W, RSTD, DX, DWP, M, N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+def _rms_bwd(DY, X, W, RSTD, DX, DWP, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK_M
     cols = tl.arange(0, BLOCK_N)
@@ -58,15 +60,19 @@ def _rms_bwd(DY, X, W, RSTD, DX, DWP, M, N: tl.constexpr, BLOCK_M: tl.constexpr,
     tl.store(DWP + pid * N + cols, dw, mask=cmask)
 
 
+_launch_fwd = Launcher(_rms_fwd)
+_launch_bwd = Launcher(_rms_bwd)
+
+
 def forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, save_rstd: bool):
     """x2: (M, N) contiguous. Returns (y, rstd or None)."""
     m, n = x2.shape
     block_m, num_warps = block_config(n)
     y = torch.empty_like(x2)
     rstd = torch.empty(m, dtype=torch.float32, device=x2.device) if save_rstd else y
-    grid = (triton.cdiv(m, block_m),)
-    _rms_fwd.for_device(x2.device)[grid](x2, weight, y, rstd, m, eps, N=n, BLOCK_M=block_m,
-                                         BLOCK_N=next_pow2(n), SAVE_RSTD=save_rstd, num_warps=num_warps)
+    args = (x2, weight, y, rstd, m, n, eps, block_m, next_pow2(n), save_rstd)
+    key = (next_pow2(n), align_key(x2, weight, y, rstd, n), save_rstd)
+    _launch_fwd(key, (triton.cdiv(m, block_m),), args, num_warps, x2.device)
     return y, (rstd if save_rstd else None)
 
 
@@ -77,6 +83,7 @@ def backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: tor
     programs = max(1, min(triton.cdiv(m, block_m), 4 * sm_count(x2.device.index)))
     dx = torch.empty_like(x2)
     partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
-    _rms_bwd.for_device(x2.device)[(programs,)](dy, x2, weight, rstd, dx, partial, m, N=n, BLOCK_M=block_m,
-                                                BLOCK_N=next_pow2(n), num_warps=num_warps)
+    args = (dy, x2, weight, rstd, dx, partial, m, n, block_m, next_pow2(n))
+    key = (next_pow2(n), align_key(dy, x2, weight, rstd, dx, partial, n))
+    _launch_bwd(key, (programs,), args, num_warps, x2.device)
     return dx, partial.sum(0).to(weight.dtype)
