@@ -25,6 +25,7 @@ SOURCE = Path(__file__).with_name("cuembed.cu")
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
 _LOCK = threading.Lock()
 _LIB: dict[int, ctypes.CDLL] = {}  # device capability as 10*major+minor -> loaded library
+_DEVICE_LIB: dict[int, object] = {}  # device index -> the library's launch function (per-call lookup)
 
 
 def unavailable_reason() -> str | None:
@@ -90,14 +91,17 @@ def _library(device: torch.device) -> ctypes.CDLL:
 def forward(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     num_rows, dim = weight.shape
     batch, bag = ids.shape
-    lib = _library(weight.device)
-    out = torch.empty((batch, dim), dtype=weight.dtype, device=weight.device)
+    dev = weight.get_device()
+    launch = _DEVICE_LIB.get(dev)
+    if launch is None:
+        launch = _DEVICE_LIB[dev] = _library(weight.device).pcvr_embag_mean_fwd
+    out = weight.new_empty((batch, dim))
     wp, op = weight.data_ptr(), out.data_ptr()
     vec16 = (dim * weight.element_size()) % 16 == 0 and wp % 16 == 0 and op % 16 == 0
-    stream = torch._C._cuda_getCurrentRawStream(weight.device.index)
-    rc = lib.pcvr_embag_mean_fwd(_DTYPE_CODE[weight.dtype], ids.dtype == torch.int64, vec16, wp, ids.data_ptr(),
-                                 op, batch, bag, num_rows, dim, stream)
+    rc = launch(_DTYPE_CODE[weight.dtype], ids.dtype == torch.int64, vec16, wp, ids.data_ptr(), op, batch, bag,
+                num_rows, dim, torch._C._cuda_getCurrentRawStream(dev))
     if rc != 0:
+        lib = _LIB[10 * torch.cuda.get_device_capability(dev)[0] + torch.cuda.get_device_capability(dev)[1]]
         raise RuntimeError(f"cuembed: kernel launch failed: {lib.pcvr_embag_error_string(rc).decode()}")
     return out
 

@@ -13,6 +13,8 @@ OP = "embedding_bag_mean"
 BACKENDS = ("torch", "triton", "tilelang", "cuembed")
 WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
 ID_DTYPES = (torch.int32, torch.int64)
+_WEIGHT_DTYPES = frozenset(WEIGHT_DTYPES)
+_ID_DTYPES = frozenset(ID_DTYPES)
 _MODULES = {"triton": "triton_impl", "tilelang": "tilelang_impl", "cuembed": "cuembed"}
 _IMPL: dict[str, object] = {}
 
@@ -73,13 +75,14 @@ def embedding_bag_mean(weight: torch.Tensor, ids: torch.Tensor, *, backend: str 
         check_inputs(weight, ids, backend)
         return torch_embedding_bag_mean(weight, ids, sparse_grad)
     # Fast path: a handful of attribute reads; any failure re-runs the full checks for the message.
-    if not (weight.is_cuda and ids.is_cuda and weight.dim() == 2 and ids.dim() == 2 and weight.device == ids.device
-            and weight.dtype in WEIGHT_DTYPES and ids.dtype in ID_DTYPES and weight.is_contiguous()):
+    if not (weight.is_cuda and ids.is_cuda and weight.dim() == 2 and ids.dim() == 2
+            and weight.get_device() == ids.get_device() and weight.dtype in _WEIGHT_DTYPES
+            and ids.dtype in _ID_DTYPES and weight.is_contiguous()):
         check_inputs(weight, ids, backend)
     impl = _IMPL.get(backend) or _impl(backend, weight.device)
     if not ids.is_contiguous():
         ids = ids.contiguous()
-    if ids.numel() == 0 or weight.shape[0] == 0:
+    if not (ids.numel() and weight.shape[0]):
         # degenerate shapes (no bag, no position or no row): every bag is empty; torch's op covers them
         return torch_embedding_bag_mean(weight, ids, sparse_grad)
     if weight.requires_grad and torch.is_grad_enabled():

@@ -31,11 +31,11 @@ def torch_embedding_bag_mean(weight: torch.Tensor, ids: torch.Tensor, sparse_gra
 
 def reference_forward(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
     """float64 reference of the forward, written without F.embedding_bag (gather, mask, divide)."""
-    w = weight.detach().to(torch.float64)
-    num_rows = w.shape[0]
+    num_rows = weight.shape[0]
     ids = ids.to(torch.int64)
     valid = (ids > 0) & (ids < num_rows)
-    rows = w[torch.where(valid, ids, 0)]  # (B, L, D)
+    # gather first, then widen: a large table is never copied to float64 as a whole
+    rows = weight.detach()[torch.where(valid, ids, 0)].to(torch.float64)  # (B, L, D)
     rows = torch.where(valid.unsqueeze(-1), rows, 0.0)  # not a product: NaN in an ignored row stays out
     count = valid.sum(dim=1, keepdim=True).to(torch.float64)
     return rows.sum(dim=1) / count.clamp_min(1.0)

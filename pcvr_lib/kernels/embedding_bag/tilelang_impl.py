@@ -35,11 +35,9 @@ def _geometry(dim: int, vec: int) -> tuple[int, int, int]:
     return tpr, THREADS // tpr, -(-cols // tpr)
 
 
-def vector_width(dim: int, elem_bytes: int, *ptrs: int) -> int:
+def vector_width(dim: int, elem_bytes: int, ptr: int) -> int:
     vec = 16 // elem_bytes
-    if dim % vec == 0 and all(p % 16 == 0 for p in ptrs):
-        return vec
-    return 1
+    return vec if dim % vec == 0 and ptr % 16 == 0 else 1
 
 
 def build_forward(dim: int, dtype: str, idx_dtype: str, vec: int, save_counts: bool):
@@ -101,22 +99,22 @@ def build_forward(dim: int, dtype: str, idx_dtype: str, vec: int, save_counts: b
 
 
 def build_backward_sparse(dim: int, dtype: str, idx_dtype: str, vec: int):
-    """COO scatter: entries of bag b at [ends[b] - counts[b], ends[b]), positions in bag order."""
+    """Fixed-size COO scatter (B*L entries, no host sync): entry (b, l) is (id, g[b] / count[b]) for a
+    valid id, else (anchor[b], 0) with anchor[b] a valid id of the same bag (0 when it has none)."""
     import tilelang.language as T
 
     B = T.dynamic("B")
     L = T.dynamic("L")
-    N = T.dynamic("N")
     tpr, block_b, chunks = _geometry(dim, vec)
 
     @T.prim_func
     def bwd_sparse(ids: T.Tensor((B, L), idx_dtype), counts: T.Tensor((B,), "int32"),
-                   ends: T.Tensor((B,), "int64"), g: T.Tensor((B, dim), dtype),
-                   idx_out: T.Tensor((N,), "int64"), val_out: T.Tensor((N, dim), dtype), num_rows: T.int64):
+                   g: T.Tensor((B, dim), dtype), idx_out: T.Tensor((B * L,), "int64"),
+                   val_out: T.Tensor((B * L, dim), dtype), num_rows: T.int64):
         with T.Kernel(T.ceildiv(B, block_b), threads=THREADS) as bx:
             tx = T.get_thread_binding()
             val = T.alloc_local((vec,), dtype)
-            slot = T.alloc_local((1,), "int64")
+            anchor = T.alloc_local((1,), "int64")
             b = bx * block_b + tx // tpr
             for ch in T.serial(chunks):
                 c = ((tx % tpr) + ch * tpr) * vec
@@ -124,15 +122,24 @@ def build_backward_sparse(dim: int, dtype: str, idx_dtype: str, vec: int):
                     inv = 1.0 / T.cast(T.max(counts[b], 1), "float32")
                     for v in T.vectorized(vec):
                         val[v] = T.cast(T.cast(g[b, c + v], "float32") * inv, dtype)
-                    slot[0] = ends[b] - T.cast(counts[b], "int64")
+                    anchor[0] = 0
                     for l in T.serial(L):
-                        r = ids[b, l]
+                        r = T.cast(ids[b, l], "int64")
+                        if r > 0 and r < num_rows:
+                            anchor[0] = T.max(anchor[0], r)
+                    for l in T.serial(L):
+                        r = T.cast(ids[b, l], "int64")
+                        slot = T.cast(b, "int64") * L + l
                         if r > 0 and r < num_rows:
                             if tx % tpr == 0 and ch == 0:
-                                idx_out[slot[0]] = T.cast(r, "int64")
+                                idx_out[slot] = r
                             for v in T.vectorized(vec):
-                                val_out[slot[0], c + v] = val[v]
-                            slot[0] += 1
+                                val_out[slot, c + v] = val[v]
+                        else:
+                            if tx % tpr == 0 and ch == 0:
+                                idx_out[slot] = anchor[0]
+                            for v in T.vectorized(vec):
+                                val_out[slot, c + v] = T.cast(0, dtype)
 
     return bwd_sparse
 
@@ -171,6 +178,51 @@ def compile_kernel(func, target=None):
     return tilelang.compile(func, target=target if target is not None else "auto", execution_backend="tvm_ffi")
 
 
+def _finish(kernel):
+    getter = getattr(getattr(kernel, "adapter", None), "_get_executable", None)
+    return getter() if getter is not None else kernel  # the raw FFI function skips the Python wrapper
+
+
+def precompile(specs, workers: int = 16) -> float:
+    """Compile many kernels concurrently (nvcc runs in parallel); returns the wall seconds.
+
+    specs: (weight dtype, ids dtype, dim, vec, kind) with kind in fwd | fwd_train | bwd_sparse | bwd_dense.
+    Each kernel's own compile time is recorded in compile_seconds as usual."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    todo = {}
+    for wdt, idt, dim, vec, kind in specs:
+        key, build = _spec(wdt, idt, dim, vec, kind)
+        if key not in _CACHE:
+            todo[key] = build
+
+    def one(item):
+        key, build = item
+        t0 = time.perf_counter()
+        exe = _finish(compile_kernel(build()))
+        return key, exe, time.perf_counter() - t0
+
+    t0 = time.perf_counter()
+    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
+        for key, exe, seconds in pool.map(one, todo.items()):
+            compile_seconds[("tilelang", key[0]) + key] = seconds
+            _CACHE[key] = exe
+    return time.perf_counter() - t0
+
+
+def _spec(wdt, idt, dim, vec, kind):
+    """(cache key, builder) of one kernel variant; the same keys the launch functions use."""
+    w, i = _TORCH_TO_TL[wdt], _TORCH_TO_TL[idt]
+    if kind in ("fwd", "fwd_train"):
+        train = kind == "fwd_train"
+        return ("fwd", dim, wdt, idt, vec, train), lambda: build_forward(dim, w, i, vec, train)
+    if kind == "bwd_sparse":
+        return ("bwd_sparse", dim, wdt, idt, vec), lambda: build_backward_sparse(dim, w, i, vec)
+    if kind == "bwd_dense":
+        return ("bwd_dense", dim, wdt, idt), lambda: build_backward_dense(dim, w, i)
+    raise ValueError(f"unknown TileLang kernel kind {kind!r}")
+
+
 def _executable(kind: str, key: tuple, build):
     exe = _CACHE.get(key)
     if exe is not None:
@@ -179,9 +231,7 @@ def _executable(kind: str, key: tuple, build):
         exe = _CACHE.get(key)
         if exe is None:
             t0 = time.perf_counter()
-            kernel = compile_kernel(build())
-            getter = getattr(getattr(kernel, "adapter", None), "_get_executable", None)
-            exe = getter() if getter is not None else kernel  # the raw FFI function skips the Python wrapper
+            exe = _finish(compile_kernel(build()))
             compile_seconds[("tilelang", kind) + key] = time.perf_counter() - t0
             _CACHE[key] = exe
     return exe
@@ -190,31 +240,29 @@ def _executable(kind: str, key: tuple, build):
 def forward(weight: torch.Tensor, ids: torch.Tensor, save_counts: bool):
     batch = ids.shape[0]
     dim = weight.shape[1]
-    out = torch.empty((batch, dim), dtype=weight.dtype, device=weight.device)
+    out = weight.new_empty((batch, dim))
     vec = vector_width(dim, weight.element_size(), weight.data_ptr())
     key = ("fwd", dim, weight.dtype, ids.dtype, vec, save_counts)
-    exe = _executable("fwd", key, lambda: build_forward(dim, _TORCH_TO_TL[weight.dtype], _TORCH_TO_TL[ids.dtype],
-                                                         vec, save_counts))
+    exe = _CACHE.get(key) or _executable(
+        "fwd", key, _spec(weight.dtype, ids.dtype, dim, vec, "fwd_train" if save_counts else "fwd")[1])
     if save_counts:
-        counts = torch.empty((batch,), dtype=torch.int32, device=weight.device)
+        counts = weight.new_empty((batch,), dtype=torch.int32)
         exe(weight, ids, out, counts)
         return out, counts
     exe(weight, ids, out)
     return out, None
 
 
-def backward_sparse(ids, counts, ends, grad_out, nnz: int, num_rows: int, weight_dtype):
+def backward_sparse(ids, counts, grad_out, num_rows: int, weight_dtype):
+    batch, bag = ids.shape
     dim = grad_out.shape[1]
-    indices = torch.empty((nnz,), dtype=torch.int64, device=ids.device)
-    values = torch.empty((nnz, dim), dtype=weight_dtype, device=ids.device)
-    if nnz == 0:
-        return indices, values
     g = grad_out if grad_out.dtype == weight_dtype else grad_out.to(weight_dtype)
+    indices = torch.empty((batch * bag,), dtype=torch.int64, device=ids.device)
+    values = g.new_empty((batch * bag, dim))
     vec = vector_width(dim, g.element_size(), g.data_ptr())
     key = ("bwd_sparse", dim, weight_dtype, ids.dtype, vec)
-    exe = _executable("bwd_sparse", key, lambda: build_backward_sparse(dim, _TORCH_TO_TL[weight_dtype],
-                                                                       _TORCH_TO_TL[ids.dtype], vec))
-    exe(ids, counts, ends, g, indices, values, num_rows)
+    exe = _CACHE.get(key) or _executable("bwd_sparse", key, _spec(weight_dtype, ids.dtype, dim, vec, "bwd_sparse")[1])
+    exe(ids, counts, g, indices, values, num_rows)
     return indices, values
 
 

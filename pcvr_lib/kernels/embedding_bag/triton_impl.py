@@ -75,7 +75,6 @@ if tl is not None:
     def _bwd_sparse_kernel(
         ids_ptr,
         cnt_ptr,
-        end_ptr,
         g_ptr,
         idx_out_ptr,
         val_out_ptr,
@@ -87,30 +86,36 @@ if tl is not None:
         BLOCK_L: tl.constexpr,
         BLOCK_D: tl.constexpr,
     ):
-        # COO entries of bag b occupy [end[b] - cnt[b], end[b]) in bag order, position order inside.
+        # Entry (b, l) of the fixed-size COO (B*L entries, no host sync): (id, g[b] / count[b]) for a
+        # valid id, else (anchor[b], 0) where anchor[b] is a valid id of the same bag (0 if none).
         pid = tl.program_id(0)
         rb = pid * BLOCK_B + tl.arange(0, BLOCK_B)
         bmask = rb < B
         rl = tl.arange(0, BLOCK_L)
         rd = tl.arange(0, BLOCK_D)
         dmask = rd < D
-        cnt = tl.load(cnt_ptr + rb, mask=bmask, other=0)
-        start = tl.load(end_ptr + rb, mask=bmask, other=0) - cnt
-        inv = 1.0 / tl.maximum(cnt, 1).to(tl.float32)
-        g = tl.load(g_ptr + rb.to(tl.int64)[:, None] * D + rd[None, :], mask=bmask[:, None] & dmask[None, :])
-        val = (g.to(tl.float32) * inv[:, None]).to(val_out_ptr.dtype.element_ty)
         ids_rows = ids_ptr + rb.to(tl.int64)[:, None] * L
+        anchor = tl.full([BLOCK_B], 0, dtype=tl.int64)
         for l0 in range(0, L, BLOCK_L):
             lmask = (l0 + rl) < L
             idx = tl.load(ids_rows + (l0 + rl)[None, :], mask=bmask[:, None] & lmask[None, :], other=0)
             valid = (idx > 0) & (idx < V)
-            v32 = valid.to(tl.int32)
-            slot = start[:, None] + (tl.cumsum(v32, axis=1) - v32)
-            tl.store(idx_out_ptr + slot, idx.to(tl.int64), mask=valid)
-            vptrs = val_out_ptr + slot[:, :, None] * D + rd[None, None, :]
-            tl.store(vptrs, tl.broadcast_to(val[:, None, :], [BLOCK_B, BLOCK_L, BLOCK_D]),
-                     mask=valid[:, :, None] & dmask[None, None, :])
-            start += tl.sum(v32, axis=1)
+            anchor = tl.maximum(anchor, tl.max(tl.where(valid, idx, 0).to(tl.int64), axis=1))
+        cnt = tl.load(cnt_ptr + rb, mask=bmask, other=0)
+        inv = 1.0 / tl.maximum(cnt, 1).to(tl.float32)
+        g = tl.load(g_ptr + rb.to(tl.int64)[:, None] * D + rd[None, :], mask=bmask[:, None] & dmask[None, :])
+        val = (g.to(tl.float32) * inv[:, None]).to(val_out_ptr.dtype.element_ty)
+        zero = tl.zeros_like(val)
+        for l0 in range(0, L, BLOCK_L):
+            lmask = (l0 + rl) < L
+            m2 = bmask[:, None] & lmask[None, :]
+            idx = tl.load(ids_rows + (l0 + rl)[None, :], mask=m2, other=0)
+            valid = (idx > 0) & (idx < V)
+            slot = rb.to(tl.int64)[:, None] * L + (l0 + rl)[None, :]
+            tl.store(idx_out_ptr + slot, tl.where(valid, idx.to(tl.int64), anchor[:, None]), mask=m2)
+            vals = tl.where(valid[:, :, None], val[:, None, :], zero[:, None, :])
+            tl.store(val_out_ptr + slot[:, :, None] * D + rd[None, None, :], vals,
+                     mask=m2[:, :, None] & dmask[None, None, :])
 
     @dual_kernel(do_not_specialize=["B", "L", "V"])
     def _bwd_dense_kernel(
@@ -151,18 +156,35 @@ if tl is not None:
 _COMPILED: dict[tuple, object] = {}
 
 
-def _align_key(*tensors: torch.Tensor) -> tuple:
-    """Device index and the 16-byte alignment of each pointer (Triton specialises on it)."""
-    return (tensors[0].device.index,) + tuple(t.data_ptr() % 16 == 0 for t in tensors)
+def _align_key(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """Device index and the 16-byte alignment of both pointers (Triton specialises on it)."""
+    return a.get_device(), a.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0
 
 
-def forward(weight: torch.Tensor, ids: torch.Tensor, save_counts: bool):
-    """(out, counts or None); counts are int32 valid-id counts per bag, kept for the backward."""
+_CONFIGS: dict[tuple, object] = {}
+
+
+def _config(batch, bag, dim, elem_bytes):
+    """launch_config memoised by (bag, dim, element size): it never depends on the batch size."""
+    key = (bag, dim, elem_bytes)
+    cfg = _CONFIGS.get(key)
+    if cfg is None:
+        cfg = _CONFIGS[key] = launch_config(batch, bag, dim, elem_bytes)
+    return cfg
+
+
+def _stream(device_index: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device_index)
+
+
+def forward(weight: torch.Tensor, ids: torch.Tensor, save_counts: bool, cfg=None):
+    """(out, counts or None); counts are int32 valid-id counts per bag, kept for the backward.
+    `cfg` overrides the launch heuristic (used by the tile sweep in sweep.py)."""
     num_rows, dim = weight.shape
     batch, bag = ids.shape
-    out = torch.empty((batch, dim), dtype=weight.dtype, device=weight.device)
-    counts = torch.empty((batch,), dtype=torch.int32, device=weight.device) if save_counts else out
-    cfg = launch_config(batch, bag, dim, weight.element_size())
+    out = weight.new_empty((batch, dim))
+    counts = weight.new_empty((batch,), dtype=torch.int32) if save_counts else out
+    cfg = cfg or _config(batch, bag, dim, weight.element_size())
     grid = -(-batch // cfg.block_b)
     args = (weight, ids, out, counts, batch, bag, num_rows, dim, cfg.block_b, cfg.block_l, cfg.block_d,
             save_counts)
@@ -172,12 +194,23 @@ def forward(weight: torch.Tensor, ids: torch.Tensor, save_counts: bool):
     return out, (counts if save_counts else None)
 
 
+_RAW_RUN = [True]  # False once CompiledKernel.run's positional layout turned out different
+
+
 def _launch_with_warps(name, kernel, grid, args, key, num_warps):
     """Launch with all arguments positional. On CUDA the first launch per key compiles through Triton's
-    JIT and keeps the CompiledKernel; later launches call it directly. CPU tensors (only under
-    TRITON_INTERPRET=1) go through the interpreter."""
+    JIT and keeps the CompiledKernel; later launches call its launcher directly with torch's current
+    stream (no per-call binding, hashing, device or stream lookups through Triton's driver).
+    CPU tensors (only under TRITON_INTERPRET=1) go through the interpreter."""
     ck = _COMPILED.get(key)
     if ck is not None:
+        if _RAW_RUN[0]:
+            try:
+                ck.run(grid, 1, 1, _stream(args[0].get_device()), ck.function, ck.packed_metadata, None, None,
+                       None, *args)
+                return
+            except TypeError:  # another Triton's launcher layout: use its public runner from now on
+                _RAW_RUN[0] = False
         ck[(grid, 1, 1)](*args)
         return
     if not args[0].is_cuda:
@@ -190,18 +223,16 @@ def _launch_with_warps(name, kernel, grid, args, key, num_warps):
     _COMPILED[key] = ck
 
 
-def backward_sparse(ids, counts, ends, grad_out, nnz: int, num_rows: int, weight_dtype):
-    """COO pieces (indices int64 [nnz], values [nnz, D] in the weight dtype) of the weight gradient."""
+def backward_sparse(ids, counts, grad_out, num_rows: int, weight_dtype):
+    """Fixed-size COO pieces (indices int64 [B*L], values [B*L, D] in the weight dtype); see autograd.py."""
     batch, bag = ids.shape
     dim = grad_out.shape[1]
-    indices = torch.empty((nnz,), dtype=torch.int64, device=ids.device)
-    values = torch.empty((nnz, dim), dtype=weight_dtype, device=ids.device)
-    if nnz == 0:
-        return indices, values
-    cfg = launch_config(batch, bag, dim, 4)
+    indices = torch.empty((batch * bag,), dtype=torch.int64, device=ids.device)
+    values = grad_out.new_empty((batch * bag, dim), dtype=weight_dtype)
+    cfg = _config(batch, bag, dim, 4)
     grid = -(-batch // cfg.block_b)
-    args = (ids, counts, ends, grad_out, indices, values, batch, bag, num_rows, dim, cfg.block_b,
-            cfg.block_l, cfg.block_d)
+    args = (ids, counts, grad_out, indices, values, batch, bag, num_rows, dim, cfg.block_b, cfg.block_l,
+            cfg.block_d)
     key = ("bwd_sparse", grad_out.dtype, weight_dtype, ids.dtype, dim, cfg.block_b, cfg.block_l,
            _align_key(ids, grad_out), cfg.num_warps)
     _launch_with_warps("bwd_sparse", _bwd_sparse_kernel, grid, args, key, cfg.num_warps)
@@ -213,7 +244,7 @@ def backward_dense(ids, counts, grad_out, num_rows: int, weight_dtype):
     batch, bag = ids.shape
     dim = grad_out.shape[1]
     grad = torch.zeros((num_rows, dim), dtype=torch.float32, device=ids.device)
-    cfg = launch_config(batch, bag, dim, 4)
+    cfg = _config(batch, bag, dim, 4)
     grid = -(-batch // cfg.block_b)
     args = (ids, counts, grad_out, grad, batch, bag, num_rows, dim, cfg.block_b, cfg.block_l, cfg.block_d)
     key = ("bwd_dense", grad_out.dtype, ids.dtype, dim, cfg.block_b, cfg.block_l, _align_key(ids, grad_out),

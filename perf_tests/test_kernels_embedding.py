@@ -1,0 +1,242 @@
+"""Benchmarks of embedding_bag_mean: backend x shape x dtype x id distribution x direction.
+
+Each case checks the result against a float64 reference first (a mismatch fails the case untimed), then
+times per-call latency as a user sees it (back-to-back calls, host work included; device-only time
+beside it) through the shared runner perf_tests/kernel_bench.py.
+
+The "torch" case is the peer a user would otherwise call: `F.embedding_bag(mode="mean",
+padding_idx=0)` (sparse=True for fwdbwd) on ids that are already in range; the library's own torch
+backend adds one masking pass for ids outside (0, V). Gradients are taken with torch.autograd.grad
+(nothing accumulates across calls).
+
+Distributions: "uniform" = fixed bag length, each position padding (id 0) with probability 0.25, ids
+uniform in [1, V); "zipf" = bag lengths uniform in [1, L] (the rest padding), ids log-uniform
+(P(id) ~ 1/id, Zipf s=1) scattered over the table by a multiplicative hash, so hot rows are not
+neighbours. Bytes counted: valid gathered rows + ids + output (fwd); plus grad_out read, ids read and
+the COO values + indices written (fwdbwd, B*L entries: our layout).
+
+Print the summary table of a saved run: python perf_tests/test_kernels_embedding.py RUN.json
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pcvr_lib.kernels import embedding_bag as eb
+from pcvr_lib.kernels.embedding_bag import common
+from pcvr_lib.kernels.tolerance import Tolerance, assert_close, max_errors, tolerance
+
+try:
+    from perf_tests import kernel_bench as kb
+except ImportError:  # run as a script from perf_tests/
+    import kernel_bench as kb
+
+OP = eb.OP
+CUDA = torch.cuda.is_available()
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+
+# name, B, V, D, L, dtypes
+GPU_SHAPES = [
+    ("B8192xV1MxD64xbag4", 8192, 1_000_000, 64, 4, ("fp16", "fp32")),
+    ("B65536xV1MxD128xbag8", 65536, 1_000_000, 128, 8, ("fp16", "fp32")),
+    ("B8192xV10MxD64xbag20", 8192, 10_000_000, 64, 20, ("fp16",)),
+]
+CPU_SHAPES = [("B256xV1000xD16xbag4", 256, 1000, 16, 4, ("fp32",))]
+SHAPES = GPU_SHAPES if CUDA else CPU_SHAPES
+DISTS = ("uniform", "zipf")
+FWD_BACKENDS = ("torch", "triton", "tilelang", "cuembed")
+TRAIN_BACKENDS = ("torch", "triton", "tilelang")
+PAD = 0.25
+
+
+def make_ids(batch, num_rows, bag, dist, device, seed=0):
+    g = torch.Generator(device=device).manual_seed(seed)
+    if dist == "uniform":
+        ids = torch.randint(1, num_rows, (batch, bag), generator=g, device=device)
+        ids[torch.rand((batch, bag), generator=g, device=device) < PAD] = 0
+        return ids
+    u = torch.rand((batch, bag), generator=g, device=device, dtype=torch.float64)
+    rank = torch.exp(u * torch.log(torch.tensor(float(num_rows - 1), dtype=torch.float64))).floor().to(torch.int64)
+    ids = (rank * 1_000_003) % (num_rows - 1) + 1
+    lengths = torch.randint(1, bag + 1, (batch, 1), generator=g, device=device)
+    ids[torch.arange(bag, device=device)[None, :] >= lengths] = 0
+    return ids
+
+
+def cases():
+    out = []
+    for name, batch, num_rows, dim, bag, dtypes in SHAPES:
+        for dtype in dtypes:
+            for dist in DISTS:
+                for direction, backends in (("fwd", FWD_BACKENDS), ("fwdbwd", TRAIN_BACKENDS)):
+                    for backend in backends:  # torch first: the speedups need its time
+                        cid = (f"op={OP},backend={backend},shape={name},dtype={dtype},dist={dist},"
+                               f"dir={direction}")
+                        out.append(pytest.param(backend, (name, batch, num_rows, dim, bag), dtype, dist,
+                                                direction, id=cid))
+    return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def tilelang_precompiled():
+    """On a GPU, compile the TileLang variants of these shapes concurrently before timing anything
+    (their compile seconds are still recorded per kernel and reported per case)."""
+    if not CUDA or not eb.backend_status("tilelang", "cuda")[0]:
+        return None
+    from pcvr_lib.kernels.embedding_bag import tilelang_impl as ti
+
+    specs = [(DTYPES[dt], torch.int64, dim, ti.vector_width(dim, DTYPES[dt].itemsize, 0), kind)
+             for _, _, _, dim, _, dts in SHAPES for dt in dts for kind in ("fwd", "fwd_train", "bwd_sparse")]
+    return ti.precompile(specs)
+
+
+_INPUTS: dict[tuple, tuple] = {}
+
+
+def inputs(shape, dtype, dist, device):
+    key = (shape, dtype, dist)
+    if key not in _INPUTS:
+        _INPUTS.clear()  # one problem's tensors at a time (the V10M table is 1.3 GB)
+        name, batch, num_rows, dim, bag = shape
+        g = torch.Generator(device=device).manual_seed(1)
+        weight = torch.randn((num_rows, dim), generator=g, device=device).to(DTYPES[dtype])
+        ids = make_ids(batch, num_rows, bag, dist, device)
+        grad_out = torch.randn((batch, dim), generator=g, device=device).to(DTYPES[dtype])
+        _INPUTS[key] = (weight, ids, grad_out)
+    return _INPUTS[key]
+
+
+def make_call(backend, weight, ids, grad_out, direction):
+    if direction == "fwd":
+        if backend == "torch":
+            return lambda: F.embedding_bag(ids, weight, mode="mean", padding_idx=0)
+        return lambda: eb.embedding_bag_mean(weight, ids, backend=backend)
+    w = weight.detach().requires_grad_()
+    if backend == "torch":
+        def step():
+            out = F.embedding_bag(ids, w, mode="mean", padding_idx=0, sparse=True)
+            return out, torch.autograd.grad(out, w, grad_out)[0]
+    else:
+        def step():
+            out = eb.embedding_bag_mean(w, ids, backend=backend, sparse_grad=True)
+            return out, torch.autograd.grad(out, w, grad_out)[0]
+    return step
+
+
+def grad_check(grad, weight, ids, grad_out):
+    """Coalesced sparse gradient vs float64 (computed on the device), atol relative to sum of |terms|."""
+    num_rows, dim = weight.shape
+    valid = (ids > 0) & (ids < num_rows)
+    count = valid.sum(dim=1, keepdim=True).clamp_min(1).to(torch.float64)
+    bag_of = valid.nonzero()[:, 0]
+    terms = (grad_out.to(torch.float64) / count)[bag_of]
+    index = ids[valid].unsqueeze(0)
+    expected = torch.sparse_coo_tensor(index, terms, (num_rows, dim)).coalesce()
+    magnitude = torch.sparse_coo_tensor(index, terms.abs(), (num_rows, dim)).coalesce()
+    actual = grad.to(torch.float64).coalesce()
+    idx, a = actual.indices()[0], actual.values()
+    if idx.numel() and int(idx[0]) == 0:  # our layout: row 0 carries zeros for all-padding bags
+        assert torch.count_nonzero(a[0]) == 0, "padding row 0 got a non-zero gradient"
+        idx, a = idx[1:], a[1:]
+    assert torch.equal(idx, expected.indices()[0]), "gradient touches other rows than the ids"
+    e = expected.values()
+    ratio = float(magnitude.values().pow(2).mean().sqrt() / e.pow(2).mean().sqrt().clamp_min(1e-300))
+    base = tolerance(weight.dtype)
+    assert_close(a, e, weight.dtype, what="sparse grad", tol=Tolerance(base.atol * max(ratio, 1.0), base.rtol))
+    return max_errors(a, e)
+
+
+def count_bytes(weight, ids, direction):
+    num_rows, dim = weight.shape
+    esize = weight.element_size()
+    valid = int(((ids > 0) & (ids < num_rows)).sum())
+    fwd = valid * dim * esize + ids.numel() * ids.element_size() + ids.shape[0] * dim * esize
+    if direction == "fwd":
+        return fwd
+    return fwd + ids.shape[0] * dim * esize + ids.numel() * (ids.element_size() + dim * esize + 8)
+
+
+@pytest.mark.parametrize("backend,shape,dtype,dist,direction", cases())
+def test_embedding_bag_perf(benchmark, backend, shape, dtype, dist, direction):
+    if not CUDA:
+        if backend != "torch":
+            ok, reason = eb.backend_status(backend, "cpu")
+            pytest.skip(reason if not ok else f"{backend}: GPU benchmark")
+        return cpu_case(benchmark, shape, dtype, dist, direction)
+    device = kb.require_gpu_backend(OP, backend)
+    weight, ids, grad_out = inputs(shape, dtype, dist, device)
+    call = make_call(backend, weight, ids, grad_out, direction)
+
+    before = dict(common.compile_seconds)
+    _, first_s = kb.timed_first_call(call)
+    new = {k: v for k, v in common.compile_seconds.items() if k not in before}
+    if not new and backend == "tilelang":  # compiled by the fixture: report those kernels' seconds
+        def used(k):
+            if k[0] != "tilelang" or k[3:6] != (weight.shape[1], weight.dtype, ids.dtype):
+                return False
+            if direction == "fwd":
+                return k[1] == "fwd" and k[-1] is False
+            return (k[1] == "fwd" and k[-1] is True) or k[1] == "bwd_sparse"
+
+        new = {k: v for k, v in common.compile_seconds.items() if used(k)}
+    compile_s = sum(new.values()) if new else 0.0
+
+    def check():
+        out = call()
+        if direction == "fwd":
+            expected = eb.reference_forward(weight, ids)
+            assert_close(out, expected, weight.dtype, what=f"{backend} forward")
+            return max_errors(out, expected)
+        out, grad = out
+        expected = eb.reference_forward(weight, ids)
+        assert_close(out, expected, weight.dtype, what=f"{backend} forward (train)")
+        return grad_check(grad, weight, ids, grad_out)
+
+    key = kb.CaseKey(OP, f"{shape[0]},dist={dist}", dtype, direction)
+    torch_call = make_call("torch", weight, ids, grad_out, direction)
+    info = kb.run_case(benchmark, key=key, backend=backend, call=call, check=check,
+                       bytes_moved=count_bytes(weight, ids, direction), compile_s=compile_s,
+                       torch_call=torch_call, rounds=15, graph=(direction == "fwd"))
+    benchmark.extra_info.update({"dist": dist, "shape": shape[0], "first_call_s": round(first_s, 3),
+                                 "compiled_now": bool(new), "ids_dtype": str(ids.dtype).replace("torch.", "")})
+    assert info["max_abs_error"] == info["max_abs_error"]  # NaN never passes
+
+
+def cpu_case(benchmark, shape, dtype, dist, direction):
+    """CI: the torch peer at a small shape, checked, run once (no GPU timer on CPU)."""
+    weight, ids, grad_out = inputs(shape, dtype, dist, torch.device("cpu"))
+    call = make_call("torch", weight, ids, grad_out, direction)
+    result = benchmark.pedantic(call, rounds=1, iterations=1)
+    out = result if direction == "fwd" else result[0]
+    assert_close(out, eb.reference_forward(weight, ids), weight.dtype, what="torch forward")
+    if direction == "fwdbwd":
+        grad_check(result[1], weight, ids, grad_out)
+    benchmark.extra_info.update({"op": OP, "backend": "torch", "shape": shape[0], "dtype": dtype, "dist": dist,
+                                 "dir": direction, "note": "CPU smoke run, not a GPU timing"})
+
+
+def summary(path: str) -> str:
+    """A short table of a pytest-benchmark JSON of this file."""
+    data = json.load(open(path))
+    rows = []
+    for bench in data["benchmarks"]:
+        x = bench.get("extra_info", {})
+        if x.get("op") != OP or "per_call_us" not in x:
+            continue
+        rows.append((x["shape"], x["dtype"], x["dist"], x["dir"], x["backend"], x["per_call_us"], x["device_us"],
+                     x.get("speedup_vs_torch"), x.get("fraction_of_copy_ceiling"), x.get("compile_s")))
+    lines = ["shape | dtype | dist | dir | backend | per-call us | device us | x torch | % copy | compile s",
+             "---|---|---|---|---|---|---|---|---|---"]
+    for r in sorted(rows, key=lambda r: r[:4]):
+        frac = f"{100 * r[8]:.1f}" if r[8] is not None else "-"
+        lines.append(f"{r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]:.1f} | {r[6]:.1f} | {r[7]} | {frac} | {r[9]}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(summary(sys.argv[1]))
