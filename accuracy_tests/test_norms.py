@@ -149,7 +149,7 @@ def test_hypothesis_shapes_and_dtypes(op, backend, device_for):
     widths = (st.sampled_from(prewarm.ACCURACY_WIDTHS) if backend == "tilelang"
               else st.integers(1, 2500 if CUDA else 520))
 
-    @settings(max_examples=25 if CUDA else 6, deadline=None, derandomize=True,
+    @settings(max_examples=15 if CUDA else 6, deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
     @given(rows=st.integers(1, 300 if CUDA else 40), width=widths,
            lead=st.sampled_from([(), (2,)]), dtype=st.sampled_from(DTYPES), seed=st.integers(0, 2**16),
