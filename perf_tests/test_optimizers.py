@@ -39,7 +39,7 @@ DEVICES = ("cpu", "cuda")
 WORKLOADS = ("mlp", "pcvr_dense")
 CI_SIZES = {"mlp": dict(batch=64, features=16, hidden=64, depth=4),
             "pcvr_dense": dict(shapes=pcvr_dense_shapes(d=16))}
-CPU_ROUNDS = 10
+CPU_ROUNDS = 5
 
 # median seconds per call, by (group, device, workload, variant), to report ratios to fused AdamW
 _MEDIANS: dict[tuple, float] = {}
@@ -171,7 +171,7 @@ def test_train_step(benchmark, data_scale, variant, device, workload):
     median = _measure(benchmark, one_step, device)
     assert all(x == x for x in losses), f"{variant}: NaN loss while measuring"
     task.loss().backward()
-    step_alone = _step_alone_seconds(opts.dense, device, calls=20 if benchmark.enabled else 2)
+    step_alone = _step_alone_seconds(opts.dense, device, calls=10 if benchmark.enabled else 2)
     opts.zero_grad()
     _report(benchmark, "train_step", variant, device, workload, task, opts, median, step_alone)
     benchmark.extra_info["measured_steps"] = len(losses)
