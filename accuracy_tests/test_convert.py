@@ -12,7 +12,8 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from accuracy_tests.convert_reference import ReferenceOOB, reference_convert
-from pcvr_lib.data.convert import Converter, OutOfVocabError
+from pcvr_lib.data import convert as convert_module
+from pcvr_lib.data.convert import Converter, NativeUnavailable, OutOfVocabError, native_library
 from pcvr_lib.data.generate import generate_dataset
 from pcvr_lib.data.parquet import DataError, MissingColumnError, expected_columns, open_dataset
 from pcvr_lib.schema import load_schema
@@ -79,6 +80,17 @@ def compare(batch, ref, schema) -> None:
     np.testing.assert_array_equal(batch.user_id.numpy(), ref["user_id"])
 
 
+@pytest.fixture(scope="module", params=["numpy", "native"])
+def backend(request):
+    """Both converter backends; native is skipped (with the reason) where it cannot be built."""
+    if request.param == "native":
+        try:
+            native_library()
+        except NativeUnavailable as exc:
+            pytest.skip(f"native converter kernels unavailable: {exc}")
+    return request.param
+
+
 @pytest.fixture(scope="module")
 def demo_schema(repo_root):
     return load_schema(repo_root / DEMO_SCHEMA)
@@ -97,8 +109,8 @@ def demo_batches(demo_schema, data_cache_dir):
 
 @pytest.mark.parametrize("strict", [False, True], ids=["nonstrict", "strict"])
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
-def test_matches_reference_on_generated_data(demo_schema, demo_batches, strict, training):
-    converter = Converter(demo_schema, training=training, strict_time_filter=strict)
+def test_matches_reference_on_generated_data(backend, demo_schema, demo_batches, strict, training):
+    converter = Converter(demo_schema, backend=backend, training=training, strict_time_filter=strict)
     oob = {}
     offset = 0
     for rb in demo_batches:
@@ -116,10 +128,25 @@ def test_matches_reference_on_generated_data(demo_schema, demo_batches, strict, 
     assert converter.stats["strict_time_filter"] is strict and converter.strict_time_filter is strict
 
 
-def test_generated_data_exercises_truncation_and_strict_filter(demo_schema, demo_batches):
+def test_numpy_strict_rows_rescanned_in_full(demo_schema, demo_batches, monkeypatch):
+    # with no slack every row whose tail window lacks L valid events takes the whole-list path
+    monkeypatch.setattr(convert_module, "STRICT_SLACK", 0)
+    rb = demo_batches[1]
+    batch = Converter(demo_schema, backend="numpy", strict_time_filter=True)(rb)
+    compare(batch, reference_convert(rb, demo_schema, strict=True), demo_schema)
+
+
+def test_backend_recorded_and_checked(backend):
+    converter = Converter(small_schema(), backend=backend)
+    assert converter.backend == backend and converter.stats["backend"] == backend
+    with pytest.raises(ValueError, match="backend must be one of"):
+        Converter(small_schema(), backend="fast")
+
+
+def test_generated_data_exercises_truncation_and_strict_filter(backend, demo_schema, demo_batches):
     rb = demo_batches[0]
-    loose = Converter(demo_schema)(rb)
-    strict = Converter(demo_schema, strict_time_filter=True)(rb)
+    loose = Converter(demo_schema, backend=backend)(rb)
+    strict = Converter(demo_schema, backend=backend, strict_time_filter=True)(rb)
     for domain in demo_schema.domains:
         lengths = np.diff(rb.column(domain.ts_feature.column).offsets.to_numpy())
         assert (lengths > domain.max_len).any(), domain.name
@@ -128,18 +155,18 @@ def test_generated_data_exercises_truncation_and_strict_filter(demo_schema, demo
     assert any((strict.sequences[d.name].lengths < loose.sequences[d.name].lengths).any() for d in demo_schema.domains)
 
 
-def test_clip_off_raises_naming_column_and_value(demo_schema, demo_batches):
+def test_clip_off_raises_naming_column_and_value(backend, demo_schema, demo_batches):
     rb = demo_batches[0]
     with pytest.raises(ReferenceOOB):
         reference_convert(rb, demo_schema, clip_oov=False)
     with pytest.raises(OutOfVocabError, match=r"column '.+': value \d+ \(row \d+\) is out of vocabulary"):
-        Converter(demo_schema, clip_oov=False)(rb)
+        Converter(demo_schema, backend=backend, clip_oov=False)(rb)
 
 
-def test_clip_off_passes_clean_data():
+def test_clip_off_passes_clean_data(backend):
     schema = small_schema()
     rb = make_batch(schema, [{"user_int_feats_1": 9, "sq_8": [49, 1], "sq_9": [5, 6]}])
-    batch = Converter(schema, clip_oov=False)(rb)
+    batch = Converter(schema, backend=backend, clip_oov=False)(rb)
     assert batch.user.int_values[0, 0] == 9
     assert batch.sequences["s"].values[0, 0, :2].tolist() == [49, 1]
 
@@ -216,9 +243,9 @@ def schema_and_batch(draw):
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
 @given(case=schema_and_batch(), strict=st.booleans(), training=st.booleans())
-def test_matches_reference_on_hypothesis_schemas(case, strict, training):
+def test_matches_reference_on_hypothesis_schemas(backend, case, strict, training):
     schema, rb = case
-    converter = Converter(schema, training=training, strict_time_filter=strict)
+    converter = Converter(schema, backend=backend, training=training, strict_time_filter=strict)
     batch = converter(rb)
     ref = reference_convert(rb, schema, training=training, strict=strict)
     compare(batch, ref, schema)
@@ -231,7 +258,7 @@ def test_matches_reference_on_hypothesis_schemas(case, strict, training):
     # a table of several chunks and slices give the same result
     if rb.num_rows >= 2:
         table = pa.Table.from_batches([rb.slice(0, 1), rb.slice(1)])
-        compare(Converter(schema, training=training, strict_time_filter=strict)(table), ref, schema)
+        compare(Converter(schema, backend=backend, training=training, strict_time_filter=strict)(table), ref, schema)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -239,69 +266,69 @@ def test_matches_reference_on_hypothesis_schemas(case, strict, training):
 # ----------------------------------------------------------------------------------------------
 
 
-def test_strict_example_from_the_spec():
+def test_strict_example_from_the_spec(backend):
     # events ts [10, 150, 90] at request 100 -> events 1 and 3 kept: length 2, values [1, 3, 0]
     schema = small_schema()
     rb = make_batch(schema, [{"timestamp": 100, "sq_9": [10, 150, 90], "sq_8": [1, 2, 3], "sq_10": [4, 5, 6]}])
-    seq = Converter(schema, strict_time_filter=True)(rb).sequences["s"]
+    seq = Converter(schema, backend=backend, strict_time_filter=True)(rb).sequences["s"]
     assert seq.lengths.tolist() == [2]
     assert seq.values[0, 0].tolist() == [1, 3, 0]
     assert seq.values[0, 1].tolist() == [0, 0, 0]  # vocab 0 zeroes the feature
     assert seq.timestamps[0].tolist() == [10, 90, 0]
 
 
-def test_strict_keeps_last_L_valid_events_and_drops_zero_times():
+def test_strict_keeps_last_L_valid_events_and_drops_zero_times(backend):
     schema = small_schema()
     ts = [5, 0, 6, 7, 8, 200, 9, -4]  # request 100: valid 5,6,7,8,9 -> last three 7, 8, 9
     rb = make_batch(schema, [{"timestamp": 100, "sq_9": ts, "sq_8": list(range(1, 9))}])
-    seq = Converter(schema, strict_time_filter=True)(rb).sequences["s"]
+    seq = Converter(schema, backend=backend, strict_time_filter=True)(rb).sequences["s"]
     assert seq.lengths.tolist() == [3]
     assert seq.timestamps[0].tolist() == [7, 8, 9]
     assert seq.values[0, 0].tolist() == [4, 5, 7]
 
 
-def test_nonstrict_keeps_newest_L_elements_left_aligned():
+def test_nonstrict_keeps_newest_L_elements_left_aligned(backend):
     schema = small_schema()
     rows = [
         {"sq_9": [1, 2, 3, 4, 5], "sq_8": [11, 12, 13, 14, 15]},  # longer than L=3: the last three
         {"sq_9": [7], "sq_8": [21]},  # shorter: left-aligned, zero padded
         {},  # empty
     ]
-    seq = Converter(schema)(make_batch(schema, rows)).sequences["s"]
+    seq = Converter(schema, backend=backend)(make_batch(schema, rows)).sequences["s"]
     assert seq.lengths.tolist() == [3, 1, 0]
     assert seq.values[:, 0].tolist() == [[13, 14, 15], [21, 0, 0], [0, 0, 0]]
     assert seq.timestamps.tolist() == [[3, 4, 5], [7, 0, 0], [0, 0, 0]]
 
 
-def test_nonstrict_copies_timestamps_raw_and_length_is_max_over_side_columns():
+def test_nonstrict_copies_timestamps_raw_and_length_is_max_over_side_columns(backend):
     schema = small_schema()
     rb = make_batch(schema, [{"timestamp": 5, "sq_9": [-3, 0, 99], "sq_8": [1], "sq_10": [1, 1]}])
-    seq = Converter(schema)(rb).sequences["s"]
+    seq = Converter(schema, backend=backend)(rb).sequences["s"]
     assert seq.timestamps[0].tolist() == [-3, 0, 99]  # never zeroed or clipped
     assert seq.lengths.tolist() == [2]
     # a domain with only its timestamp feature takes the timestamp column's length
     rb = make_batch(schema, [{"tq_1": [4, 5, 6]}])
-    t = Converter(schema)(rb).sequences["t"]
+    t = Converter(schema, backend=backend)(rb).sequences["t"]
     assert t.values.shape == (1, 0, 2) and t.lengths.tolist() == [2] and t.timestamps[0].tolist() == [5, 6]
 
 
-def test_sequence_tokens_nonpositive_and_oob_are_zeroed_and_counted():
+def test_sequence_tokens_nonpositive_and_oob_are_zeroed_and_counted(backend):
     schema = small_schema()
     rb = make_batch(schema, [{"sq_9": [1, 2, 3], "sq_8": [-1, 50, 49]}])
-    converter = Converter(schema)
+    converter = Converter(schema, backend=backend)
     seq = converter(rb).sequences["s"]
     assert seq.values[0, 0].tolist() == [0, 0, 49]
     assert seq.lengths.tolist() == [3]
     assert converter.stats["oob_per_group"]["s"] == 1 and converter.stats["oob_per_feature"] == {"sq_8": 1}
     with pytest.raises(OutOfVocabError, match=r"'sq_8': value 50 \(row 0\)"):
-        Converter(schema, clip_oov=False)(rb)
+        Converter(schema, backend=backend, clip_oov=False)(rb)
 
 
-def test_width1_missing_mask_nulls_nonpositive_oob():
+def test_width1_missing_mask_nulls_nonpositive_oob(backend):
     schema = small_schema()
     cells = [None, 0, -5, 3, 10, 9]  # vocab 10: 10 is out of vocab, 9 is the largest valid id
     rb = make_batch(schema, [{"user_int_feats_1": c} for c in cells])
-    converter = Converter(schema)
+    converter = Converter(schema, backend=backend)
     user = converter(rb).user
     assert user.int_values[:, 0].tolist() == [0, 0, 0, 3, 0, 9]
     assert user.int_missing[:, 0].tolist() == [True, True, True, False, True, False]
@@ -309,7 +336,7 @@ def test_width1_missing_mask_nulls_nonpositive_oob():
     assert converter.stats["oob_per_group"] == {"user_int": 1, "item_int": 0, "s": 0, "t": 0}
 
 
-def test_list_int_pads_truncates_to_first_dim_elements():
+def test_list_int_pads_truncates_to_first_dim_elements(backend):
     schema = small_schema()
     rows = [
         {"user_int_feats_2": [1, 2, 3, 4, 5]},  # first dim=3 kept (not time-ordered)
@@ -317,7 +344,7 @@ def test_list_int_pads_truncates_to_first_dim_elements():
         {"user_int_feats_2": None},  # null list = empty
         {"user_int_feats_2": [5, -1, 2]},  # vocab 5: 5 is OOB
     ]
-    converter = Converter(schema)
+    converter = Converter(schema, backend=backend)
     user = converter(make_batch(schema, rows)).user
     assert user.int_values[:, 1:4].tolist() == [[1, 2, 3], [4, 0, 0], [0, 0, 0], [0, 0, 2]]
     assert user.int_missing[:, 1:4].tolist() == [
@@ -329,16 +356,16 @@ def test_list_int_pads_truncates_to_first_dim_elements():
     assert converter.stats["oob_per_feature"] == {"user_int_feats_2": 1}
 
 
-def test_vocab_zero_zeroes_the_column():
+def test_vocab_zero_zeroes_the_column(backend):
     schema = small_schema()
     rb = make_batch(schema, [{"item_int_feats_3": 5}, {"item_int_feats_3": 123456}])
-    converter = Converter(schema, clip_oov=False)  # vocab 0 is not out-of-vocab: no error
+    converter = Converter(schema, backend=backend, clip_oov=False)  # vocab 0 is not out-of-vocab: no error
     item = converter(rb).item
     assert item.int_values[:, 0].tolist() == [0, 0] and item.int_missing[:, 0].all()
     assert converter.stats["oob_total"] == 0
 
 
-def test_dense_pad_truncate_nonfinite():
+def test_dense_pad_truncate_nonfinite(backend):
     schema = small_schema()
     nan, inf = float("nan"), float("inf")
     rows = [
@@ -346,52 +373,54 @@ def test_dense_pad_truncate_nonfinite():
         {"user_dense_feats_2": [2.5]},
         {"user_dense_feats_2": None},
     ]
-    user = Converter(schema)(make_batch(schema, rows)).user
+    user = Converter(schema, backend=backend)(make_batch(schema, rows)).user
     assert user.dense_values.tolist() == [[1.5, 0.0, 0.0], [2.5, 0.0, 0.0], [0.0, 0.0, 0.0]]
     assert user.dense_missing.tolist() == [[False, True, True], [False, True, True], [True, True, True]]
 
 
-def test_empty_item_dense_gives_zero_width():
+def test_empty_item_dense_gives_zero_width(backend):
     schema = small_schema(item_dense=[])
-    item = Converter(schema)(make_batch(schema, [{}, {}])).item
+    item = Converter(schema, backend=backend)(make_batch(schema, [{}, {}])).item
     assert item.dense_values.shape == (2, 0) and item.dense_missing.shape == (2, 0)
     assert item.dense_values.dtype == torch.float32
 
 
-def test_labels_and_eval_mode():
+def test_labels_and_eval_mode(backend):
     schema = small_schema()
     rb = make_batch(schema, [{"label_type": t} for t in [2, 1, 0, None, 2, 3]])
-    assert Converter(schema)(rb).label.tolist() == [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
-    assert Converter(schema, training=False)(rb).label.tolist() == [0.0] * 6
+    assert Converter(schema, backend=backend)(rb).label.tolist() == [1.0, 0.0, 0.0, 0.0, 1.0, 0.0]
+    assert Converter(schema, backend=backend, training=False)(rb).label.tolist() == [0.0] * 6
 
 
-def test_null_user_id_becomes_minus_one_and_is_counted():
+def test_null_user_id_becomes_minus_one_and_is_counted(backend):
     schema = small_schema()
     rb = make_batch(schema, [{"user_id": None}, {"user_id": 42}])
-    converter = Converter(schema)
+    converter = Converter(schema, backend=backend)
     assert converter(rb).user_id.tolist() == [-1, 42]
     assert converter.stats["null_user_id"] == 1
 
 
-def test_column_order_does_not_matter():
+def test_column_order_does_not_matter(backend):
     schema = small_schema()
     rows = [{"user_int_feats_1": 3, "sq_9": [1, 2, 3, 4], "sq_8": [5, 6, 7, 8], "timestamp": 3}, {"label_type": 2}]
-    plain = Converter(schema, strict_time_filter=True)(make_batch(schema, rows))
+    plain = Converter(schema, backend=backend, strict_time_filter=True)(make_batch(schema, rows))
     n = len(expected_columns(schema))
-    shuffled = Converter(schema, strict_time_filter=True)(make_batch(schema, rows, order=list(range(n))[::-1]))
+    shuffled = Converter(schema, backend=backend, strict_time_filter=True)(
+        make_batch(schema, rows, order=list(range(n))[::-1])
+    )
     assert all(torch.equal(a, b) for a, b in zip(plain.tensors(), shuffled.tensors(), strict=True))
 
 
-def test_sliced_batches_and_row_offset(demo_schema, demo_batches):
+def test_sliced_batches_and_row_offset(backend, demo_schema, demo_batches):
     rb = demo_batches[0]
-    converter = Converter(demo_schema)
+    converter = Converter(demo_schema, backend=backend)
     full = converter(rb, row_offset=1000)
     part = converter(rb.slice(10, 25), row_offset=1010)
     rows = torch.arange(10, 35)
     assert all(torch.equal(a, b) for a, b in zip(full.select(rows).tensors(), part.tensors(), strict=True))
 
 
-def test_null_list_over_values_is_empty():
+def test_null_list_over_values_is_empty(backend):
     # an in-memory list array whose null row spans values: the null row must read as empty
     schema = small_schema()
     rb = make_batch(schema, [{}, {}])
@@ -399,14 +428,14 @@ def test_null_list_over_values_is_empty():
     lists = pa.ListArray.from_arrays(offsets, pa.array([1, 2, 3], pa.int64()), mask=pa.array([True, False]))
     rb = rb.set_column(rb.schema.get_field_index("sq_8"), "sq_8", lists)
     rb = rb.set_column(rb.schema.get_field_index("sq_9"), "sq_9", lists)
-    seq = Converter(schema)(rb).sequences["s"]
+    seq = Converter(schema, backend=backend)(rb).sequences["s"]
     assert seq.lengths.tolist() == [0, 1]
     assert seq.values[:, 0].tolist() == [[0, 0, 0], [3, 0, 0]]
 
 
-def test_zero_row_batch_gives_empty_batch():
+def test_zero_row_batch_gives_empty_batch(backend):
     schema = small_schema()
-    batch = Converter(schema, strict_time_filter=True)(make_batch(schema, []))
+    batch = Converter(schema, backend=backend, strict_time_filter=True)(make_batch(schema, []))
     assert batch.batch_size == 0
     assert batch.user.int_values.shape == (0, schema.int_width("user"))
     assert batch.sequences["s"].values.shape == (0, 2, 3)
@@ -417,19 +446,19 @@ def test_zero_row_batch_gives_empty_batch():
 # ----------------------------------------------------------------------------------------------
 
 
-def test_missing_column_raises_key_error_naming_it():
+def test_missing_column_raises_key_error_naming_it(backend):
     schema = small_schema()
     rb = make_batch(schema, [{}])
     rb = rb.drop_columns(["user_int_feats_2"])
     with pytest.raises(KeyError, match="user_int_feats_2"):
-        Converter(schema)(rb)
+        Converter(schema, backend=backend)(rb)
 
 
-def test_missing_item_dense_column_raises():
+def test_missing_item_dense_column_raises(backend):
     schema = small_schema()
     rb = make_batch(schema, [{}]).drop_columns(["item_dense_feats_7"])
     with pytest.raises(MissingColumnError, match="item_dense_feats_7"):
-        Converter(schema)(rb)
+        Converter(schema, backend=backend)(rb)
 
 
 @pytest.mark.parametrize(
@@ -443,27 +472,27 @@ def test_missing_item_dense_column_raises():
         ("label_type", pa.string(), "int32"),
     ],
 )
-def test_wrong_type_names_column_found_and_expected(column, arrow_type, expected):
+def test_wrong_type_names_column_found_and_expected(backend, column, arrow_type, expected):
     schema = small_schema()
     rb = make_batch(schema, [{}])
     value = {pa.string(): "x", pa.int64(): 1, pa.int32(): 1}.get(arrow_type, [])
     rb = rb.set_column(rb.schema.get_field_index(column), column, pa.array([value], arrow_type))
     with pytest.raises(DataError, match=rf"column '{column}' has type .+, expected {expected}"):
-        Converter(schema)(rb)
+        Converter(schema, backend=backend)(rb)
 
 
-def test_null_element_inside_list_raises():
+def test_null_element_inside_list_raises(backend):
     schema = small_schema()
     rb = make_batch(schema, [{"sq_8": [1, None, 3], "sq_9": [1, 2, 3]}])
     with pytest.raises(DataError, match=r"column 'sq_8': 1 null element\(s\) inside lists \(first in row 0\)"):
-        Converter(schema)(rb)
+        Converter(schema, backend=backend)(rb)
 
 
-def test_null_timestamp_raises():
+def test_null_timestamp_raises(backend):
     schema = small_schema()
     rb = make_batch(schema, [{}, {"timestamp": None}])
     with pytest.raises(DataError, match=r"column 'timestamp': 1 null request timestamp\(s\) \(first in row 1\)"):
-        Converter(schema)(rb)
+        Converter(schema, backend=backend)(rb)
 
 
 def test_non_arrow_input_raises():

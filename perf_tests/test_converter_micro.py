@@ -1,0 +1,161 @@
+"""Converter micro-benchmark: rows/s of Converter on preloaded Arrow batches, one thread, and the same-run
+copy floor (copying one converted batch's bytes once into preallocated tensors).
+
+As a pytest-benchmark case (small data under CI):
+    pytest perf_tests/test_converter_micro.py --benchmark-only
+Standalone, the numbers in notes/data-convert.md:
+    python perf_tests/test_converter_micro.py --multiplier 30 --batches 48 [--strict]
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import time
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from pcvr_lib.data.convert import Converter  # noqa: E402
+from pcvr_lib.data.generate import generate_dataset  # noqa: E402
+from pcvr_lib.schema import load_schema  # noqa: E402
+
+SCHEMA = ROOT / "fixtures" / "sample_1000_raw.schema.json"
+
+
+def single_thread() -> None:
+    torch.set_num_threads(1)
+    pa.set_cpu_count(1)
+    pa.set_io_thread_count(1)
+
+
+def preload(path: Path, n_batches: int, batch_size: int) -> list[pa.RecordBatch]:
+    """n_batches record batches of batch_size rows, taken from row groups spread over the whole file."""
+    parquet = pq.ParquetFile(path)
+    groups = parquet.metadata.num_row_groups
+    per_group = max(1, parquet.metadata.row_group(0).num_rows // batch_size)
+    wanted = min(groups, -(-n_batches // per_group))
+    step = max(1, groups // wanted)
+    out: list[pa.RecordBatch] = []
+    for g in range(0, groups, step):
+        for rb in parquet.iter_batches(batch_size=batch_size, row_groups=[g]):
+            if rb.num_rows == batch_size:
+                out.append(rb)
+        if len(out) >= n_batches:
+            break
+    return out[:n_batches]
+
+
+def _clocks() -> tuple[float, float]:
+    # wall time and this thread's CPU time: the shared 2-core machine is often busy, and CPU time is
+    # what one converter thread costs regardless of what else runs
+    return time.perf_counter(), time.thread_time()
+
+
+def copy_floor_seconds(batches, repeats: int = 3) -> tuple[float, float]:
+    """(wall, cpu) seconds to copy one converted batch's tensors once into preallocated tensors, averaged
+    over distinct batches (so the source is not hot in cache), best of `repeats`."""
+    srcs = [b.tensors() for b in batches]
+    dst = [torch.empty_like(t) for t in srcs[0]]
+    best = (float("inf"), float("inf"))
+    for _ in range(repeats):
+        w0, c0 = _clocks()
+        for src in srcs:
+            for d, s in zip(dst, src, strict=True):
+                d.copy_(s)
+        w1, c1 = _clocks()
+        best = (min(best[0], (w1 - w0) / len(srcs)), min(best[1], (c1 - c0) / len(srcs)))
+    return best
+
+
+def measure(converter: Converter, batches: list[pa.RecordBatch], passes: int = 3) -> dict:
+    converter(batches[0])  # warm-up
+    wall = cpu = float("inf")
+    for _ in range(passes):
+        kept = []
+        w0, c0 = _clocks()
+        for i, rb in enumerate(batches):
+            batch = converter(rb, row_offset=i * rb.num_rows)
+            if len(kept) < 8:
+                kept.append(batch)
+        w1, c1 = _clocks()
+        wall, cpu = min(wall, w1 - w0), min(cpu, c1 - c0)
+    rows = sum(rb.num_rows for rb in batches)
+    floor_wall, floor_cpu = copy_floor_seconds(kept)
+    per_batch = cpu / len(batches)
+    return {
+        "rows_per_sec": rows / cpu,
+        "rows_per_sec_wall": rows / wall,
+        "batches_per_sec": len(batches) / cpu,
+        "ms_per_batch": per_batch * 1e3,
+        "bytes_per_batch": batch.nbytes,
+        "copy_floor_ms": floor_cpu * 1e3,
+        "copy_floor_ms_wall": floor_wall * 1e3,
+        "copy_floor_rows_per_sec": batches[0].num_rows / floor_cpu,
+        "ratio_to_copy_floor": floor_cpu / per_batch,
+        "strict_time_filter": converter.strict_time_filter,
+        "measured_rows": rows,
+    }
+
+
+@pytest.fixture(scope="module")
+def micro_batches(data_cache_dir, data_scale):
+    multiplier, n_batches = {"ci": (1, 2), "default": (30, 32), "full": (30, 117)}[data_scale]
+    path = generate_dataset(SCHEMA, rows=1000, multiplier=multiplier, cache_dir=data_cache_dir, progress=True)
+    return preload(path, n_batches, 256)
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["strict=0", "strict=1"])
+def test_converter_micro(benchmark, micro_batches, strict):
+    single_thread()
+    schema = load_schema(SCHEMA)
+    converter = Converter(schema, strict_time_filter=strict)
+    stats = measure(converter, micro_batches, passes=1)
+    benchmark.extra_info.update(stats)
+
+    def run():
+        for rb in micro_batches:
+            converter(rb)
+
+    benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=0)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--multiplier", type=int, default=30)
+    parser.add_argument("--batches", type=int, default=48)
+    parser.add_argument("--batch-size", type=int, default=256)
+    parser.add_argument("--passes", type=int, default=3)
+    parser.add_argument("--strict", action="store_true")
+    parser.add_argument("--profile", action="store_true", help="cProfile one pass")
+    args = parser.parse_args()
+    single_thread()
+    cache = Path(os.environ.get("PCVR_CACHE_DIR", ROOT / ".cache" / "pcvr"))
+    path = generate_dataset(SCHEMA, rows=1000, multiplier=args.multiplier, cache_dir=cache)
+    batches = preload(path, args.batches, args.batch_size)
+    converter = Converter(load_schema(SCHEMA), strict_time_filter=args.strict)
+    if args.profile:
+        import cProfile
+        import pstats
+
+        converter(batches[0])
+        with cProfile.Profile() as prof:
+            for rb in batches:
+                converter(rb)
+        pstats.Stats(prof).sort_stats("tottime").print_stats(18)
+    stats = measure(converter, batches, passes=args.passes)
+    print(f"data {path} ({len(batches)} batches x {args.batch_size} rows)")
+    for key, value in stats.items():
+        print(f"  {key:24s} {value:,.3f}" if isinstance(value, float) else f"  {key:24s} {value}")
+
+
+if __name__ == "__main__":
+    main()
