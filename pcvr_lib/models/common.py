@@ -1,0 +1,549 @@
+"""Shared model primitives: the model contract, bounded embedding tables, tokenizers, time buckets,
+sequence statistics, the dense projector, and the two operator call sites (attention, RMSNorm).
+
+Every model takes a `pcvr_lib.data.batch.Batch` and returns logits [B, 1]. Embedding tables are the
+"sparse" parameters (sparse gradients, Adagrad); everything else is "dense" (AdamW).
+
+Embedding layout: one `nn.Embedding` holds every feature's table back to back. Row 0 is the shared
+padding row (always zero, never updated); feature f owns rows [base_f, base_f + n_f). An id i > 0 maps
+to row base_f + ((i - 1) mod n_f), with n_f = vocab_f - 1 when that is at most `vocab_cap` (the identity)
+and n_f = vocab_cap otherwise: large vocabularies are hashed down (`id -> ((id-1) mod N) + 1`) so the
+tables stay bounded on a CPU smoke while widths and depths keep their defaults.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pcvr_lib.data.batch import Batch, SequenceBlock
+from pcvr_lib.schema import Schema
+
+NUM_TIME_BUCKETS = 64  # 0 = padding, 1..63 = request - event time classes
+TIME_BOUNDARIES_SEC = np.geomspace(5.0, 31_536_000.0, NUM_TIME_BUCKETS - 1)
+NUM_SEQ_STATS = 6
+BACKENDS = ("torch", "triton", "tilelang")
+
+
+# --------------------------------------------------------------------------------------------- config
+@dataclass
+class ModelConfig:
+    """Fields shared by every model; each model's config subclasses this with its own defaults."""
+
+    d_model: int = 64
+    num_blocks: int = 2
+    num_heads: int = 4
+    emb_dim: int = 32  # width of each feature embedding before projection to d_model
+    vocab_cap: int = 8192  # vocabularies above this are hashed down to it
+    dropout: float = 0.0
+    attention_backend: str = "torch"
+    rms_norm_backend: str = "torch"
+
+    def validate(self) -> None:
+        for name in ("d_model", "num_blocks", "num_heads", "emb_dim", "vocab_cap"):
+            value = getattr(self, name)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+                raise ValueError(f"model config {name} must be an integer >= 1, got {value!r}")
+        if self.d_model % self.num_heads:
+            raise ValueError(f"model config d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
+        if (self.d_model // self.num_heads) % 2:
+            raise ValueError(f"model config head width d_model/num_heads={self.d_model // self.num_heads} must be even")
+        if not 0.0 <= self.dropout < 1.0:
+            raise ValueError(f"model config dropout must be in [0, 1), got {self.dropout!r}")
+        for name in ("attention_backend", "rms_norm_backend"):
+            if getattr(self, name) not in BACKENDS:
+                raise ValueError(f"model config {name} must be one of {BACKENDS}, got {getattr(self, name)!r}")
+
+    def to_dict(self) -> dict[str, Any]:
+        return dataclasses.asdict(self)
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any] | None) -> ModelConfig:
+        values = dict(values or {})
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise ValueError(f"{cls.__name__}: unknown option(s) {unknown}; known: {sorted(known)}")
+        config = cls(**values)
+        config.validate()
+        return config
+
+
+# ------------------------------------------------------------------------------------ operator sites
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, backend: str = "torch") -> torch.Tensor:
+    """RMSNorm over the last dim. The one place models call it: switch backends here."""
+    if backend == "torch":
+        xf = x.float()
+        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+        return (out * weight.float()).to(x.dtype)
+    from pcvr_lib import kernels  # GPU backends live in the kernels package
+
+    return kernels.rms_norm(x, weight, eps, backend=backend)
+
+
+def attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    *,
+    key_lengths: torch.Tensor | None = None,
+    causal: bool = False,
+    window: int | None = None,
+    global_query: torch.Tensor | None = None,
+    mask: torch.Tensor | None = None,
+    backend: str = "torch",
+) -> torch.Tensor:
+    """Multi-head attention on (B, H, S, D) tensors. The one place models call it.
+
+    key_lengths [B]: keys at positions >= length are padding (prefix-valid). causal: query i sees keys
+    <= i; with key_lengths this is "causal-valid" (padded queries attend to themselves, so no row is
+    empty). window: sliding window, query i sees keys in (i - window, i]. global_query [B] (long): per
+    row, the query position that sees every valid key regardless of causal/window (the target token).
+    mask: a precomputed `attention_mask(...)` of exactly these arguments (a model with several layers
+    builds it once per forward); torch backend only.
+    """
+    if backend != "torch":
+        if window is not None or global_query is not None or mask is not None:
+            raise ValueError(
+                f"attention backend {backend!r}: sliding-window / global-query masks have no kernel; "
+                "use attention_backend='torch' for this model"
+            )
+        from pcvr_lib import kernels
+
+        return kernels.flash_attention(
+            q, k, v, key_lengths=key_lengths, causal=causal, causal_valid=causal and key_lengths is not None,
+            backend=backend,
+        )
+    if mask is None:
+        mask = attention_mask(q.shape[0], q.shape[2], k.shape[2], q.device, key_lengths, causal, window, global_query)
+    elif mask.dtype != torch.bool and mask.dtype != q.dtype:
+        mask = mask.to(q.dtype)  # an additive mask follows the (autocast) dtype of the queries
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+
+
+def additive_mask(mask: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
+    """A boolean attention mask as 0 / -inf (SDPA on CPU runs about 25% faster with it, built once)."""
+    if mask is None:
+        return None
+    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
+
+
+def attention_mask(
+    batch: int,
+    q_len: int,
+    k_len: int,
+    device: torch.device,
+    key_lengths: torch.Tensor | None,
+    causal: bool,
+    window: int | None,
+    global_query: torch.Tensor | None,
+) -> torch.Tensor | None:
+    """Boolean mask [B or 1, 1, Sq, Sk], True = attend; None when nothing is masked."""
+    if key_lengths is None and not causal and window is None:
+        return None
+    if not causal and window is None and global_query is None:
+        # key padding only: one [B, 1, 1, Sk] row broadcast over the queries
+        ki = torch.arange(k_len, device=device)
+        return (ki[None] < key_lengths.to(device=device, dtype=torch.long).clamp(min=1)[:, None])[:, None, None]
+    qi = torch.arange(q_len, device=device)[:, None]
+    ki = torch.arange(k_len, device=device)[None, :]
+    mask = torch.ones(1, q_len, k_len, dtype=torch.bool, device=device)
+    if causal:
+        mask = mask & (ki <= qi)
+    if window is not None:
+        mask = mask & (ki > qi - window)
+    if key_lengths is not None:
+        lengths = key_lengths.to(device=device, dtype=torch.long).clamp(min=1)
+        valid = ki[None] < lengths[:, None, None]  # [B, 1, Sk]
+        mask = mask & valid
+        if global_query is not None:
+            is_global = qi[None] == global_query.to(device=device, dtype=torch.long)[:, None, None]
+            mask = mask | (is_global & valid)
+        if q_len == k_len:  # padded queries attend to themselves so that no row is empty
+            mask = mask | ((qi == ki)[None] & ~(qi[None] < lengths[:, None, None]))
+    elif global_query is not None:
+        mask = mask | (qi[None] == global_query.to(device=device, dtype=torch.long)[:, None, None])
+    return mask[:, None]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6, backend: str = "torch"):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+        self.backend = backend
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return rms_norm(x, self.weight, self.eps, backend=self.backend)
+
+
+class MultiHeadAttention(nn.Module):
+    """Projections + `attention()`; optional QK-RMSNorm and rotary positions (for TokenFormer)."""
+
+    def __init__(self, d_model: int, num_heads: int, config: ModelConfig, qk_norm: bool = False, rope: bool = False):
+        super().__init__()
+        self.num_heads = num_heads
+        self.head_dim = d_model // num_heads
+        self.q = nn.Linear(d_model, d_model)
+        self.kv = nn.Linear(d_model, 2 * d_model)
+        self.out = nn.Linear(d_model, d_model)
+        self.backend = config.attention_backend
+        self.q_norm = RMSNorm(self.head_dim, backend=config.rms_norm_backend) if qk_norm else None
+        self.k_norm = RMSNorm(self.head_dim, backend=config.rms_norm_backend) if qk_norm else None
+        self.rope = rope
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        b, s, _ = x.shape
+        return x.view(b, s, self.num_heads, self.head_dim).transpose(1, 2)
+
+    def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, **mask_args) -> torch.Tensor:
+        context = x if context is None else context
+        q = self._heads(self.q(x))
+        k, v = (self._heads(t) for t in self.kv(context).chunk(2, dim=-1))
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        if self.rope:
+            q, k = apply_rope(q), apply_rope(k)
+        o = attention(q, k, v, backend=self.backend, **mask_args)
+        b, _, s, _ = o.shape
+        return self.out(o.transpose(1, 2).reshape(b, s, -1))
+
+
+def apply_rope(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
+    """Rotary position embedding over the sequence dim of (B, H, S, D); D even."""
+    s, d = x.shape[-2], x.shape[-1]
+    inv_freq = base ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
+    angles = torch.arange(s, device=x.device, dtype=torch.float32)[:, None] * inv_freq[None]
+    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
+    x1, x2 = x[..., 0::2], x[..., 1::2]
+    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+
+
+class SwiGLU(nn.Module):
+    def __init__(self, d_model: int, hidden: int):
+        super().__init__()
+        self.gate_up = nn.Linear(d_model, 2 * hidden)
+        self.down = nn.Linear(hidden, d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        gate, up = self.gate_up(x).chunk(2, dim=-1)
+        return self.down(F.silu(gate) * up)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, d_in: int, hidden: int, d_out: int | None = None):
+        super().__init__()
+        self.net = nn.Sequential(nn.Linear(d_in, hidden), nn.SiLU(), nn.Linear(hidden, d_out or d_in))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.net(x)
+
+
+class PerTokenLinear(nn.Module):
+    """A separate Linear(d_in, d_out) for each of T token slots: [B, T, d_in] -> [B, T, d_out]."""
+
+    def __init__(self, tokens: int, d_in: int, d_out: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(tokens, d_in, d_out) / math.sqrt(d_in))
+        self.bias = nn.Parameter(torch.zeros(tokens, d_out))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.einsum("btd,tde->bte", x, self.weight.to(x.dtype)) + self.bias.to(x.dtype)
+
+
+# ------------------------------------------------------------------------------- time and sequences
+def time_buckets(request_ts: torch.Tensor, event_ts: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Bucket of (request - event) seconds: 63 log-spaced boundaries 5 s .. 1 year, searchsorted + 1
+    capped at 63; padding positions get 0. request_ts [B], event_ts [B, L], valid [B, L] -> long [B, L]."""
+    boundaries = torch.as_tensor(TIME_BOUNDARIES_SEC, dtype=torch.float64, device=event_ts.device)
+    delta = (request_ts[:, None] - event_ts).to(torch.float64)
+    bucket = (torch.searchsorted(boundaries, delta.contiguous()) + 1).clamp(max=NUM_TIME_BUCKETS - 1)
+    return torch.where(valid, bucket, torch.zeros_like(bucket))
+
+
+def sequence_stats(seq: SequenceBlock, request_ts: torch.Tensor) -> torch.Tensor:
+    """Six per-row statistics of one domain, each scaled to about [0, 1]: length / max_len, active
+    fraction (events with any non-zero feature), unique fraction (distinct first-feature ids among
+    active events), duplicate ratio (1 - unique), non-zero fraction of all feature slots, and the
+    time bucket of the newest event / 63. Returns float32 [B, 6]."""
+    values, lengths = seq.values, seq.lengths.long()
+    b, f, length = values.shape
+    valid = seq.valid_mask()
+    nonzero = (values != 0) & valid[:, None, :]
+    active = nonzero.any(dim=1)
+    n_active = active.sum(-1)
+    # distinct ids of the first side feature among active events: sort, count value changes
+    first = torch.where(active, values[:, 0, :].long(), torch.full_like(values[:, 0, :].long(), -1))
+    ordered = first.sort(dim=-1).values
+    changes = (ordered[:, 1:] != ordered[:, :-1]) & (ordered[:, 1:] >= 0)
+    unique = changes.sum(-1) + (ordered[:, 0] >= 0).long()
+    unique = torch.where(n_active > 0, unique.clamp(min=1), torch.zeros_like(unique))
+    newest = (lengths - 1).clamp(min=0)
+    newest_ts = seq.timestamps.gather(1, newest[:, None])
+    last_gap = time_buckets(request_ts, newest_ts, (lengths > 0)[:, None])[:, 0]
+    active_f = n_active.float()
+    unique_frac = unique.float() / active_f.clamp(min=1)
+    stats = torch.stack(
+        [
+            lengths.float() / max(length, 1),
+            active_f / lengths.float().clamp(min=1),
+            unique_frac,
+            torch.where(n_active > 0, 1.0 - unique_frac, torch.zeros_like(unique_frac)),
+            nonzero.sum((1, 2)).float() / (lengths.float() * f).clamp(min=1),
+            last_gap.float() / (NUM_TIME_BUCKETS - 1),
+        ],
+        dim=-1,
+    )
+    return stats
+
+
+def trim_sequence(seq: SequenceBlock, max_len: int | None = None, tail: bool = False) -> SequenceBlock:
+    """Drop positions no row uses (all rows shorter than L). With max_len and tail=True keep only the
+    newest max_len events of each row, left-aligned (lengths capped)."""
+    lengths = seq.lengths.long()
+    if tail and max_len is not None and seq.max_len > max_len:
+        # positions [len - w, len) of each row move to [0, w)
+        w = lengths.clamp(max=max_len)
+        start = (lengths - w)[:, None]
+        pos = (start + torch.arange(max_len, device=lengths.device)[None]).clamp(max=seq.max_len - 1)
+        keep = torch.arange(max_len, device=lengths.device)[None] < w[:, None]
+        values = seq.values.gather(2, pos[:, None, :].expand(-1, seq.values.shape[1], -1))
+        values = values * keep[:, None, :]
+        timestamps = seq.timestamps.gather(1, pos) * keep
+        return SequenceBlock(values=values, timestamps=timestamps, lengths=w.to(seq.lengths.dtype))
+    used = int(lengths.max().item()) if lengths.numel() else 0
+    used = max(used, 1)
+    if max_len is not None:
+        used = min(used, max_len)
+    if used >= seq.max_len:
+        return seq
+    return SequenceBlock(
+        values=seq.values[..., :used], timestamps=seq.timestamps[:, :used], lengths=seq.lengths.clamp(max=used)
+    )
+
+
+def pack_segments(segments: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
+    """Concatenate left-aligned segments into one left-aligned stream.
+
+    segments: (tokens [B, S_i, d], lengths [B]) each. Returns (stream [B, T, d], lengths [B]) where row b
+    holds segment 0's first lengths_0[b] tokens, then segment 1's, ..., zeros past the total; T is the
+    largest total in the batch.
+    """
+    tokens = torch.cat([t for t, _ in segments], dim=1)
+    b, _, d = tokens.shape
+    device = tokens.device
+    lengths = torch.stack([n.long() for _, n in segments], dim=1)  # [B, n_seg]
+    sizes = torch.tensor([t.shape[1] for t, _ in segments], device=device)
+    src_start = torch.cumsum(sizes, 0) - sizes  # where each segment begins in `tokens`
+    dst_start = torch.cumsum(lengths, 1) - lengths  # where each segment begins in the stream
+    total = lengths.sum(1)
+    t_out = max(int(total.max().item()), 1)
+    pos = torch.arange(t_out, device=device)[None, :].expand(b, -1)
+    # segment owning each output position: (number of segment starts <= pos) - 1. An empty segment
+    # shares its start with the next one, and counting both picks the later one, the real owner.
+    seg = ((dst_start[:, None, :] <= pos[:, :, None]).sum(-1) - 1).clamp(min=0)
+    offset = pos - dst_start.gather(1, seg)
+    src = src_start[seg] + offset
+    valid = pos < total[:, None]
+    src = torch.where(valid, src, torch.zeros_like(src))
+    stream = tokens.gather(1, src[:, :, None].expand(-1, -1, d)) * valid[:, :, None].to(tokens.dtype)
+    return stream, total
+
+
+# ---------------------------------------------------------------------------------------- embeddings
+class FeatureEmbeddings(nn.Module):
+    """Every int feature's table (user, item, each domain's side features) in one sparse nn.Embedding."""
+
+    def __init__(self, schema: Schema, emb_dim: int, vocab_cap: int):
+        super().__init__()
+        self.emb_dim = emb_dim
+        self.vocab_cap = vocab_cap
+        next_row = 1  # row 0 = padding
+        self.hashed_features: list[str] = []
+
+        def rows_for(vocab: int, label: str) -> int:
+            n = max(vocab - 1, 1)
+            if n > vocab_cap:
+                self.hashed_features.append(label)
+                n = vocab_cap
+            return n
+
+        for side in ("user", "item"):
+            group = schema.int_group(side)
+            bases, mods, feature_of = [], [], []
+            for index, feat in enumerate(group):
+                n = rows_for(feat.vocab_size, f"{side}_int_{feat.fid}")
+                bases += [next_row] * feat.dim
+                mods += [n] * feat.dim
+                feature_of += [index] * feat.dim
+                next_row += n
+            self.register_buffer(f"{side}_base", torch.tensor(bases, dtype=torch.long), persistent=False)
+            self.register_buffer(f"{side}_mod", torch.tensor(mods, dtype=torch.long), persistent=False)
+            self.register_buffer(f"{side}_feature", torch.tensor(feature_of, dtype=torch.long), persistent=False)
+            setattr(self, f"{side}_features", len(group))
+            setattr(self, f"{side}_multi", any(f.dim > 1 for f in group))
+        for domain in schema.domains:
+            bases, mods = [], []
+            for feat in domain.side_features:
+                n = rows_for(feat.vocab_size, f"{domain.name}_{feat.fid}")
+                bases.append(next_row)
+                mods.append(n)
+                next_row += n
+            self.register_buffer(f"seq_base_{domain.name}", torch.tensor(bases, dtype=torch.long)[:, None],
+                                 persistent=False)
+            self.register_buffer(f"seq_mod_{domain.name}", torch.tensor(mods, dtype=torch.long)[:, None],
+                                 persistent=False)
+        self.table = nn.Embedding(next_row, emb_dim, padding_idx=0, sparse=True)
+        nn.init.normal_(self.table.weight, std=0.05)
+        with torch.no_grad():
+            self.table.weight[0].zero_()
+
+    @staticmethod
+    def _rows(ids: torch.Tensor, base: torch.Tensor, mod: torch.Tensor) -> torch.Tensor:
+        ids = ids.long()
+        return torch.where(ids > 0, base + torch.remainder(ids - 1, mod), torch.zeros_like(ids))
+
+    def fields(self, batch: Batch, side: str) -> torch.Tensor:
+        """[B, n_features, emb_dim]: per feature the mean embedding of its non-zero ids (0 when none)."""
+        block = batch.user if side == "user" else batch.item
+        ids = block.int_values
+        rows = self._rows(ids, getattr(self, f"{side}_base"), getattr(self, f"{side}_mod"))
+        emb = self.table(rows)  # [B, D, E]
+        if not getattr(self, f"{side}_multi"):
+            return emb
+        feature = getattr(self, f"{side}_feature")
+        n = getattr(self, f"{side}_features")
+        summed = emb.new_zeros(emb.shape[0], n, emb.shape[2]).index_add(1, feature, emb)
+        counts = (rows > 0).to(emb.dtype).new_zeros(rows.shape[0], n).index_add(1, feature, (rows > 0).to(emb.dtype))
+        return summed / counts.clamp(min=1)[:, :, None]
+
+    def sequence(self, seq: SequenceBlock, domain: str) -> torch.Tensor:
+        """[B, L, F * emb_dim]: the concatenated side-feature embeddings of each event."""
+        rows = self._rows(seq.values, getattr(self, f"seq_base_{domain}"), getattr(self, f"seq_mod_{domain}"))
+        emb = self.table(rows)  # [B, F, L, E]
+        b, f, length, e = emb.shape
+        return emb.permute(0, 2, 1, 3).reshape(b, length, f * e)
+
+
+class SequenceTokenizer(nn.Module):
+    """Event tokens of one domain: concat feature embeddings -> Linear -> SiLU -> LayerNorm, plus a
+    time-bucket embedding of (request - event)."""
+
+    def __init__(self, n_features: int, emb_dim: int, d_model: int):
+        super().__init__()
+        self.proj = nn.Linear(n_features * emb_dim, d_model)
+        self.norm = nn.LayerNorm(d_model)
+        self.time = nn.Embedding(NUM_TIME_BUCKETS, d_model)
+        nn.init.normal_(self.time.weight, std=0.02)
+
+    def forward(self, embeddings: torch.Tensor, seq: SequenceBlock, request_ts: torch.Tensor) -> torch.Tensor:
+        valid = seq.valid_mask()
+        tokens = self.norm(F.silu(self.proj(embeddings)))
+        tokens = tokens + self.time(time_buckets(request_ts, seq.timestamps, valid))
+        return tokens * valid[:, :, None].to(tokens.dtype)
+
+
+class DenseProjector(nn.Module):
+    """[values, missing] -> Linear -> SiLU -> LayerNorm. Values pass through sign * log1p(|x|) first so
+    that a heavy-tailed dense feature cannot swamp the projection."""
+
+    def __init__(self, width: int, d_out: int):
+        super().__init__()
+        self.proj = nn.Linear(2 * width, d_out)
+        self.norm = nn.LayerNorm(d_out)
+
+    def forward(self, values: torch.Tensor, missing: torch.Tensor) -> torch.Tensor:
+        x = torch.cat([torch.sign(values) * torch.log1p(values.abs()), missing.to(values.dtype)], dim=-1)
+        return self.norm(F.silu(self.proj(x)))
+
+
+class FeatureEncoder(nn.Module):
+    """What all models share: field embeddings, dense tokens (user dense + sequence statistics, item
+    dense when the schema has any) and per-domain sequence tokens."""
+
+    def __init__(self, schema: Schema, config: ModelConfig, dense_tokens: bool = True):
+        super().__init__()
+        self.schema = schema
+        self.domains = [d.name for d in schema.domains]
+        self.embeddings = FeatureEmbeddings(schema, config.emb_dim, config.vocab_cap)
+        d = config.d_model
+        self.user_dense = self.item_dense = None
+        if dense_tokens:  # a model with its own dense tokenizer leaves these out
+            self.user_dense = DenseProjector(schema.dense_width("user") + NUM_SEQ_STATS * len(self.domains), d)
+            if schema.dense_width("item"):
+                self.item_dense = DenseProjector(schema.dense_width("item"), d)
+        self.tokenizers = nn.ModuleDict(
+            {dom.name: SequenceTokenizer(len(dom.side_features), config.emb_dim, d) for dom in schema.domains}
+        )
+
+    @property
+    def n_dense_tokens(self) -> int:
+        return 1 + (self.item_dense is not None)
+
+    def user_dense_inputs(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        """User dense values with every domain's sequence statistics appended, and their missing mask."""
+        stats = [sequence_stats(batch.sequences[name], batch.request_timestamp) for name in self.domains]
+        values = torch.cat([batch.user.dense_values, *stats], dim=-1)
+        missing = torch.cat([batch.user.dense_missing, *[torch.zeros_like(s, dtype=torch.bool) for s in stats]], -1)
+        return values, missing
+
+    def dense_tokens(self, batch: Batch) -> torch.Tensor:
+        """[B, 1 or 2, d]: the user dense token (with sequence statistics) and the item dense token."""
+        values, missing = self.user_dense_inputs(batch)
+        tokens = [self.user_dense(values, missing)]
+        if self.item_dense is not None:
+            tokens.append(self.item_dense(batch.item.dense_values, batch.item.dense_missing))
+        return torch.stack(tokens, dim=1)
+
+    def sequence_tokens(
+        self, batch: Batch, domain: str, max_len: int | None = None, tail: bool = False
+    ) -> tuple[torch.Tensor, torch.Tensor, SequenceBlock]:
+        """(tokens [B, L', d], lengths [B], the trimmed block) of one domain."""
+        seq = trim_sequence(batch.sequences[domain], max_len=max_len, tail=tail)
+        emb = self.embeddings.sequence(seq, domain)
+        return self.tokenizers[domain](emb, seq, batch.request_timestamp), seq.lengths.long(), seq
+
+
+# ---------------------------------------------------------------------------------------- the contract
+class PCVRModel(nn.Module):
+    """Base class: `Model(schema, config)`, forward -> logits [B, 1], predict -> (logits, embedding)."""
+
+    name: ClassVar[str] = ""
+    config_class: ClassVar[type[ModelConfig]] = ModelConfig
+
+    def __init__(self, schema: Schema, config: ModelConfig | dict | None = None):
+        super().__init__()
+        if config is None or isinstance(config, dict):
+            config = self.config_class.from_dict(config)
+        elif not isinstance(config, self.config_class):
+            raise TypeError(f"{type(self).__name__} needs a {self.config_class.__name__}, got {type(config).__name__}")
+        else:
+            config.validate()
+        self.schema = schema
+        self.config = config
+
+    def predict(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+        raise NotImplementedError
+
+    def forward(self, batch: Batch) -> torch.Tensor:
+        return self.predict(batch)[0]
+
+    def sparse_parameters(self) -> list[nn.Parameter]:
+        """The embedding tables (sparse gradients; Adagrad)."""
+        return [m.table.weight for m in self.modules() if isinstance(m, FeatureEmbeddings)]
+
+    def dense_parameters(self) -> list[nn.Parameter]:
+        sparse = {id(p) for p in self.sparse_parameters()}
+        return [p for p in self.parameters() if id(p) not in sparse]
+
+    def parameter_counts(self) -> dict[str, int]:
+        sparse = sum(p.numel() for p in self.sparse_parameters())
+        dense = sum(p.numel() for p in self.dense_parameters())
+        return {"total": sparse + dense, "sparse": sparse, "dense": dense}

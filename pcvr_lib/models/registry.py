@@ -1,0 +1,37 @@
+"""Models by name. A model module registers its class with `@register("name")`; `pcvr_lib.models`
+imports every model module, so importing the package fills the registry."""
+
+from __future__ import annotations
+
+from typing import Any
+
+MODELS: dict[str, type] = {}
+
+
+def register(name: str):
+    def decorate(cls):
+        if name in MODELS:
+            raise ValueError(f"model {name!r} is registered twice ({MODELS[name].__name__} and {cls.__name__})")
+        cls.name = name
+        MODELS[name] = cls
+        return cls
+
+    return decorate
+
+
+def model_names() -> list[str]:
+    import pcvr_lib.models  # noqa: F401 - fills MODELS
+
+    return list(MODELS)
+
+
+def model_class(name: str) -> type:
+    names = model_names()
+    if name not in MODELS:
+        raise ValueError(f"unknown model {name!r}; registered: {', '.join(names)}")
+    return MODELS[name]
+
+
+def build_model(name: str, schema, config: Any = None):
+    """The model `name` for `schema`; config is its config dataclass, a dict of overrides, or None."""
+    return model_class(name)(schema, config)

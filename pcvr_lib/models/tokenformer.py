@@ -1,0 +1,146 @@
+"""tokenformer: one causal token stream with a target token at the end.
+
+Stream (left-packed, padding after the last valid token):
+    [user field tokens, user dense packets, SEP, newest `window` events of each domain, SEP,
+     item field tokens, item dense packets, TARGET]
+Blocks: x += sigmoid(G(RMSNorm x)) * Attn(RMSNorm x) (QK-RMSNorm, RoPE), then x += SwiGLU(RMSNorm x).
+The bottom half of the blocks attend causally over the whole stream, the top half over a sliding window
+of `window` tokens; the target token attends to every valid token in every block. The head reads the
+target token, which is also the returned embedding.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pcvr_lib.data.batch import Batch
+from pcvr_lib.models.common import (
+    NUM_SEQ_STATS,
+    DenseProjector,
+    FeatureEncoder,
+    ModelConfig,
+    MultiHeadAttention,
+    PCVRModel,
+    RMSNorm,
+    SwiGLU,
+    additive_mask,
+    attention_mask,
+    pack_segments,
+)
+from pcvr_lib.models.registry import register
+
+
+@dataclass
+class TokenFormerConfig(ModelConfig):
+    d_model: int = 64
+    num_blocks: int = 4
+    num_heads: int = 4
+    window: int = 64  # events per domain in the stream, and the sliding-window width of the top blocks
+    dense_packet: int = 64  # dense values per dense packet token
+    ffn_hidden: int = 128
+
+
+class DensePackets(nn.Module):
+    """Split a [B, W] dense block into ceil(W / P) packets of P values, one token each (shared
+    projector + a per-packet position embedding)."""
+
+    def __init__(self, width: int, packet: int, d_model: int):
+        super().__init__()
+        self.width, self.packet = width, packet
+        self.n = math.ceil(width / packet)
+        self.proj = DenseProjector(packet, d_model)
+        self.position = nn.Parameter(torch.zeros(self.n, d_model))
+
+    def forward(self, values: torch.Tensor, missing: torch.Tensor) -> torch.Tensor:
+        pad = self.n * self.packet - self.width
+        values = F.pad(values, (0, pad)).view(values.shape[0], self.n, self.packet)
+        missing = F.pad(missing, (0, pad), value=True).view(missing.shape[0], self.n, self.packet)
+        return self.proj(values, missing) + self.position
+
+
+class TokenFormerBlock(nn.Module):
+    def __init__(self, config: TokenFormerConfig, window: int | None):
+        super().__init__()
+        d = config.d_model
+        self.norm1 = RMSNorm(d, backend=config.rms_norm_backend)
+        self.gate = nn.Linear(d, d)
+        self.attn = MultiHeadAttention(d, config.num_heads, config, qk_norm=True, rope=True)
+        self.norm2 = RMSNorm(d, backend=config.rms_norm_backend)
+        self.ffn = SwiGLU(d, config.ffn_hidden)
+        self.window = window
+
+    def forward(self, x, lengths, target, masks):
+        h = self.norm1(x)
+        attn = self.attn(h, key_lengths=lengths, causal=True, window=self.window, global_query=target,
+                         mask=masks.get(self.window))
+        x = x + torch.sigmoid(self.gate(h)) * attn
+        return x + self.ffn(self.norm2(x))
+
+
+@register("tokenformer")
+class TokenFormer(PCVRModel):
+    config_class = TokenFormerConfig
+
+    def __init__(self, schema, config=None):
+        super().__init__(schema, config)
+        c: TokenFormerConfig = self.config
+        d = c.d_model
+        self.encoder = FeatureEncoder(schema, c, dense_tokens=False)
+        self.domains = self.encoder.domains
+        self.user_field_proj = nn.Linear(c.emb_dim, d)
+        self.user_field_pos = nn.Parameter(torch.zeros(len(schema.user_int), d))
+        self.item_field_proj = nn.Linear(c.emb_dim, d)
+        self.item_field_pos = nn.Parameter(torch.zeros(len(schema.item_int), d))
+        user_dense_width = schema.dense_width("user") + NUM_SEQ_STATS * len(self.domains)
+        self.user_packets = DensePackets(user_dense_width, c.dense_packet, d)
+        item_width = schema.dense_width("item")
+        self.item_packets = DensePackets(item_width, c.dense_packet, d) if item_width else None
+        self.domain_embedding = nn.Parameter(torch.zeros(len(self.domains), d))
+        self.special = nn.Parameter(torch.randn(3, d) * 0.02)  # SEP after user, SEP after sequences, TARGET
+        half = c.num_blocks // 2
+        self.blocks = nn.ModuleList(
+            TokenFormerBlock(c, None if i < half else c.window) for i in range(c.num_blocks)
+        )
+        self.final_norm = RMSNorm(d, backend=c.rms_norm_backend)
+        self.head = nn.Sequential(nn.Linear(d, d), nn.SiLU(), nn.Linear(d, 1))
+
+    def predict(self, batch: Batch):
+        c: TokenFormerConfig = self.config
+        emb = self.encoder.embeddings
+        b = batch.batch_size
+        device = batch.label.device
+
+        def fixed(tokens):
+            return tokens, torch.full((b,), tokens.shape[1], dtype=torch.long, device=device)
+
+        def special(i):
+            return fixed(self.special[i].expand(b, 1, -1))
+
+        user = self.user_field_proj(emb.fields(batch, "user")) + self.user_field_pos
+        dense_values, dense_missing = self.encoder.user_dense_inputs(batch)
+        segments = [fixed(user), fixed(self.user_packets(dense_values, dense_missing)), special(0)]
+        for i, name in enumerate(self.domains):
+            tokens, n, _ = self.encoder.sequence_tokens(batch, name, max_len=c.window, tail=True)
+            segments.append((tokens + self.domain_embedding[i], n))
+        segments.append(special(1))
+        segments.append(fixed(self.item_field_proj(emb.fields(batch, "item")) + self.item_field_pos))
+        if self.item_packets is not None:
+            segments.append(fixed(self.item_packets(batch.item.dense_values, batch.item.dense_missing)))
+        segments.append(special(2))
+        x, lengths = pack_segments(segments)
+        target = lengths - 1
+        masks = {}  # one mask per window setting, shared by the blocks (torch backend)
+        if c.attention_backend == "torch":
+            for window in {block.window for block in self.blocks}:
+                masks[window] = additive_mask(
+                    attention_mask(b, x.shape[1], x.shape[1], device, lengths, True, window, target)
+                )
+        for block in self.blocks:
+            x = block(x, lengths, target, masks)
+        embedding = self.final_norm(x.gather(1, target[:, None, None].expand(-1, 1, x.shape[-1]))[:, 0])
+        return self.head(embedding), embedding
