@@ -42,33 +42,30 @@ def _tilelang_problem(device: torch.device) -> str | None:
 
 registry.register_op(OP, {"torch": None, "triton": None, "tilelang": _tilelang_problem})
 
-_ready: set = set()  # backends whose availability on CUDA was checked once (the hot path skips it)
+_CUDA_IMPLS: dict = {}  # backend -> implementation, once its availability on CUDA was checked
+_TORCH = "torch"
 
 
 def _impl(backend: str, device: torch.device):
-    """The backend's module (forward/backward) after checking it can run on `device`.
+    """The backend's implementation (module with forward/backward, or _TORCH) after checking it can run.
 
-    On CUDA the check runs once per backend; CPU tensors are re-checked at every call (only the torch
-    backend, and triton under TRITON_INTERPRET=1 for tests, run on them).
+    On CUDA the check runs once per backend (later calls hit _CUDA_IMPLS); CPU tensors are re-checked at
+    every call (only the torch backend, and triton under TRITON_INTERPRET=1 for tests, run on them).
     """
-    if device.type != "cuda" or backend not in _ready:
-        registry.validate_backend(OP, backend)
-        if device.type != "cuda" and backend != "torch":
-            if not (backend == "triton" and registry.triton_interpret_enabled()):
-                raise RuntimeError(f"{OP} requires CUDA tensors for backend {backend!r} (got {device})")
-            registry.require_backend(OP, backend, device)
-        elif device.type == "cuda":
-            registry.require_backend(OP, backend, device)
-            _ready.add(backend)
+    registry.validate_backend(OP, backend)
+    if device.type != "cuda" and backend != "torch":
+        if not (backend == "triton" and registry.triton_interpret_enabled()):
+            raise RuntimeError(f"{OP} requires CUDA tensors for backend {backend!r} (got {device})")
+    registry.require_backend(OP, backend, device)
     if backend == "triton":
-        from . import triton_impl
-
-        return triton_impl
-    if backend == "tilelang":
-        from . import tilelang_impl
-
-        return tilelang_impl
-    return None
+        from . import triton_impl as impl
+    elif backend == "tilelang":
+        from . import tilelang_impl as impl
+    else:
+        impl = _TORCH
+    if device.type == "cuda":
+        _CUDA_IMPLS[backend] = impl
+    return impl
 
 
 class _FlashAttention(torch.autograd.Function):
@@ -88,7 +85,29 @@ class _FlashAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
-def _check(q, k, v, key_lengths):
+_OK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+
+
+def _check(q, k, v, key_lengths) -> None:
+    """Validate one call; the common valid case costs a few attribute reads (hot path)."""
+    try:
+        B, H, _, D = q.shape
+        Bk, Hk, _, Dk = k.shape
+        dev = q.get_device()
+        ok = (v.shape == k.shape and Bk == B and Hk == H and Dk == D and D in HEAD_DIMS
+              and q.dtype == k.dtype == v.dtype and q.dtype in _OK_DTYPES
+              and k.get_device() == dev and v.get_device() == dev)
+        if ok and key_lengths is not None:
+            ok = (key_lengths.dtype == torch.int32 and key_lengths.shape == (B,)
+                  and key_lengths.get_device() == dev)
+    except (AttributeError, ValueError, TypeError):
+        ok = False
+    if not ok:
+        _explain(q, k, v, key_lengths)
+
+
+def _explain(q, k, v, key_lengths) -> None:
+    """The slow path of _check: raise the precise error (or return for valid non-int32 key lengths)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{OP}: {name} must be a torch.Tensor, got {type(t).__name__}")
@@ -102,7 +121,7 @@ def _check(q, k, v, key_lengths):
         raise ValueError(f"{OP}: head dim {D} not supported (supported: {HEAD_DIMS})")
     if not (q.dtype == k.dtype == v.dtype):
         raise TypeError(f"{OP}: q, k, v must share one dtype, got {q.dtype}, {k.dtype}, {v.dtype}")
-    if q.dtype not in _HALF and q.dtype != torch.float32:
+    if q.dtype not in _OK_DTYPES:
         raise TypeError(f"{OP}: dtype {q.dtype} not supported (float16, bfloat16, float32)")
     if not (q.device == k.device == v.device):
         raise RuntimeError(f"{OP}: q, k, v must be on one device, got {q.device}, {k.device}, {v.device}")
@@ -133,8 +152,10 @@ def flash_attention(q, k, v, *, key_lengths=None, causal=False, causal_valid=Fal
         scale = 1.0 / math.sqrt(q.shape[3])
     p = float(dropout_p) if training else 0.0
     seed = draw_seed(generator) if p > 0.0 else 0
-    impl = _impl(backend, q.device)
-    if impl is None:  # torch
+    impl = _CUDA_IMPLS.get(backend) if q.is_cuda else None
+    if impl is None:
+        impl = _impl(backend, q.device)
+    if impl is _TORCH:
         return _torch_attention(q, k, v, key_lengths, causal, causal_valid, scale, seed, p)
     mode = mode_name(key_lengths, causal, causal_valid)
     if key_lengths is not None and key_lengths.dtype != torch.int32:

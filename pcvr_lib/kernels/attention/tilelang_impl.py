@@ -343,8 +343,17 @@ def compiled(which: str, D: int, dtype: str, mode: int, has_kl: bool, dropout: b
              target=None):
     """The compiled kernel `which` ("fwd", "dq", "dkdv") for one variant (cached for the process)."""
     program = _PROGRAMS[which](D, dtype, mode, has_kl, dropout, *config)
-    return tilelang.compile(program, target=target or "auto", execution_backend="tvm_ffi",
+    return tilelang.compile(program, target=target or _device_target(), execution_backend="tvm_ffi",
                             pass_configs=_pass_configs(config))
+
+
+@functools.cache
+def _device_target():
+    """The current GPU as a TileLang target; Hopper as sm_90a (wgmma and register reallocation need it)."""
+    import torch
+
+    major, minor = torch.cuda.get_device_capability()
+    return {"kind": "cuda", "arch": f"sm_{major}{minor}{'a' if major == 9 else ''}"}
 
 
 def compile_only(target, D: int = 64, dtype: str = "bfloat16", mode: int = 3, has_kl: bool = True,

@@ -1,0 +1,306 @@
+"""Benchmarks of flash_attention: backend x shape x mask x dtype x direction, against SDPA's backends.
+
+Backends: SDPA forced to one implementation (`sdpa_flash`, `sdpa_efficient`, `sdpa_cudnn`: the global
+switches are set for the case, so the timed call is a plain `F.scaled_dot_product_attention`), our `torch`
+backend (SDPA's own choice), `triton` and `tilelang`. Masked cases give SDPA the equivalent boolean mask
+(built once, outside the timed call); SDPA's flash kernel takes no mask and is skipped there.
+`speedup_vs_torch` is against the best SDPA backend measured for the same case in this run.
+
+Each case checks first (a mismatch fails it untimed): output (and dq, dk, dv for fwd+bwd) against an
+fp32 reference computed on the GPU in chunks, by the flash-attention rule (error <= 2x the error of SDPA's
+default in the same dtype + one ulp at the largest magnitude). Then per-call time as a user sees it
+(back-to-back calls, host work included, no CUDA graph) via perf_tests/kernel_bench.py; device-only time
+(graph replay) beside it. FLOPs: 4*B*H*Sq*Skv*D forward, 3.5x that for fwd+bwd; half for the causal
+masks (noted in extra_info); key padding is not subtracted (nominal FLOPs).
+
+Print the summary table of a saved run: python perf_tests/test_kernels_attention.py RUN.json
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pcvr_lib.kernels import flash_attention
+from pcvr_lib.kernels.attention import OP, allowed_mask
+
+try:
+    from perf_tests import kernel_bench as kb
+except ImportError:  # run as a script from perf_tests/
+    import kernel_bench as kb
+
+CUDA = torch.cuda.is_available()
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+ULP = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+SDPA = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
+BACKENDS = (*SDPA, "torch", "triton", "tilelang")  # baselines first: the speedups need their times
+MODE_ARGS = {  # mask -> (key lengths, causal, causal_valid)
+    "none": (False, False, False),
+    "key_lengths": (True, False, False),
+    "causal_valid": (True, False, True),
+}
+# name, B, H, S, D, masks
+GPU_SHAPES = [
+    ("B8xH8xS128xD64", 8, 8, 128, 64, ("key_lengths", "causal_valid", "none")),
+    ("B64xH8xS256xD64", 64, 8, 256, 64, ("none", "key_lengths")),
+    ("B16xH8xS1024xD64", 16, 8, 1024, 64, ("none",)),
+    ("B4xH16xS4096xD128", 4, 16, 4096, 128, ("none",)),
+]
+CPU_SHAPES = [("B2xH2xS16xD32", 2, 2, 16, 32, ("key_lengths",))]
+SHAPES = GPU_SHAPES if CUDA else CPU_SHAPES
+DIRECTIONS = ("fwd", "fwd+bwd")
+
+
+def cases():
+    out = []
+    for name, B, H, S, D, masks in SHAPES:
+        for mask in masks:
+            for dtype in DTYPES:
+                for direction in DIRECTIONS:
+                    for backend in BACKENDS:
+                        cid = f"op={OP},backend={backend},shape={name},mask={mask},dtype={dtype},dir={direction}"
+                        out.append(pytest.param(backend, (name, B, H, S, D), mask, dtype, direction, id=cid))
+    return out
+
+
+@pytest.fixture(scope="module", autouse=True)
+def precompiled():
+    """Warm every Triton/TileLang variant of these cases in parallel processes before timing anything
+    (skipped when PCVR_ATTENTION_PRECOMPILED=1 says the caller already did)."""
+    if not CUDA or os.environ.get("PCVR_ATTENTION_PRECOMPILED") == "1":
+        return
+    from pcvr_lib.kernels.attention import precompile
+
+    specs = []
+    for _, _, _, S, D, masks in GPU_SHAPES:
+        bucket = 0 if S <= 128 else (1 if S <= 512 else 2)
+        specs.append(f"triton,tilelang:{D}:fp16,bf16:{','.join(masks)}:0:{bucket}")
+    variants = sorted({v for s in specs for v in precompile.parse_spec(s)}, key=str)
+    precompile.precompile(variants, workers=max(1, min(14, (os.cpu_count() or 2) - 2)))
+
+
+_PROBLEM: dict = {}
+
+
+def problem(shape, mask, dtype, device):
+    """Inputs (q, k, v, grad_out, key lengths, SDPA boolean mask) of one case, cached across backends."""
+    key = (shape, mask, dtype)
+    if key not in _PROBLEM:
+        _PROBLEM.clear()
+        _REF.clear()
+        name, B, H, S, D = shape
+        g = torch.Generator(device=device).manual_seed(0)
+        q, k, v, do = (torch.randn(B, H, S, D, generator=g, device=device).to(DTYPES[dtype]) for _ in range(4))
+        use_kl, causal, causal_valid = MODE_ARGS[mask]
+        kl = None
+        if use_kl:
+            kl = torch.randint(S // 4, S + 1, (B,), generator=g, device=device, dtype=torch.int32)
+        attn_mask = None
+        if use_kl or causal or causal_valid:
+            attn_mask = allowed_mask(B, S, S, kl, causal, causal_valid, device)
+        _PROBLEM[key] = (q, k, v, do, kl, attn_mask)
+    return _PROBLEM[key]
+
+
+_REF: dict = {}
+
+
+def reference(q, k, v, do, kl, mask, direction):
+    """fp32 attention (and its gradients) computed on the GPU one batch row at a time."""
+    use_kl, causal, causal_valid = MODE_ARGS[mask]
+    B, H, S, D = q.shape
+    outs, grads = [], []
+    for b in range(B):
+        qb, kb_, vb = (t[b:b + 1].float().requires_grad_() for t in (q, k, v))
+        allowed = allowed_mask(1, S, S, kl[b:b + 1] if kl is not None else None, causal, causal_valid, q.device)
+        scores = torch.matmul(qb, kb_.transpose(-1, -2)) / math.sqrt(D)
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
+        out = torch.matmul(probs, vb)
+        outs.append(out.detach())
+        if direction != "fwd":
+            grads.append(torch.autograd.grad(out, (qb, kb_, vb), do[b:b + 1].float()))
+        del scores, probs
+    result = [torch.cat(outs)]
+    if grads:
+        result += [torch.cat([g[i] for g in grads]) for i in range(3)]
+    return result
+
+
+class _SdpaOnly:
+    """Enable exactly one SDPA implementation through the global switches (restored on exit)."""
+
+    SWITCHES = {"sdpa_flash": "flash", "sdpa_efficient": "mem_efficient", "sdpa_cudnn": "cudnn"}
+
+    def __init__(self, backend):
+        self.backend = backend
+
+    def __enter__(self):
+        cuda = torch.backends.cuda
+        self.saved = (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(),
+                      cuda.cudnn_sdp_enabled())
+        want = self.SWITCHES[self.backend]
+        cuda.enable_flash_sdp(want == "flash")
+        cuda.enable_mem_efficient_sdp(want == "mem_efficient")
+        cuda.enable_math_sdp(False)
+        cuda.enable_cudnn_sdp(want == "cudnn")
+        return self
+
+    def __exit__(self, *exc):
+        cuda = torch.backends.cuda
+        cuda.enable_flash_sdp(self.saved[0])
+        cuda.enable_mem_efficient_sdp(self.saved[1])
+        cuda.enable_math_sdp(self.saved[2])
+        cuda.enable_cudnn_sdp(self.saved[3])
+
+
+def make_call(backend, q, k, v, do, kl, attn_mask, mask, direction):
+    _, causal, causal_valid = MODE_ARGS[mask]
+    if direction == "fwd":
+        q, k, v = (t.detach() for t in (q, k, v))
+    else:
+        q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
+    if backend in SDPA:
+        def attend():
+            return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+    else:
+        def attend():
+            return flash_attention(q, k, v, key_lengths=kl, causal=causal, causal_valid=causal_valid,
+                                   backend=backend)
+    if direction == "fwd":
+        return attend
+
+    def step():
+        out = attend()
+        return (out, *torch.autograd.grad(out, (q, k, v), do))
+
+    return step
+
+
+def _as_list(result):
+    return list(result) if isinstance(result, tuple) else [result]
+
+
+@pytest.mark.parametrize("backend,shape,mask,dtype,direction", cases())
+def test_attention_perf(benchmark, backend, shape, mask, dtype, direction):
+    if not CUDA:
+        return cpu_case(benchmark, backend, shape, mask, dtype, direction)
+    if backend in SDPA:
+        device = kb.require_gpu_backend(OP, "torch")
+        if backend == "sdpa_flash" and mask != "none":
+            pytest.skip("sdpa_flash: SDPA's flash kernel takes no attention mask")
+    else:
+        device = kb.require_gpu_backend(OP, backend)
+    q, k, v, do, kl, attn_mask = problem(shape, mask, dtype, device)
+    call = make_call(backend, q, k, v, do, kl, attn_mask, mask, direction)
+    key = kb.CaseKey(OP, f"{shape[0]},mask={mask}", dtype, direction)
+    dt = DTYPES[dtype]
+    rkey = (shape, mask, dtype, direction)
+
+    with _SdpaOnly(backend) if backend in SDPA else contextlib.nullcontext():
+        try:
+            first, first_s = kb.timed_first_call(call)
+        except RuntimeError as exc:  # SDPA: "No available kernel" for this input
+            if backend in SDPA:
+                pytest.skip(f"{backend}: not available for this case ({str(exc).splitlines()[0][:120]})")
+            raise
+        del first
+
+        def check():
+            if rkey not in _REF:
+                _REF[rkey] = reference(q, k, v, do, kl, mask, direction)
+                baseline = _as_list(make_call("torch", q, k, v, do, kl, attn_mask, mask, direction)())
+                _REF[(*rkey, "torch_err")] = [float((a.float() - r).abs().max()) for a, r in
+                                              zip(baseline, _REF[rkey], strict=True)]
+            ref, torch_err = _REF[rkey], _REF[(*rkey, "torch_err")]
+            got = _as_list(call())
+            worst_abs, worst_rel = 0.0, 0.0
+            for name, a, r, te in zip(("out", "dq", "dk", "dv"), got, ref, torch_err, strict=False):
+                a = a.float()
+                assert not torch.isnan(a).any(), f"{backend} {name}: NaN"
+                err = float((a - r).abs().max())
+                top = float(r.abs().max())
+                bound = 2.0 * te + ULP[dt] * max(top, 1e-3)
+                assert err <= bound, f"{backend} {name}: max error {err:.3g} > 2 x SDPA's {te:.3g} + ulp ({bound:.3g})"
+                worst_abs = max(worst_abs, err)
+                worst_rel = max(worst_rel, err / top if top > 0 else err)
+            return worst_abs, worst_rel
+
+        name, B, H, S, D = shape
+        flops = 4 * B * H * S * S * D
+        if direction != "fwd":
+            flops = int(flops * 3.5)
+        causal = MODE_ARGS[mask][1] or MODE_ARGS[mask][2]
+        if causal:
+            flops //= 2
+        esize = q.element_size()
+        nbytes = 4 * B * H * S * D * esize * (1 if direction == "fwd" else 2)
+        info = kb.run_case(benchmark, key=key, backend=backend, call=call, check=check, bytes_moved=nbytes,
+                           flops=flops, compile_s=first_s if backend in ("triton", "tilelang") else None,
+                           rounds=20, graph=True)
+    if not benchmark.enabled:
+        return
+    sdpa_times = {b: t for b, t in kb.session_times().get(key, {}).items() if b in (*SDPA, "torch")}
+    extra = {"flops_note": "causal: half the full FLOPs" if causal else "full FLOPs (key padding not subtracted)"}
+    if "tflops" in info and info.get("matmul_ceiling_tflops"):
+        extra["fraction_of_matmul_ceiling"] = round(info["tflops"] / info["matmul_ceiling_tflops"], 4)
+    extra["device_tflops"] = round(flops / (info["device_us"] * 1e-6) / 1e12, 2) if info.get("device_us") else None
+    if sdpa_times and backend not in sdpa_times:
+        best = min(sdpa_times, key=sdpa_times.get)
+        per_call_s = info["per_call_us"] * 1e-6
+        extra.update({"best_sdpa_backend": best, "best_sdpa_us": round(sdpa_times[best] * 1e6, 3),
+                      "speedup_vs_torch": round(sdpa_times[best] / per_call_s, 3)})
+    benchmark.extra_info.update(extra)
+
+
+def cpu_case(benchmark, backend, shape, mask, dtype, direction):
+    """Without a GPU only our torch backend runs (a correctness smoke of the case code; not timed)."""
+    if backend != "torch":
+        pytest.skip(f"{backend}: no CUDA device (GPU benchmark)")
+    q, k, v, do, kl, attn_mask = problem(shape, mask, dtype, "cpu")
+    call = make_call(backend, q, k, v, do, kl, attn_mask, mask, direction)
+    got = _as_list(benchmark(call))
+    ref = reference(q, k, v, do, kl, mask, direction)
+    for a, r in zip(got, ref, strict=True):
+        assert float((a.float() - r).abs().max()) < 0.05 * max(float(r.abs().max()), 1e-3)
+
+
+# ---------------------------------------------------------------------------------------- summary table
+
+
+def summary(path: str) -> str:
+    """A short table: per case, per-call us [device us] per backend, and our speedup vs the best SDPA."""
+    with open(path) as f:
+        data = json.load(f)
+    rows: dict = {}
+    for bench in data["benchmarks"]:
+        e = bench.get("extra_info", {})
+        if e.get("op") != OP:
+            continue
+        case = f"{e['shape']} {e['dtype']} {e['dir']}"
+        rows.setdefault(case, {})[e["backend"]] = e
+    lines = [f"{'case':<52} {'best SDPA us':>14} {'triton us [dev]':>18} {'x':>6} {'tilelang us [dev]':>18} {'x':>6}"]
+    for case, by in rows.items():
+        sd = [(e["per_call_us"], b) for b, e in by.items() if b in (*SDPA, "torch") and "per_call_us" in e]
+        best = f"{min(sd)[0]:.1f} {min(sd)[1].replace('sdpa_', '')}" if sd else "-"
+        cols = []
+        for b in ("triton", "tilelang"):
+            e = by.get(b)
+            if e and "per_call_us" in e:
+                tf = f" {e['tflops']:.0f}TF" if e.get("tflops", 0) >= 10 else ""
+                cols.append(f"{e['per_call_us']:.1f} [{e['device_us']:.1f}]{tf}")
+                cols.append(f"{e.get('speedup_vs_torch', float('nan')):.2f}")
+            else:
+                cols += ["-", "-"]
+        lines.append(f"{case:<52} {best:>14} {cols[0]:>18} {cols[1]:>6} {cols[2]:>18} {cols[3]:>6}")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":
+    print(summary(sys.argv[1]))
