@@ -281,6 +281,16 @@ def test_orthogonal_transform_preserves_norm_and_follows_the_definition():
                                    rtol=1e-5, atol=1e-6)
 
 
+def test_orthogonal_transform_bf16_matmuls_keep_the_norm_and_the_direction():
+    g = torch.randn(4, 24, 40, generator=_gen(24))
+    ref = orthogonal_transform(g.double(), steps=2)
+    out = orthogonal_transform(g, steps=2, compute_dtype=torch.bfloat16)
+    assert out.dtype == torch.float32
+    torch.testing.assert_close(torch.linalg.vector_norm(out, dim=(-2, -1)),
+                               torch.linalg.vector_norm(g, dim=(-2, -1)), rtol=1e-5, atol=0)
+    assert ((out.double() - ref).norm() / ref.norm()) < 2e-2
+
+
 def test_orthogonal_adamw_flattens_to_rows_and_then_steps_like_adamw():
     shapes = [(6, 2, 5), (6,)]
     ours, ref = _params(shapes, 14), _params(shapes, 14)

@@ -5,7 +5,11 @@ depth 4) and `pcvr_dense`, the dense parameter shapes of a representative PCVR m
 (env CI set) both are shrunk so that every case runs once quickly; the ids stay the same.
 
 Variants beside the registry's defaults: `*_eager` (no CUDA graph around the stacked Newton-Schulz math,
-CUDA only: on CPU it is the default path) and `muon_quintic` (the common Muon coefficients).
+CUDA only: on CPU it is the default path), `muon_quintic` (the common Muon coefficients) and
+`orthogonal_adamw_bf16` (the transform's matmuls in bf16 instead of the reference's fp32; CUDA only).
+
+In the `optim.step` group the gradient is fixed, so `final_loss` there is the loss after many steps on one
+stale gradient (it may grow); the train-step group's `final_loss` is the meaningful one.
 
 CUDA cases use `pcvr_lib.timing.bench_gpu`: the statistic is per-call time including host work (the
 optimizers here are launch-bound), device-only kernel time in extra_info. CPU cases: wall clock.
@@ -31,6 +35,7 @@ VARIANTS = {
     "adamw": ("adamw", {}, 1e-3, ("cpu", "cuda")),
     "orthogonal_adamw": ("orthogonal_adamw", {}, 1e-3, ("cpu", "cuda")),
     "orthogonal_adamw_eager": ("orthogonal_adamw", {"cuda_graph": False}, 1e-3, ("cuda",)),
+    "orthogonal_adamw_bf16": ("orthogonal_adamw", {"ns_dtype": torch.bfloat16}, 1e-3, ("cuda",)),
     "muon": ("muon", {}, 0.02, ("cpu", "cuda")),
     "muon_eager": ("muon", {"cuda_graph": False}, 0.02, ("cuda",)),
     "muon_quintic": ("muon", {"ns_coefficients": "quintic"}, 0.02, ("cpu", "cuda")),
@@ -54,7 +59,7 @@ def _skip_unless_runnable(variant: str, device: str) -> None:
     if device == "cuda" and not torch.cuda.is_available():
         pytest.skip("optim: no CUDA device")
     if device not in VARIANTS[variant][3]:
-        pytest.skip(f"{variant}: on {device} this is the default path, measured as {variant.rsplit('_', 1)[0]}")
+        pytest.skip(f"{variant}: a CUDA-only variant (on {device}: {variant.rsplit('_', 1)[0]} covers it)")
 
 
 def _setup(variant: str, device: str, workload: str, data_scale: str):

@@ -21,15 +21,22 @@ from .newton_schulz import CUBIC, newton_schulz_, safe_inverse_norm
 from .stacking import Bucket, GraphRunner, StackPlan
 
 
-def orthogonal_transform(g: torch.Tensor, steps: int = 2) -> torch.Tensor:
-    """The norm-preserving transform of a (B, r, c) stack, computed in fp32; returns g's dtype."""
+def orthogonal_transform(g: torch.Tensor, steps: int = 2, compute_dtype: torch.dtype | None = None
+                         ) -> torch.Tensor:
+    """The norm-preserving transform of a (B, r, c) stack; returns g's dtype.
+
+    Norms and the rescale are fp32; the iteration's matmuls run in `compute_dtype` (default fp32, the
+    reference's; bf16 is the opt-in fast path on CUDA)."""
     x = g.to(torch.float32)
     transpose = x.shape[-2] > x.shape[-1]
     if transpose:
         x = x.mT
     inv, norm = safe_inverse_norm(x)
     x = torch.nan_to_num_(x * inv, nan=0.0, posinf=0.0, neginf=0.0)
-    x = newton_schulz_(x, steps, CUBIC)
+    if compute_dtype is not None and compute_dtype != torch.float32:
+        x = newton_schulz_(x.to(compute_dtype), steps, CUBIC).to(torch.float32)
+    else:
+        x = newton_schulz_(x, steps, CUBIC)
     # back to the gradient's norm: the iteration changed ||x||_F (a non-finite norm gives NaN, on purpose)
     inv_x, _ = safe_inverse_norm(x)
     x = x * (inv_x * norm)
@@ -64,6 +71,7 @@ class OrthogonalAdamW(torch.optim.AdamW):
         fused: bool | None = None,
         cuda_graph: bool | None = None,
         merge_flops: float | None = None,
+        ns_dtype: torch.dtype | None = None,
     ):
         check_common("orthogonal_adamw", lr=lr, betas=betas, eps=eps, weight_decay=weight_decay,
                      ns_steps=ns_steps)
@@ -76,6 +84,7 @@ class OrthogonalAdamW(torch.optim.AdamW):
         if fused:
             check_fused_supported(flat, "orthogonal_adamw")
         self._ns_steps = ns_steps
+        self._ns_dtype = ns_dtype
         self._cuda_graph = cuda_graph
         if merge_flops is not None and merge_flops < 0:
             raise OptimizerError(f"orthogonal_adamw: merge_flops must be >= 0, got {merge_flops!r}")
@@ -96,7 +105,7 @@ class OrthogonalAdamW(torch.optim.AdamW):
 
     def _transform_all(self, plan: _Plan) -> torch.Tensor:
         plan.layout.scatter_to_classes(plan.grads, plan.class_in)
-        outs = [orthogonal_transform(x, self._ns_steps) for x in plan.class_in]
+        outs = [orthogonal_transform(x, self._ns_steps, self._ns_dtype) for x in plan.class_in]
         out = torch.empty_like(plan.grads)
         plan.layout.gather_from_classes(outs, out)
         return out
@@ -130,7 +139,7 @@ class OrthogonalAdamW(torch.optim.AdamW):
                 ps = [p for p in b.params if p.grad is not None]
                 if ps:
                     sub = Bucket(b.key, ps, b.m, b.n, [1] * len(ps))
-                    out = orthogonal_transform(sub.gather([p.grad for p in ps]), self._ns_steps)
+                    out = orthogonal_transform(sub.gather([p.grad for p in ps]), self._ns_steps, self._ns_dtype)
                     for p, v in zip(ps, sub.views(out), strict=True):
                         p.grad = v
             return
