@@ -436,6 +436,14 @@ def test_every_optimizer_lowers_the_mlp_loss_in_50_steps(name, lr):
     assert last < 0.8 * first, (first, last)
 
 
+@pytest.mark.parametrize("name", ["adamw", "fused_adamw", "orthogonal_adamw", "muon"])
+def test_one_dense_options_dict_fits_every_dense_optimizer(name):
+    """The trainer passes lr, betas and weight_decay whatever the dense optimizer (Muon: its AdamW part)."""
+    lin = nn.Linear(4, 3)
+    opt = build_optimizer(name, lin.parameters(), lr=1e-3, betas=(0.8, 0.9), weight_decay=0.0)
+    assert all(g["betas"] == (0.8, 0.9) for g in opt.param_groups)
+
+
 def test_pcvr_dense_shapes_are_muon_buckets():
     shapes = pcvr_dense_shapes()
     assert any(len(s) == 3 for s in shapes) and any(len(s) == 1 for s in shapes)

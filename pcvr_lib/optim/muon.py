@@ -69,7 +69,12 @@ class Muon(torch.optim.Optimizer):
         cuda_graph: bool | None = None,
         merge_flops: float | None = None,
         adamw_fused: bool | None = None,
+        betas: tuple[float, float] | None = None,
+        eps: float | None = None,
     ):
+        # `betas` / `eps` are accepted as the AdamW part's, so one dense_options dict fits every optimizer
+        adamw_betas = adamw_betas if betas is None else betas
+        adamw_eps = adamw_eps if eps is None else eps
         adamw_lr = lr if adamw_lr is None else adamw_lr
         adamw_weight_decay = weight_decay if adamw_weight_decay is None else adamw_weight_decay
         check_common("muon", lr=lr, momentum=momentum, ns_steps=ns_steps, weight_decay=weight_decay)
