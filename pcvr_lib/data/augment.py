@@ -52,7 +52,8 @@ class SequenceCrop:
 
     def __call__(self, batch: Batch, gen: torch.Generator) -> Batch:
         if self.views_per_row > 1:
-            batch = batch.select(torch.arange(batch.batch_size).repeat_interleave(self.views_per_row))
+            rows = torch.arange(batch.batch_size).repeat_interleave(self.views_per_row)
+            batch = batch.map(lambda t: t.index_select(0, rows))
         if self.mode == "tail":  # w = len, start = 0: the window is the whole sequence
             return batch
         return replace(batch, sequences={k: self._crop(s, gen) for k, s in batch.sequences.items()})
@@ -72,8 +73,8 @@ class SequenceCrop:
         source = (start[:, None] + positions[None, :]).clamp_(max=length - 1)
         keep = positions[None, :] < width[:, None]
         values = torch.gather(seq.values, 2, source[:, None, :].expand(-1, seq.values.shape[1], -1))
-        values = values.masked_fill(~keep[:, None, :], 0)
-        timestamps = torch.gather(seq.timestamps, 1, source).masked_fill(~keep, 0)
+        values.mul_(keep[:, None, :])  # zero past the window (a multiply is much faster than masked_fill)
+        timestamps = torch.gather(seq.timestamps, 1, source).mul_(keep)
         return SequenceBlock(values, timestamps, width.to(seq.lengths.dtype))
 
 
@@ -100,16 +101,15 @@ class FeatureMask:
         rows, length = seq.lengths.shape[0], seq.max_len
         valid = seq.valid_mask()
         keep = valid & ~(torch.rand(rows, length, generator=gen) < self.p)
-        # Compaction: kept event j goes to position (number of kept events before it); dropped and
-        # padding positions are sent to a spare slot `length` that is cut off afterwards.
-        destination = torch.where(keep, keep.cumsum(1) - 1, length)
-        features = seq.values.shape[1]
-        values = seq.values.new_zeros(rows, features, length + 1)
-        values.scatter_(2, destination[:, None, :].expand(-1, features, -1), seq.values.masked_fill(~keep[:, None], 0))
-        timestamps = seq.timestamps.new_zeros(rows, length + 1)
-        timestamps.scatter_(1, destination, seq.timestamps.masked_fill(~keep, 0))
-        lengths = keep.sum(1).to(seq.lengths.dtype)
-        return SequenceBlock(values[..., :length].contiguous(), timestamps[:, :length].contiguous(), lengths)
+        # Compaction by gathering: a stable sort puts the kept positions first, in their order; every
+        # output position at or past the new length is zeroed.
+        order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices
+        lengths = keep.sum(1)
+        inside = torch.arange(length)[None, :] < lengths[:, None]
+        values = torch.gather(seq.values, 2, order[:, None, :].expand(-1, seq.values.shape[1], -1))
+        values.mul_(inside[:, None, :])
+        timestamps = torch.gather(seq.timestamps, 1, order).mul_(inside)
+        return SequenceBlock(values, timestamps, lengths.to(seq.lengths.dtype))
 
 
 @dataclass(frozen=True)
@@ -125,10 +125,9 @@ class DomainDropout:
         sequences = {}
         for name, seq in batch.sequences.items():
             drop = torch.rand(seq.lengths.shape[0], generator=gen) < self.p
+            keep = ~drop
             sequences[name] = SequenceBlock(
-                seq.values.masked_fill(drop[:, None, None], 0),
-                seq.timestamps.masked_fill(drop[:, None], 0),
-                seq.lengths.masked_fill(drop, 0),
+                seq.values * keep[:, None, None], seq.timestamps * keep[:, None], seq.lengths * keep
             )
         return replace(batch, sequences=sequences)
 

@@ -35,6 +35,7 @@ presets (and training never sees events at or after the request time); pass stri
 
 from __future__ import annotations
 
+import copy
 import queue
 import threading
 from collections.abc import Iterator, Sequence
@@ -420,7 +421,8 @@ class PcvrLoader:
         if not hasattr(self, "_dataloader"):
             self._stats_queue = mp.get_context().Queue()
             self._dataloader = torch.utils.data.DataLoader(
-                _WorkerDataset(self, self._stats_queue),
+                # a copy without the DataLoader itself: a worker must not own (and finalise) its parent's loader
+                _WorkerDataset(copy.copy(self), self._stats_queue),
                 batch_size=None,
                 num_workers=self.num_workers,
                 persistent_workers=True,
