@@ -29,6 +29,7 @@ SHAPES = [(8192, 128), (65536, 1024), (262144, 128), (16384, 4096)]
 DTYPES = [torch.float16, torch.bfloat16]
 BACKENDS = ["torch", "torch_compile", "liger", "triton", "tilelang"]
 EPS = {"rms_norm": 1e-6, "layer_norm": 1e-5}
+ROUNDS = 20
 
 
 def _cases():
@@ -152,4 +153,93 @@ def test_norm(benchmark, key, backend, shape, dtype):
 
     kb.run_case(benchmark, key=key, backend=backend, call=call, check=check,
                 bytes_moved=_bytes(key.op, shape, dtype, key.direction), compile_s=compile_s,
-                torch_call=torch_call)
+                torch_call=torch_call, rounds=ROUNDS)
+    if backend == "triton":
+        from pcvr_lib.kernels.layer_norm import triton_kernels as ln_triton
+        from pcvr_lib.kernels.rms_norm import triton_kernels as rms_triton
+
+        mod = rms_triton if key.op == "rms_norm" else ln_triton
+        benchmark.extra_info["triton_launch"] = mod.launch_paths()
+
+
+# ------------------------------------------------------------------ where the host time of a call goes
+
+
+def _host_parts():
+    from pcvr_lib.kernels.rms_norm import common
+    from pcvr_lib.kernels.rms_norm import tilelang_kernels as rms_tl
+    from pcvr_lib.kernels.rms_norm import triton_kernels as rms_tr
+    from pcvr_lib.kernels.rms_norm.config import block_config, next_pow2
+
+    x = torch.randn(8192, 128, device="cuda", dtype=torch.float16)
+    w = torch.ones(128, device="cuda", dtype=torch.float16)
+    y = torch.empty_like(x)
+    small = torch.zeros(16, device="cuda")
+    block_m, warps = block_config(128)
+    args = (x, w, y, y, 8192, 128, 1e-6, block_m, next_pow2(128), False)
+    rms_norm(x, w, backend="triton")
+    rms_norm(x, w, backend="tilelang")
+    launcher = rms_tl._launcher("fwd", 128, torch.float16, x.device, False)
+    jit = rms_tl.forward_kernel(128, torch.float16, False, x.device)
+    return {
+        "torch_empty_like": lambda: torch.empty_like(x),
+        "torch_tiny_kernel_launch": lambda: small.add_(1.0),
+        "check_norm_inputs": lambda: common.check_norm_inputs("rms_norm", "triton", x, w),
+        "rows_view": lambda: common.rows_view(x),
+        "triton_jit_launch": lambda: rms_tr._rms_fwd.compiled[(8192 // block_m,)](*args, num_warps=warps),
+        "triton_direct_launch": lambda: rms_tr._launch_fwd(
+            (next_pow2(128), block_m, warps, rms_tr.align_key(x, w, y, y, 128), False), (8192 // block_m,),
+            args, warps, x.device),
+        "tilelang_jitkernel_call": lambda: jit(x, w, y, 1e-6),
+        "tilelang_executable_call": lambda: launcher(x, w, y, 1e-6),
+        "rms_norm_triton_call": lambda: rms_norm(x, w, backend="triton"),
+        "rms_norm_tilelang_call": lambda: rms_norm(x, w, backend="tilelang"),
+        "rms_norm_torch_call": lambda: rms_norm(x, w, backend="torch"),
+    }
+
+
+HOST_PARTS = ["torch_empty_like", "torch_tiny_kernel_launch", "check_norm_inputs", "rows_view",
+              "triton_jit_launch", "triton_direct_launch", "tilelang_jitkernel_call", "tilelang_executable_call",
+              "rms_norm_triton_call", "rms_norm_tilelang_call", "rms_norm_torch_call"]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("part", HOST_PARTS, ids=lambda p: f"host_part={p}")
+def test_host_overhead(benchmark, part):
+    """Host seconds per call of each piece of a norm call (wall clock, no synchronisation per call)."""
+    kb.require_gpu_backend("rms_norm", "tilelang")
+    kb.require_gpu_backend("rms_norm", "triton")
+    fn = _host_parts()[part]
+    benchmark.group = "host overhead per call (8192x128 fp16)"
+    benchmark.extra_info.update({"host_part": part, "timer": "wall_clock_host_only"})
+    benchmark.pedantic(fn, rounds=30, iterations=50, warmup_rounds=2)
+    torch.cuda.synchronize()
+
+
+# ------------------------------------------------------------------ Triton tile-size exploration
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("tile", [2048, 8192, 16384], ids=lambda t: f"tile={t}")
+@pytest.mark.parametrize("shape", [(262144, 128), (65536, 1024)], ids=lambda s: f"shape={s[0]}x{s[1]}")
+def test_triton_tile_exploration(benchmark, monkeypatch, shape, tile):
+    """Elements per program other than the default 4096 (rms_norm forward, fp16): device time only."""
+    from pcvr_lib.kernels.rms_norm import config
+
+    kb.require_gpu_backend("rms_norm", "triton")
+    monkeypatch.setattr(config, "TILE_ELEMENTS", tile)
+    dtype = torch.float16
+    key = kb.CaseKey(f"rms_norm[tile={tile}]", f"{shape[0]}x{shape[1]}", "fp16", "fwd")
+    fn = _peer_fn("rms_norm", "triton")
+    tensors, _ = _inputs("rms_norm", shape, dtype, grad=False)
+
+    def check():
+        with poisoned_outputs():
+            y = fn(*tensors)
+        ref = _reference("rms_norm", tensors, None)[0]
+        assert_close(y, ref, dtype, what=key.case_id("triton"))
+        return max_errors(y, ref)
+
+    benchmark.extra_info["block_config"] = list(config.block_config(shape[1]))
+    kb.run_case(benchmark, key=key, backend="triton", call=lambda: fn(*tensors), check=check,
+                bytes_moved=_bytes("rms_norm", shape, dtype, "fwd"), rounds=ROUNDS)

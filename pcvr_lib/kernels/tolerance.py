@@ -44,10 +44,10 @@ def max_errors(actual: torch.Tensor, expected: torch.Tensor) -> tuple[float, flo
     The relative figure is normalised by the largest reference magnitude, not element-wise, so values
     near zero do not blow it up. NaN in `actual` where the reference is finite gives (nan, nan).
     """
-    a = actual.detach().to(torch.float64).cpu()
-    e = expected.detach().to(torch.float64).cpu()
+    e = expected.detach().to(torch.float64)
+    a = actual.detach().to(device=e.device, dtype=torch.float64)  # compared where the reference lives
     finite = torch.isfinite(e)
-    if finite.sum() == 0:
+    if not finite.any():
         return 0.0, 0.0
     diff = (a[finite] - e[finite]).abs()
     if diff.numel() and torch.isnan(diff).any():
@@ -65,18 +65,18 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
     tol = tol or tolerance(dtype)
     if tuple(actual.shape) != tuple(expected.shape):
         raise AssertionError(f"{what}: shape {tuple(actual.shape)} != expected {tuple(expected.shape)}")
-    a = actual.detach().to(torch.float64).cpu()
-    e = expected.detach().to(torch.float64).cpu()
+    e = expected.detach().to(torch.float64)
+    a = actual.detach().to(device=e.device, dtype=torch.float64)  # big tensors stay on the GPU
 
     e_nan, a_nan = torch.isnan(e), torch.isnan(a)
     if not torch.equal(e_nan, a_nan):
-        bad = (e_nan != a_nan).nonzero()
+        bad = (e_nan != a_nan).nonzero().cpu()
         raise AssertionError(
             f"{what}: NaN pattern differs at {bad.shape[0]} of {a.numel()} elements "
             f"(actual NaN: {int(a_nan.sum())}, expected NaN: {int(e_nan.sum())}; first at {bad[0].tolist()})"
         )
     e_inf = torch.isinf(e)
-    if not torch.equal(e_inf, torch.isinf(a)) or not torch.equal(a[e_inf], e[e_inf]):
+    if not torch.equal(e_inf, torch.isinf(a)) or (e_inf.any() and not torch.equal(a[e_inf], e[e_inf])):
         raise AssertionError(f"{what}: infinities differ from the reference")
 
     finite = torch.isfinite(e)

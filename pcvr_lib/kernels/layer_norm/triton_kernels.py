@@ -81,7 +81,7 @@ def forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: flo
     else:
         mean = rstd = y  # never touched: SAVE_STATS is a compile-time False
     args = (x2, weight, bias, y, mean, rstd, m, n, eps, block_m, next_pow2(n), save_stats)
-    key = (next_pow2(n), align_key(x2, weight, bias, y, mean, rstd, n), save_stats)
+    key = (next_pow2(n), block_m, num_warps, align_key(x2, weight, bias, y, mean, rstd, n), save_stats)
     _launch_fwd(key, (triton.cdiv(m, block_m),), args, num_warps, x2.device)
     return y, ((mean, rstd) if save_stats else None)
 
@@ -94,6 +94,13 @@ def backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, mean: tor
     dx = torch.empty_like(x2)
     partial = torch.empty((2, programs, n), dtype=torch.float32, device=x2.device)
     args = (dy, x2, weight, mean, rstd, dx, partial[0], partial[1], m, n, block_m, next_pow2(n))
-    _launch_bwd((next_pow2(n), align_key(*args[:8], n)), (programs,), args, num_warps, x2.device)
+    key = (next_pow2(n), block_m, num_warps, align_key(*args[:8], n))
+    _launch_bwd(key, (programs,), args, num_warps, x2.device)
     sums = partial.sum(1).to(weight.dtype)
     return dx, sums[0], sums[1]
+
+
+def launch_paths() -> dict[str, str]:
+    """How each kernel was last launched: "direct" or the reason the JIT path is used."""
+    return {name: launcher.fast_path_error or "direct"
+            for name, launcher in (("fwd", _launch_fwd), ("bwd", _launch_bwd))}

@@ -15,7 +15,7 @@ from pcvr_lib.kernels import registry
 
 OK_DTYPES = frozenset(registry.FLOAT_DTYPES)
 _GPU_BACKENDS = ("triton", "tilelang")
-_LOADED: dict[tuple[str, str], object] = {}
+_LOADED: dict[tuple[str, str, str], object] = {}
 
 
 def check_norm_inputs(op: str, backend: str, x: torch.Tensor, *params: torch.Tensor) -> None:
@@ -41,7 +41,7 @@ def check_norm_inputs(op: str, backend: str, x: torch.Tensor, *params: torch.Ten
 
 def backend_module(op: str, backend: str, device: torch.device, package: str):
     """The kernels module of a GPU backend, after checking once per device that it can run here."""
-    key = (backend, str(device))
+    key = (package, backend, str(device))
     mod = _LOADED.get(key)
     if mod is None:
         registry.require_backend(op, backend, device)

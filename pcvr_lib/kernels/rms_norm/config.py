@@ -17,13 +17,17 @@ def next_pow2(n: int) -> int:
     return 1 << (max(1, n) - 1).bit_length()
 
 
-@functools.cache
 def block_config(width: int) -> tuple[int, int]:
-    """(rows per program, warps per program) for a row width."""
+    """(rows per program, warps per program) for a row width (TILE_ELEMENTS per program)."""
+    return _block_config(width, TILE_ELEMENTS)
+
+
+@functools.cache
+def _block_config(width: int, tile_elements: int) -> tuple[int, int]:
     if width > MAX_WIDTH:
         raise ValueError(f"norm width {width} exceeds the supported maximum {MAX_WIDTH}")
     block_n = next_pow2(width)
-    block_m = max(1, min(64, TILE_ELEMENTS // block_n))
+    block_m = max(1, min(64, tile_elements // block_n))
     elements = block_m * block_n
     num_warps = min(16, max(4, elements // 512))
     return block_m, num_warps

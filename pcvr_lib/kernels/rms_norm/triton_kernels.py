@@ -71,7 +71,7 @@ def forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, save_rstd: bool)
     y = torch.empty_like(x2)
     rstd = torch.empty(m, dtype=torch.float32, device=x2.device) if save_rstd else y
     args = (x2, weight, y, rstd, m, n, eps, block_m, next_pow2(n), save_rstd)
-    key = (next_pow2(n), align_key(x2, weight, y, rstd, n), save_rstd)
+    key = (next_pow2(n), block_m, num_warps, align_key(x2, weight, y, rstd, n), save_rstd)
     _launch_fwd(key, (triton.cdiv(m, block_m),), args, num_warps, x2.device)
     return y, (rstd if save_rstd else None)
 
@@ -84,6 +84,12 @@ def backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: tor
     dx = torch.empty_like(x2)
     partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
     args = (dy, x2, weight, rstd, dx, partial, m, n, block_m, next_pow2(n))
-    key = (next_pow2(n), align_key(dy, x2, weight, rstd, dx, partial, n))
+    key = (next_pow2(n), block_m, num_warps, align_key(dy, x2, weight, rstd, dx, partial, n))
     _launch_bwd(key, (programs,), args, num_warps, x2.device)
     return dx, partial.sum(0).to(weight.dtype)
+
+
+def launch_paths() -> dict[str, str]:
+    """How each kernel was last launched: "direct" or the reason the JIT path is used."""
+    return {name: launcher.fast_path_error or "direct"
+            for name, launcher in (("fwd", _launch_fwd), ("bwd", _launch_bwd))}
