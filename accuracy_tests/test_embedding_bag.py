@@ -222,8 +222,8 @@ def test_weight_grad(backend, dtype, sparse, device_for):
 
 def _examples(backend: str) -> int:
     if backend == "torch":
-        return 25
-    return 15 if CUDA else 8  # compiles per new width/dtype on a GPU; the interpreter is slow in CI
+        return 15
+    return 15 if CUDA else 5  # compiles per new width/dtype on a GPU; the interpreter is slow in CI
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -234,7 +234,7 @@ def test_forward_and_grad_property(backend, device_for):
 
     @settings(max_examples=_examples(backend), deadline=None, derandomize=True,
               suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow])
-    @given(batch=st.integers(1, 70), bag=st.integers(1, 24), num_rows=st.integers(1, 300),
+    @given(batch=st.integers(1, 70 if CUDA else 40), bag=st.integers(1, 24), num_rows=st.integers(1, 300),
            dim=st.sampled_from(dims), dtype=st.sampled_from(DTYPES),
            pad=st.sampled_from([0.0, 0.25, 0.75, 1.0]), id64=st.booleans(), sparse=st.booleans(),
            seed=st.integers(0, 2**16))
@@ -364,32 +364,37 @@ TILELANG_KERNELS = {
     # name: (builder, args)
     "fwd_fp16_i32_vec8": ("build_forward", (64, "float16", "int32", 8, False)),
     "fwd_train_bf16_i64_d127": ("build_forward", (127, "bfloat16", "int64", 1, True)),
-    "bwd_sparse_fp32_i64_d96": ("build_backward_sparse", (96, "float32", "int64", 4)),
     "bwd_sparse_bf16_i32_d64": ("build_backward_sparse", (64, "bfloat16", "int32", 8)),
     "bwd_dense_fp16_i32": ("build_backward_dense", (64, "float16", "int32")),
 }
 
 
-@pytest.mark.parametrize("kernel", list(TILELANG_KERNELS))
-def test_tilelang_kernels_compile_for_sm90(kernel):
-    """Every TileLang kernel kind lowers and compiles for sm_90 (no GPU needed); on a GPU the
-    accuracy tests above run them. TileLang's C target cannot execute them: they index threads
-    explicitly (T.get_thread_binding), which the C target rejects ("has no SIMT threads")."""
+def test_tilelang_kernels_compile_for_sm90():
+    """Every TileLang kernel kind lowers and compiles for sm_90 (no GPU needed; concurrently, nvcc is the
+    cost); on a GPU the accuracy tests above run them. TileLang's C target cannot execute them: they
+    index threads explicitly (T.get_thread_binding), which the C target rejects ("has no SIMT threads")."""
     problem = registry.package_problem("tilelang")
     if problem:
         pytest.skip(f"tilelang: {problem}")
     if _nvcc_missing():
         pytest.skip(f"tilelang: {_nvcc_missing()}")
+    from concurrent.futures import ThreadPoolExecutor
+
     from tvm.target import Target
 
     from pcvr_lib.kernels.embedding_bag import tilelang_impl as ti
 
-    builder, args = TILELANG_KERNELS[kernel]
-    compiled = ti.compile_kernel(getattr(ti, builder)(*args), Target({"kind": "cuda", "arch": "sm_90"}))
-    source = compiled.get_kernel_source()
-    assert "__global__" in source
-    if args[-1] is not False and builder == "build_forward" and args[3] == 8:
-        assert "uint4" in source, "16-byte vector loads expected"
+    target = Target({"kind": "cuda", "arch": "sm_90"})
+
+    def build(name):
+        builder, args = TILELANG_KERNELS[name]
+        return name, ti.compile_kernel(getattr(ti, builder)(*args), target).get_kernel_source()
+
+    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
+        sources = dict(pool.map(build, TILELANG_KERNELS))
+    for name, source in sources.items():
+        assert "__global__" in source, name
+    assert "uint4" in sources["fwd_fp16_i32_vec8"], "16-byte vector loads expected"
 
 
 def test_tolerance_table_is_what_the_checks_use():

@@ -24,8 +24,8 @@ def next_pow2(n: int) -> int:
 
 
 def launch_config(batch: int, bag: int, dim: int, elem_bytes: int) -> LaunchConfig:
-    """Tile shape for a (batch, bag, dim) problem; depends on the bag length's power-of-two class and
-    on dim only, never on the batch size beyond a cap, so a batch change never recompiles."""
+    """Tile shape for a (batch, bag, dim) problem. It depends on dim and on the bag length's power-of-two
+    class (capped at 8) only, never on the batch size, so a batch change never recompiles."""
     block_d = next_pow2(dim)
     block_l = min(next_pow2(bag), 8)
     block_b = max(1, min(64, TILE_ELEMENTS // (block_d * block_l)))
