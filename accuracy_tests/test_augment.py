@@ -182,6 +182,23 @@ def test_same_seed_same_result_and_input_untouched():
     assert_zero_past_length(a)
 
 
+@pytest.mark.parametrize("mode", ["random_tail", "rolling", "tail"])
+def test_fused_chain_equals_one_transform_at_a_time(mode):
+    # the Augmenter plans all sequence moves and gathers once; applying each transform on its own (each
+    # gathering its output) with the same generator must give the same batch
+    batch = make_batch(rows=40, seed=14)
+    chain = [SequenceCrop(2, mode, 3), FeatureMask(0.3), DomainDropout(0.3), SequenceCrop(2, mode, 2),
+             FeatureMask(0.2), SparseDropout(0.3)]
+    fused = Augmenter(chain)(batch, gen(15))
+    g = gen(15)
+    stepwise = batch
+    for transform in chain:
+        stepwise = transform(stepwise, g)
+    assert fused.batch_size == 160
+    assert_same(fused, stepwise)
+    assert_zero_past_length(fused)
+
+
 def test_config_order_matters():
     batch = make_batch(rows=32, seed=13)
     nonempty = batch.sequences["seq_a"].lengths > 0
