@@ -40,31 +40,36 @@ CUDA = torch.cuda.is_available()
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 ULP = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 SDPA = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
-BACKENDS = (*SDPA, "torch", "triton", "tilelang")  # baselines first: the speedups need their times
+# baselines first (the speedups need their times); without a GPU only the torch backend's case code runs
+BACKENDS = (*SDPA, "triton", "tilelang") if CUDA else ("torch",)
 MODE_ARGS = {  # mask -> (key lengths, causal, causal_valid)
     "none": (False, False, False),
     "key_lengths": (True, False, False),
     "causal_valid": (True, False, True),
 }
-# name, B, H, S, D, masks
+# name, B, H, S, D, masks, directions (the targets of issue 4)
 GPU_SHAPES = [
-    ("B8xH8xS128xD64", 8, 8, 128, 64, ("key_lengths", "causal_valid", "none")),
-    ("B64xH8xS256xD64", 64, 8, 256, 64, ("none", "key_lengths")),
-    ("B16xH8xS1024xD64", 16, 8, 1024, 64, ("none",)),
-    ("B4xH16xS4096xD128", 4, 16, 4096, 128, ("none",)),
+    ("B8xH8xS128xD64", 8, 8, 128, 64, ("key_lengths", "none"), ("fwd", "fwd+bwd")),
+    ("B64xH8xS256xD64", 64, 8, 256, 64, ("none", "key_lengths"), ("fwd",)),
+    ("B16xH8xS1024xD64", 16, 8, 1024, 64, ("none",), ("fwd", "fwd+bwd")),
+    ("B4xH16xS4096xD128", 4, 16, 4096, 128, ("none",), ("fwd", "fwd+bwd")),
 ]
-CPU_SHAPES = [("B2xH2xS16xD32", 2, 2, 16, 32, ("key_lengths",))]
+# TileLang compiles each variant for tens of seconds on the GPU host: its cases are the targets' (PCVR with
+# key lengths, and the two long shapes it is compared with Triton at)
+TILELANG_SKIP = {("B8xH8xS128xD64", "none"), ("B64xH8xS256xD64", "none"), ("B64xH8xS256xD64", "key_lengths")}
+CPU_SHAPES = [("B2xH2xS16xD32", 2, 2, 16, 32, ("key_lengths",), ("fwd", "fwd+bwd"))]
 SHAPES = GPU_SHAPES if CUDA else CPU_SHAPES
-DIRECTIONS = ("fwd", "fwd+bwd")
 
 
 def cases():
     out = []
-    for name, B, H, S, D, masks in SHAPES:
+    for name, B, H, S, D, masks, directions in SHAPES:
         for mask in masks:
             for dtype in DTYPES:
-                for direction in DIRECTIONS:
+                for direction in directions:
                     for backend in BACKENDS:
+                        if backend == "tilelang" and (name, mask) in TILELANG_SKIP:
+                            continue
                         cid = f"op={OP},backend={backend},shape={name},mask={mask},dtype={dtype},dir={direction}"
                         out.append(pytest.param(backend, (name, B, H, S, D), mask, dtype, direction, id=cid))
     return out
@@ -79,9 +84,12 @@ def precompiled():
     from pcvr_lib.kernels.attention import precompile
 
     specs = []
-    for _, _, _, S, D, masks in GPU_SHAPES:
+    for name, _, _, S, D, masks, _ in GPU_SHAPES:
         bucket = 0 if S <= 128 else (1 if S <= 512 else 2)
-        specs.append(f"triton,tilelang:{D}:fp16,bf16:{','.join(masks)}:0:{bucket}")
+        specs.append(f"triton:{D}:fp16,bf16:{','.join(masks)}:0:{bucket}")
+        tl_masks = [m for m in masks if (name, m) not in TILELANG_SKIP]
+        if tl_masks:
+            specs.append(f"tilelang:{D}:fp16,bf16:{','.join(tl_masks)}:0:{bucket}")
     variants = sorted({v for s in specs for v in precompile.parse_spec(s)}, key=str)
     precompile.precompile(variants, workers=max(1, min(14, (os.cpu_count() or 2) - 2)))
 

@@ -1,0 +1,131 @@
+# ruff: noqa: B023  (every lambda below is called inside the loop iteration that defines it)
+"""Tile-config sweep for the long-sequence buckets (run on the GPU; prints one table, best first).
+
+    python -m pcvr_lib.kernels.attention.tune --shapes 16x8x1024x64,4x16x4096x128 --dtype bf16
+
+Times device time (CUDA events, median, no L2 flush) of each candidate for the forward kernel and each
+backward kernel of both backends, after checking the candidate's output against the current default's.
+TileLang candidates are compiled in parallel processes first. The winners are copied by hand into the
+config tables (FWD_CONFIGS / BWD_*_CONFIGS), with the table in notes/attention.md.
+"""
+
+import argparse
+import math
+import multiprocessing as mp
+import time
+
+import torch
+
+from . import tilelang_impl as ti
+from . import triton_impl as tr
+
+TRITON_FWD = {64: [(128, 64, 4, 3), (128, 128, 8, 3), (128, 64, 8, 3), (128, 128, 4, 3), (64, 64, 4, 3),
+                   (128, 64, 4, 4)],
+              128: [(128, 64, 8, 3), (128, 128, 8, 2), (128, 64, 4, 3), (64, 64, 4, 3), (128, 32, 4, 3)]}
+TRITON_DQ = {64: [(128, 64, 8, 2), (64, 64, 4, 2), (128, 32, 4, 2), (64, 128, 8, 2), (128, 64, 4, 3)],
+             128: [(64, 64, 4, 2), (64, 32, 4, 2), (128, 64, 8, 2), (128, 32, 8, 2)]}
+TRITON_KV = {64: [(64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 2), (128, 128, 8, 2), (32, 64, 4, 3)],
+             128: [(64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 2), (32, 128, 8, 2)]}
+TILELANG_FWD = {64: [(128, 128, 256, 2), (128, 64, 256, 2), (64, 64, 128, 2)],
+                128: [(128, 128, 256, 2), (128, 64, 256, 2), (64, 64, 128, 2)]}
+TILELANG_BWD = {64: [(64, 64, 128, 2), (128, 64, 256, 2), (64, 128, 256, 2)],
+                128: [(64, 64, 128, 2), (128, 64, 256, 2), (64, 32, 128, 2)]}
+
+
+def _time(fn, reps=20) -> float:
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3)
+    times.sort()
+    return times[len(times) // 2]
+
+
+def _compile_tl(key):
+    t0 = time.perf_counter()
+    try:
+        ti.compiled(*key)
+        return key, time.perf_counter() - t0, None
+    except Exception as exc:  # noqa: BLE001 - a candidate that does not compile is reported and skipped
+        return key, time.perf_counter() - t0, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--shapes", default="16x8x1024x64,4x16x4096x128")
+    parser.add_argument("--dtype", default="bf16")
+    parser.add_argument("--workers", type=int, default=14)
+    parser.add_argument("--skip-tilelang", action="store_true")
+    args = parser.parse_args(argv)
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
+    dname = ti._dtype_name(dtype)
+    shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
+
+    if not args.skip_tilelang:
+        keys = []
+        for *_, D in shapes:
+            keys += [("fwd", D, dname, 1, False, False, c) for c in TILELANG_FWD[D]]
+            keys += [(w, D, dname, 1, False, False, c) for c in TILELANG_BWD[D] for w in ("dq", "dkdv")]
+        with mp.get_context("spawn").Pool(args.workers) as pool:
+            for key, seconds, error in pool.imap_unordered(_compile_tl, keys):
+                print(f"tilelang compile {key[0]} D{key[1]} {key[-1]}: {seconds:.1f}s {error or ''}", flush=True)
+
+    rows = []
+    for B, H, S, D in shapes:
+        g = torch.Generator(device="cuda").manual_seed(0)
+        q, k, v, do = (torch.randn(B, H, S, D, device="cuda", generator=g).to(dtype) for _ in range(4))
+        scale = 1.0 / math.sqrt(D)
+        flops = 4 * B * H * S * S * D
+        ref_o, ref_lse = tr.forward(q, k, v, None, "none", scale, 0, 0.0, True)
+        ref_g = tr.backward(do, q, k, v, ref_o, ref_lse, None, "none", scale, 0, 0.0)
+        shape = f"B{B}xH{H}xS{S}xD{D}"
+
+        def record(name, cfg, fn, check, work):
+            try:
+                out = fn()
+                torch.cuda.synchronize()
+                err = check(out)
+                us = _time(fn)
+                rows.append((shape, name, cfg, us, work / (us * 1e-6) / 1e12, err))
+            except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report, continue
+                rows.append((shape, name, cfg, float("nan"), float("nan"), f"{type(exc).__name__}"))
+
+        def err_of(a, b):
+            return float((a.float() - b.float()).abs().max())
+
+        for cfg in TRITON_FWD[D]:
+            record("triton fwd", cfg, lambda c=cfg: tr.forward(q, k, v, None, "none", scale, 0, 0.0, False, config=c),
+                   lambda out: err_of(out[0], ref_o), flops)
+        for cfg in TRITON_DQ[D]:
+            record("triton bwd dq", cfg, lambda c=cfg: tr.backward(do, q, k, v, ref_o, ref_lse, None, "none", scale, 0,
+                                                                   0.0, dq_config=c),
+                   lambda out: err_of(out[0], ref_g[0]), 1.5 * flops)
+        for cfg in TRITON_KV[D]:
+            record("triton bwd dq+dkdv", cfg, lambda c=cfg: tr.backward(do, q, k, v, ref_o, ref_lse, None, "none",
+                                                                        scale, 0, 0.0, kv_config=c),
+                   lambda out: max(err_of(out[1], ref_g[1]), err_of(out[2], ref_g[2])), 2.5 * flops)
+        if args.skip_tilelang:
+            continue
+        for cfg in TILELANG_FWD[D]:
+            record("tilelang fwd", cfg, lambda c=cfg: ti.forward(q, k, v, None, "none", scale, 0, 0.0, True, config=c),
+                   lambda out: err_of(out[0], ref_o), flops)
+        tl_o, tl_lse = ti.forward(q, k, v, None, "none", scale, 0, 0.0, True)
+        for cfg in TILELANG_BWD[D]:
+            record("tilelang bwd", cfg, lambda c=cfg: ti.backward(do, q, k, v, tl_o, tl_lse, None, "none", scale, 0,
+                                                                  0.0, config=c),
+                   lambda out: max(err_of(a, b) for a, b in zip(out, ref_g, strict=True)), 2.5 * flops)
+    print(f"{'shape':<20} {'kernel':<20} {'config':<20} {'us':>9} {'TFLOP/s':>8} {'max err':>10}")
+    for shape, name, cfg, us, tf, err in sorted(rows, key=lambda r: (r[0], r[1], r[3])):
+        err_s = err if isinstance(err, str) else f"{err:.2e}"
+        print(f"{shape:<20} {name:<20} {str(cfg):<20} {us:9.1f} {tf:8.1f} {err_s:>10}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
