@@ -15,6 +15,11 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("pcvr_lib.data.generate", "write demo-like PCVR parquet data from a schema"),
     "report": ("pcvr_lib.report", "summarise a pytest-benchmark JSON file"),
     "compare": ("pcvr_lib.report", "run the perf suite and compare it with a stored run (regression gate)"),
+    "train": ("pcvr_lib.train", "train a PCVR model: checkpoints, training_summary/telemetry JSON"),
+    "val": ("pcvr_lib.train", "evaluate a checkpoint: evaluation.json, validation_predictions.jsonl"),
+    "infer": ("pcvr_lib.train", "score every row with a checkpoint: predictions.json"),
+    "plot-diagnostics": ("pcvr_lib.diagnostics", "the five smoke diagnostic figures + summary JSON"),
+    "smoke": ("pcvr_lib.smoke", "every model x seed: train, val, infer, then the diagnostics"),
 }
 
 

@@ -102,9 +102,10 @@ def attention(
 ) -> torch.Tensor:
     """Multi-head attention on (B, H, S, D) tensors. The one place models call it.
 
-    key_lengths [B]: keys at positions >= length are padding (prefix-valid). causal: query i sees keys
-    <= i; with key_lengths this is "causal-valid" (padded queries attend to themselves, so no row is
-    empty). window: sliding window, query i sees keys in (i - window, i]. global_query [B] (long): per
+    key_lengths [B]: keys at positions >= length are padding (prefix-valid; a length of 0 counts as 1).
+    causal: query i sees keys <= i. With key_lengths and self-attention a padded query (position >=
+    length) also sees itself, so no row is empty ("causal-valid"); its output is never read.
+    window: sliding window, query i sees keys in (i - window, i]. global_query [B] (long): per
     row, the query position that sees every valid key regardless of causal/window (the target token).
     mask: a precomputed `attention_mask(...)` of exactly these arguments (a model with several layers
     builds it once per forward); torch backend only.

@@ -1,0 +1,249 @@
+"""`pcvr smoke` (`make smoke`): every model x seed, train + val + infer on the generated demo data, then the
+diagnostics, a summary table and smoke_summary.json.
+
+    python -m pcvr_lib smoke --models all --seeds 17,42,97 --steps 20 --device cpu --out smoke_runs
+
+Data: 1000 rows generated from fixtures/sample_1000_raw.schema.json (seeded, cached by content hash; the
+generator plants a learnable signal). Split timestamp_auto, valid_ratio 0.2. Model widths, depths and heads
+stay at their defaults; on CPU the sequences are cut to `--max-lens` (default 32 newest events per domain)
+and the embedding vocabularies are hashed to the model config's cap so the smoke fits a 2-core machine.
+
+Runs go to OUT/<model>_seed<seed>/ and are spread over `--jobs` worker processes (default: 2 on a CPU
+with 2+ cores, 1 on CUDA), each with `--threads` torch threads (default 1): on a small shared CPU two
+single-threaded processes beat one process with two threads, whose OpenMP workers stall whenever another
+process takes a core. Timings of concurrent runs include that sharing; use --jobs 1 for isolated numbers.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from concurrent.futures import ProcessPoolExecutor, as_completed
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parent.parent
+DEFAULT_SCHEMA = ROOT / "fixtures" / "sample_1000_raw.schema.json"
+DEFAULT_MAX_LEN = 32
+
+
+def _parse_seeds(text: str) -> list[int]:
+    try:
+        seeds = [int(s) for s in text.split(",") if s.strip()]
+    except ValueError:
+        raise SystemExit(f"error: --seeds must be comma-separated integers, got {text!r}") from None
+    if not seeds:
+        raise SystemExit("error: --seeds is empty")
+    return seeds
+
+
+def _parse_models(text: str) -> list[str]:
+    from pcvr_lib.models import model_names
+
+    names = model_names()
+    if text == "all":
+        return names
+    chosen = [m.strip() for m in text.split(",") if m.strip()]
+    unknown = [m for m in chosen if m not in names]
+    if unknown or not chosen:
+        raise SystemExit(f"error: unknown model(s) {unknown or text!r}; registered: {', '.join(names)} (or all)")
+    return chosen
+
+
+def run_one(job: dict[str, Any]) -> dict[str, Any]:
+    """Train, validate and infer one (model, seed); runs in a worker process. Returns the numbers."""
+    import torch
+
+    from pcvr_lib.train import TrainConfig, infer, train, validate
+
+    torch.set_num_threads(job["threads"])
+    run_dir = Path(job["run_dir"])
+    t0 = time.perf_counter()
+    summary = train(TrainConfig(
+        model=job["model"], data=job["data"], run_dir=str(run_dir), max_lens=job["max_lens"],
+        label=run_dir.name, seed=job["seed"], steps=job["steps"], batch_size=job["batch_size"],
+        device=job["device"], amp=job["amp"], model_config=job["model_config"],
+    ))
+    evaluation = validate(run_dir, device=job["device"])
+    inference = infer(run_dir, device=job["device"])
+    tel = summary["telemetry"]
+    ev = evaluation["telemetry"]
+    return {
+        "model": job["model"],
+        "seed": job["seed"],
+        "run_dir": str(run_dir),
+        "auc": summary["validation_metrics"]["auc"],
+        "logloss": summary["validation_metrics"]["logloss"],
+        "valid_rows": summary["validation_metrics"]["sample_count"],
+        "skipped_steps": summary["skipped_steps"],
+        "train_sec": tel["elapsed_sec"],
+        "train_rows_per_sec": tel["rows_per_sec"],
+        "train_peak_rss_mb": tel["cpu_peak_rss_mb"],
+        "train_cuda_peak_mb": tel["cuda_peak_allocated_mb"],
+        "eval_sec": ev["elapsed_sec"],
+        "eval_rows_per_sec": ev["rows_per_sec"],
+        "infer_sec": inference["elapsed_sec"],
+        "infer_rows_per_sec": inference["rows_per_sec"],
+        "infer_peak_rss_mb": inference["cpu_peak_rss_mb"],
+        "parameters": tel["model_parameters"],
+        "wall_sec": time.perf_counter() - t0,
+    }
+
+
+def _table(results: list[dict], models: list[str]) -> str:
+    head = (f"{'model':<12} {'AUC per seed':<26} {'AUC mean ± sd':>16} {'LogLoss':>8} {'train s':>8} "
+            f"{'eval s':>7} {'infer s':>8} {'train r/s':>9} {'infer r/s':>9} {'peak MiB':>9} {'params':>8}")
+    lines = [head, "-" * len(head)]
+    for model in models:
+        rs = sorted((r for r in results if r["model"] == model), key=lambda r: r["seed"])
+        if not rs:
+            continue
+        aucs = np.array([r["auc"] for r in rs])
+        sd = f"{aucs.std(ddof=1):.4f}" if len(aucs) > 1 else "n/a"
+        per_seed = " ".join(f"{a:.3f}" for a in aucs)
+
+        def mean(key, rs=rs):
+            vals = [r[key] for r in rs if r[key] is not None]
+            return float(np.mean(vals)) if vals else float("nan")
+
+        peak = max(max(r["train_peak_rss_mb"] or 0, r["infer_peak_rss_mb"] or 0) for r in rs)
+        lines.append(
+            f"{model:<12} {per_seed:<26} {aucs.mean():>8.4f} ± {sd:<6} {mean('logloss'):>8.4f} "
+            f"{mean('train_sec'):>8.1f} {mean('eval_sec'):>7.2f} {mean('infer_sec'):>8.2f} "
+            f"{mean('train_rows_per_sec'):>9.0f} {mean('infer_rows_per_sec'):>9.0f} {peak:>9.0f} "
+            f"{rs[0]['parameters']['total'] / 1e6:>7.2f}M"
+        )
+    return "\n".join(lines)
+
+
+def smoke(
+    models: list[str],
+    seeds: list[int],
+    *,
+    steps: int = 20,
+    device: str = "cpu",
+    out: str | Path = "smoke_runs",
+    batch_size: int = 128,
+    max_lens: str | None = None,
+    jobs: int | None = None,
+    threads: int = 1,
+    amp: bool = False,
+    model_config: dict | None = None,
+    diagnostics: bool = True,
+    data_rows: int = 1000,
+    stream=sys.stdout,
+) -> dict[str, Any]:
+    from pcvr_lib.data.generate import generate_dataset
+    from pcvr_lib.train import resolve_device
+
+    resolve_device(device)
+    schema = load_smoke_schema()
+    if max_lens is None:
+        max_lens = ",".join(f"{d.name}:{DEFAULT_MAX_LEN}" for d in schema.domains)
+    if jobs is None:
+        jobs = 1 if device.startswith("cuda") else max(1, min(2, os.cpu_count() or 1))
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    print(f"smoke: {len(models)} model(s) x {len(seeds)} seed(s) x {steps} steps on {device} "
+          f"({jobs} job(s) x {threads} thread(s)), batch {batch_size}, max_lens {max_lens}", file=stream)
+    data = generate_dataset(DEFAULT_SCHEMA, rows=data_rows, seed=0, progress=False)
+    print(f"data: {data}", file=stream)
+    work = [
+        {"model": m, "seed": s, "run_dir": str(out / f"{m}_seed{s}"), "data": str(data), "max_lens": max_lens,
+         "steps": steps, "batch_size": batch_size, "device": device, "amp": amp, "threads": threads,
+         "model_config": dict(model_config or {})}
+        for m in models for s in seeds
+    ]
+    results = _execute(work, jobs, stream)
+    results.sort(key=lambda r: (models.index(r["model"]), r["seed"]))
+    runs_sec = time.perf_counter() - t_start
+    summary: dict[str, Any] = {
+        "models": models, "seeds": seeds, "steps": steps, "device": device, "batch_size": batch_size,
+        "max_lens": max_lens, "jobs": jobs, "threads": threads, "data": str(data), "runs": results,
+        "runs_wall_sec": runs_sec,
+    }
+    if diagnostics:
+        from pcvr_lib.diagnostics import plot_diagnostics, report
+
+        t0 = time.perf_counter()
+        specs = [f"{Path(r['run_dir']).name}={r['run_dir']}" for r in results]
+        diag = plot_diagnostics(specs, out / "diagnostics", group_by="label-prefix")
+        summary["diagnostics_dir"] = str(out / "diagnostics")
+        summary["diagnostics_sec"] = time.perf_counter() - t0
+        print("\n" + report(diag), file=stream)
+    summary["total_wall_sec"] = time.perf_counter() - t_start
+    print("\n" + _table(results, models), file=stream)
+    print(f"\nsmoke finished in {summary['total_wall_sec']:.1f}s; runs in {out}/, figures in "
+          f"{summary.get('diagnostics_dir', '(skipped)')}", file=stream)
+    (out / "smoke_summary.json").write_text(json.dumps(summary, indent=2) + "\n")
+    return summary
+
+
+def load_smoke_schema():
+    from pcvr_lib.schema import load_schema
+
+    return load_schema(DEFAULT_SCHEMA)
+
+
+def _execute(work: list[dict], jobs: int, stream) -> list[dict]:
+    """Run the jobs (in worker processes when jobs > 1), printing a progress line per finished run."""
+    total = len(work)
+    results = []
+    t0 = time.perf_counter()
+
+    def show(r):
+        done = len(results)
+        bar = "#" * round(20 * done / total)
+        print(f"[{bar:<20}] {done}/{total} {r['model']} seed {r['seed']}: AUC {r['auc']:.4f}, "
+              f"train {r['train_sec']:.1f}s, val {r['eval_sec']:.1f}s, infer {r['infer_sec']:.1f}s "
+              f"(elapsed {time.perf_counter() - t0:.0f}s)", file=stream, flush=True)
+
+    if jobs <= 1:
+        for job in work:
+            results.append(run_one(job))
+            show(results[-1])
+        return results
+    import multiprocessing
+
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+        futures = [pool.submit(run_one, job) for job in work]
+        for fut in as_completed(futures):
+            results.append(fut.result())
+            show(results[-1])
+    return results
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--models", default="all", help="comma-separated model names, or all (default)")
+    parser.add_argument("--seeds", default="17,42,97")
+    parser.add_argument("--steps", type=int, default=20)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--out", default="smoke_runs", help="output directory")
+    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--max-lens", help=f"sequence lengths (default: {DEFAULT_MAX_LEN} per domain)")
+    parser.add_argument("--jobs", type=int, help="worker processes (default 2 on CPU, 1 on CUDA)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
+    parser.add_argument("--amp", action="store_true", help="bf16 autocast")
+    parser.add_argument("--no-diagnostics", action="store_true")
+
+
+def run(args: argparse.Namespace) -> int:
+    if args.steps < 1 or args.batch_size < 1 or args.threads < 1 or (args.jobs is not None and args.jobs < 1):
+        print("error: --steps, --batch-size, --threads and --jobs must be >= 1", file=sys.stderr)
+        return 2
+    from pcvr_lib.train import TrainError
+
+    try:
+        smoke(_parse_models(args.models), _parse_seeds(args.seeds), steps=args.steps, device=args.device,
+              out=args.out, batch_size=args.batch_size, max_lens=args.max_lens, jobs=args.jobs,
+              threads=args.threads, amp=args.amp, diagnostics=not args.no_diagnostics)
+    except TrainError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
+    return 0

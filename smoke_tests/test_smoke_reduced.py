@@ -1,0 +1,39 @@
+"""The reduced smoke of CI: every registered model, one seed, two steps, then the diagnostics
+(the full one is `make smoke`)."""
+
+from __future__ import annotations
+
+import json
+
+from pcvr_lib.diagnostics import FIGURES
+from pcvr_lib.models import model_names
+from pcvr_lib.smoke import smoke
+
+
+def test_reduced_smoke(tmp_path):
+    out = tmp_path / "smoke"
+    lines = []
+
+    class Stream:
+        def write(self, text):
+            lines.append(text)
+
+        def flush(self):
+            pass
+
+    summary = smoke(model_names(), [17], steps=2, out=out, batch_size=32, max_lens="seq_a:8,seq_b:8,seq_c:8,seq_d:8",
+                    jobs=1, model_config={"vocab_cap": 256}, data_rows=200, stream=Stream())
+    text = "".join(lines)
+    assert [r["model"] for r in summary["runs"]] == model_names()
+    for r in summary["runs"]:
+        assert 0.0 <= r["auc"] <= 1.0 and r["train_sec"] > 0 and r["infer_rows_per_sec"] > 0
+        run_dir = out / f"{r['model']}_seed17"
+        for name in ("training_summary.json", "evaluation.json", "validation_predictions.jsonl",
+                     "predictions.json", "inference_telemetry.json"):
+            assert (run_dir / name).is_file(), (run_dir, name)
+    assert all((out / "diagnostics" / f"{name}.png").is_file() for name in FIGURES)
+    diag = json.loads((out / "diagnostics" / "pcvr_diagnostics_summary.json").read_text())
+    assert set(diag["groups"]) == set(model_names())
+    saved = json.loads((out / "smoke_summary.json").read_text())
+    assert saved["steps"] == 2 and len(saved["runs"]) == len(model_names())
+    assert "1/" in text and "AUC per seed" in text and "smoke finished" in text
