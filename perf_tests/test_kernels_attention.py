@@ -10,7 +10,8 @@ Each case checks first (a mismatch fails it untimed): output (and dq, dk, dv for
 fp32 reference computed on the GPU in chunks, by the flash-attention rule (error <= 2x the error of SDPA's
 default in the same dtype + one ulp at the largest magnitude). Then per-call time as a user sees it
 (back-to-back calls, host work included, no CUDA graph) via perf_tests/kernel_bench.py; device-only time
-(graph replay) beside it. FLOPs: 4*B*H*Sq*Skv*D forward, 3.5x that for fwd+bwd; half for the causal
+beside it (graph replay for fwd, the profiler's kernel-time sum for fwd+bwd, whose autograd pass is not
+captured). FLOPs: 4*B*H*Sq*Skv*D forward, 3.5x that for fwd+bwd; half for the causal
 masks (noted in extra_info); key padding is not subtracted (nominal FLOPs).
 
 Print the summary table of a saved run: python perf_tests/test_kernels_attention.py RUN.json
@@ -251,7 +252,7 @@ def test_attention_perf(benchmark, backend, shape, mask, dtype, direction):
         nbytes = 4 * B * H * S * D * esize * (1 if direction == "fwd" else 2)
         info = kb.run_case(benchmark, key=key, backend=backend, call=call, check=check, bytes_moved=nbytes,
                            flops=flops, compile_s=first_s if backend in ("triton", "tilelang") else None,
-                           rounds=20, graph=True)
+                           rounds=20, graph=(direction == "fwd"))
     if not benchmark.enabled:
         return
     sdpa_times = {b: t for b, t in kb.session_times().get(key, {}).items() if b in (*SDPA, "torch")}
