@@ -29,6 +29,7 @@ import os
 import platform
 import shutil
 import subprocess
+import sys
 import tempfile
 from dataclasses import dataclass
 
@@ -52,9 +53,9 @@ class OutOfVocabError(DataError):
     """An id >= vocab_size met with clip_oov=False."""
 
 
-def _column(data: pa.RecordBatch | pa.Table, name: str) -> pa.Array:
-    """One column as a single Arrow array (table chunks are concatenated)."""
-    col = data.column(name)
+def _column(data: pa.RecordBatch | pa.Table, index: int | str) -> pa.Array:
+    """One column (by position or name) as a single Arrow array (table chunks are concatenated)."""
+    col = data.column(index)
     if isinstance(col, pa.ChunkedArray):
         if col.num_chunks == 1:
             return col.chunk(0)
@@ -92,16 +93,26 @@ class _Lists:
     has_nulls: bool
 
 
-def _lists(array: pa.Array, name: str, dtype: np.dtype) -> _Lists:
+def _lists(array: pa.Array, name: str, dtype: np.dtype, like: _Lists | None = None) -> _Lists:
+    """The column as numpy; with `like`, a column laid out like it (same offsets, no nulls) shares its
+    starts and lengths (the common case of a domain's side columns)."""
     n, off = len(array), array.offset
     width = np.int64 if pa.types.is_large_list(array.type) else np.int32
     offsets = np.frombuffer(array.buffers()[1], dtype=width, count=off + n + 1)[off:]
+    child = array.values
+    null = _nulls(array)
+    if (
+        like is not None
+        and null is None
+        and not like.has_nulls
+        and child.null_count == 0
+        and np.array_equal(offsets, like.offsets)
+    ):
+        return _Lists(like.offsets, like.starts, like.lengths, _buffer(child, dtype), False)
     starts = offsets[:-1].astype(np.int64)
     lengths = np.diff(offsets).astype(np.int64)
-    null = _nulls(array)
     if null is not None:
         lengths[null] = 0
-    child = array.values
     if child.null_count:
         # a null element is an error only where a (non-null) row uses it
         child_null = child.is_null().to_numpy(zero_copy_only=False)
@@ -117,6 +128,45 @@ def _lists(array: pa.Array, name: str, dtype: np.dtype) -> _Lists:
                 "null elements are not allowed (a whole list may be null)"
             )
     return _Lists(offsets, starts, lengths, _buffer(child, dtype), null is not None)
+
+
+_EMPTY = np.zeros(1, dtype=np.int64)  # a valid address for columns without values
+
+
+class _RawList:
+    """A list column's raw Arrow buffers as addresses for the native kernels: int32 offsets (at the
+    array's slice offset), the validity bitmap (0 when no nulls) and its bit offset, the values."""
+
+    def __init__(self, array: pa.Array, name: str, dtype: np.dtype) -> None:
+        n, off = len(array), array.offset
+        bufs = array.buffers()  # validity, offsets, child validity, child values
+        child = array.values
+        if child.null_count:
+            _lists(array, name, dtype)  # raises when a row uses a null element
+        self._keep = None
+        if pa.types.is_large_list(array.type):
+            offsets = np.frombuffer(bufs[1], dtype=np.int64, count=off + n + 1)[off:]
+            if len(offsets) and offsets[-1] >= 2**31:
+                raise DataError(f"column {name!r}: more than 2**31 list elements in one batch")
+            self._keep = offsets.astype(np.int32)
+            self.offsets = _ptr(self._keep)
+        else:
+            self.offsets = bufs[1].address + 4 * off
+        self.valid = bufs[0].address if array.null_count else 0
+        self.bit = off
+        values = bufs[3] if len(bufs) > 3 else None
+        itemsize = np.dtype(dtype).itemsize
+        self.values = values.address + itemsize * child.offset if values is not None else _ptr(_EMPTY)
+
+    @staticmethod
+    def pointers(columns: list[_RawList]) -> tuple[int, int, int, int]:
+        """C arrays of the columns' offsets, validity, bit offsets and values (for one kernel call)."""
+        return (
+            _ptrs([c.offsets for c in columns]),
+            _ptrs([c.valid for c in columns]),
+            _ptrs([c.bit for c in columns]),
+            _ptrs([c.values for c in columns]),
+        )
 
 
 @dataclass
@@ -195,126 +245,171 @@ def _gather(values: np.ndarray, plan: _Plan) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 # native kernels: one fused pass per sequence column (gather, token rules, int32 store, padding)
 # ----------------------------------------------------------------------------------------------
-# numpy needs ~6 passes over every [B, L] block (gather, clamp, cast, pad mask, OOB compare, fix); this
-# C loop does one. It is compiled on first use with the system C compiler into the data cache directory
+# numpy needs ~6 passes over every [B, L] block (gather, clamp, cast, pad mask, OOB compare, fix) plus
+# Python work per column; these C loops do one pass, reading the Arrow buffers directly, one call per
+# domain / feature group. They are compiled on first use with the system C compiler into the data cache directory
 # (keyed by source, flags and CPU) and loaded with ctypes. backend="numpy" never uses it.
 
 _NATIVE_SOURCE = r"""
 #include <stdint.h>
 #include <string.h>
 
-/* Element j < count[b] of row b is src[start[b] + j] (rel == 0) or src[start[b] + rel[b*L + j]]; with
-   limit != 0, rel >= limit[b] is padding. Positions >= count[b] are padding (0). */
-
-/* Sequence tokens into out[b*stride + j]: <= 0 -> 0, >= vocab -> 0 and counted; vocab <= 0 zeroes all.
-   Returns the number of out-of-vocab tokens. */
-int64_t pcvr_tokens(const int64_t *src, const int64_t *start, const int64_t *count, const int64_t *rel,
-                    const int64_t *limit, int64_t rows, int64_t L, int64_t vocab, int32_t *out,
-                    int64_t stride) {
-    int64_t oob = 0;
-    for (int64_t b = 0; b < rows; b++) {
-        int32_t *o = out + b * stride;
-        int64_t k = count[b] < L ? count[b] : L;
+/* Width-1 int features: column c (values vals[c]; validity bitmap valid[c], 0 when no nulls, starting at
+   bit bit[c]) into out/miss[b*stride + pos[c]]. Null or <= 0 -> 0, missing; >= vocab[c] -> 0, missing
+   and counted in oob[c]; vocab[c] <= 0 -> 0, missing (not counted). */
+void pcvr_scalar_ints(int64_t C, const int64_t *const *vals, const uint8_t *const *valid, const int64_t *bit,
+                      const int64_t *vocab, const int64_t *pos, int64_t rows, int32_t *out, uint8_t *miss,
+                      int64_t stride, int64_t *oob) {
+    for (int64_t c = 0; c < C; c++) {
+        const int64_t voc = vocab[c];
+        const int64_t *x = vals[c];
+        const uint8_t *bits = valid[c];
         int64_t n = 0;
-        const int64_t *x = src + start[b];
-        if (vocab <= 0) {
-            k = 0;
-        } else if (rel) {
-            const int64_t *r = rel + b * L;
-            const int64_t lim = limit ? limit[b] : INT64_MAX;
-            for (int64_t j = 0; j < k; j++) {
-                int64_t v = r[j] < lim ? x[r[j]] : 0;
-                n += v >= vocab;
-                o[j] = (v > 0 && v < vocab) ? (int32_t)v : 0;
+        for (int64_t b = 0; b < rows; b++) {
+            int64_t v = x[b];
+            if (bits) {
+                int64_t i = bit[c] + b;
+                if (!((bits[i >> 3] >> (i & 7)) & 1)) v = 0;
             }
-        } else {
-            for (int64_t j = 0; j < k; j++) {
-                int64_t v = x[j];
-                n += v >= vocab;
-                o[j] = (v > 0 && v < vocab) ? (int32_t)v : 0;
-            }
+            int ok = v > 0 && v < voc;
+            n += voc > 0 && v >= voc;
+            out[b * stride + pos[c]] = ok ? (int32_t)v : 0;
+            miss[b * stride + pos[c]] = !ok;
         }
-        oob += n;
-        if (k < L) memset(o + k, 0, (size_t)(L - k) * sizeof(int32_t));
+        oob[c] = n;
     }
-    return oob;
 }
 
-/* Raw copy (timestamps) into out[b*L + j]. */
-void pcvr_copy_rows(const int64_t *src, const int64_t *start, const int64_t *count, const int64_t *rel,
-                    int64_t rows, int64_t L, int64_t *out) {
-    for (int64_t b = 0; b < rows; b++) {
-        int64_t *o = out + b * L;
-        int64_t k = count[b] < L ? count[b] : L;
-        const int64_t *x = src + start[b];
-        if (rel) {
-            const int64_t *r = rel + b * L;
-            for (int64_t j = 0; j < k; j++) o[j] = x[r[j]];
-        } else if (k > 0) {
-            memcpy(o, x, (size_t)k * sizeof(int64_t));
+/* Whole-column kernels: each list column is given by its int32 offsets (already at the array's slice
+   offset), its validity bitmap (0: no nulls) starting at bit `bit`, and its values. A null row is empty. */
+static inline int64_t row_range(const int32_t *off, const uint8_t *valid, int64_t bit, int64_t b, int64_t *len) {
+    int64_t s = off[b];
+    *len = off[b + 1] - s;
+    if (valid) {
+        int64_t i = bit + b;
+        if (!((valid[i >> 3] >> (i & 7)) & 1)) *len = 0;
+    }
+    return s;
+}
+
+static inline int64_t put_tokens(const int64_t *x, const int64_t *rel, int64_t lim, int64_t k, int64_t L,
+                                 int64_t voc, int32_t *o) {
+    int64_t n = 0;
+    if (voc <= 0) k = 0;
+    if (rel) {
+        for (int64_t j = 0; j < k; j++) {
+            int64_t v = rel[j] < lim ? x[rel[j]] : 0;
+            n += v >= voc;
+            o[j] = (v > 0 && v < voc) ? (int32_t)v : 0;
         }
-        if (k < L) memset(o + k, 0, (size_t)(L - k) * sizeof(int64_t));
-    }
-}
-
-/* Strict filter: per row the last L events with 0 < ts < request[b], oldest first, as event numbers
-   within the row (rel[b*L + p]); count[b] of them. Scans back from the newest event only as far as
-   needed. */
-void pcvr_strict_plan(const int64_t *ts, const int64_t *start, const int64_t *length, const int64_t *request,
-                      int64_t rows, int64_t L, int64_t *rel, int64_t *count) {
-    for (int64_t b = 0; b < rows; b++) {
-        const int64_t *t = ts + start[b];
-        const int64_t req = request[b];
-        int64_t *r = rel + b * L;
-        int64_t j = length[b] - 1, k = 0;
-        for (; j >= 0 && k < L; j--) k += (t[j] > 0 && t[j] < req);
-        int64_t p = 0;
-        for (int64_t i = j + 1; i < length[b]; i++)
-            if (t[i] > 0 && t[i] < req) r[p++] = i;
-        count[b] = k;
-        if (p < L) memset(r + p, 0, (size_t)(L - p) * sizeof(int64_t));
-    }
-}
-
-/* Width>1 int feature: the first dim elements into out/miss[b*stride + j]; <= 0 and padding -> 0 and
-   missing; >= vocab -> 0, missing and counted; vocab <= 0 -> all 0 and missing. Returns the OOB count. */
-int64_t pcvr_int_head(const int64_t *src, const int64_t *start, const int64_t *count, int64_t rows,
-                      int64_t dim, int64_t vocab, int32_t *out, uint8_t *miss, int64_t stride) {
-    int64_t oob = 0;
-    for (int64_t b = 0; b < rows; b++) {
-        int32_t *o = out + b * stride;
-        uint8_t *m = miss + b * stride;
-        int64_t k = vocab <= 0 ? 0 : (count[b] < dim ? count[b] : dim);
-        const int64_t *x = src + start[b];
+    } else {
         for (int64_t j = 0; j < k; j++) {
             int64_t v = x[j];
-            int ok = v > 0 && v < vocab;
-            oob += v >= vocab;
-            o[j] = ok ? (int32_t)v : 0;
-            m[j] = !ok;
+            n += v >= voc;
+            o[j] = (v > 0 && v < voc) ? (int32_t)v : 0;
         }
-        for (int64_t j = k; j < dim; j++) { o[j] = 0; m[j] = 1; }
     }
-    return oob;
+    if (k < L) memset(o + k, 0, (size_t)(L - k) * sizeof(int32_t));
+    return n;
 }
 
-/* Dense feature: the first dim floats into out/miss[b*stride + j]; non-finite and padding -> 0, missing. */
-void pcvr_dense_head(const float *src, const int64_t *start, const int64_t *count, int64_t rows, int64_t dim,
-                     float *out, uint8_t *miss, int64_t stride) {
+/* One sequence domain, row by row: timestamps [rows, L] (raw), values [rows, F, L] (token rules),
+   lengths [rows]. Non-strict: every column keeps its last min(len, L) elements; length = max over side
+   columns (the timestamp column's when F == 0). Strict: the last L events with 0 < ts < request[b]
+   (event numbers in rel, scratch [L]); side columns take the same events (0 past their own end). */
+void pcvr_domain(int64_t F, const int32_t *const *offs, const uint8_t *const *valids, const int64_t *bits,
+                 const int64_t *const *srcs, const int64_t *vocab, const int32_t *ts_off, const uint8_t *ts_valid,
+                 int64_t ts_bit, const int64_t *ts_src, const int64_t *request, int64_t strict, int64_t rows,
+                 int64_t L, int32_t *values, int64_t *timestamps, int32_t *lengths, int64_t *rel, int64_t *oob) {
+    for (int64_t f = 0; f < F; f++) oob[f] = 0;
     for (int64_t b = 0; b < rows; b++) {
-        float *o = out + b * stride;
-        uint8_t *m = miss + b * stride;
-        int64_t k = count[b] < dim ? count[b] : dim;
-        const float *x = src + start[b];
-        for (int64_t j = 0; j < k; j++) {
-            float v = x[j];
-            int ok = (v - v) == 0.0f; /* false for NaN and +-inf */
-            o[j] = ok ? v : 0.0f;
-            m[j] = !ok;
+        int64_t n, length = 0;
+        const int64_t s = row_range(ts_off, ts_valid, ts_bit, b, &n);
+        const int64_t *t = ts_src + s;
+        int64_t *ts_out = timestamps + b * L;
+        int64_t k;
+        if (strict) {
+            const int64_t req = request[b];
+            int64_t j = n - 1;
+            k = 0;
+            for (; j >= 0 && k < L; j--) k += (t[j] > 0 && t[j] < req);
+            int64_t p = 0;
+            for (int64_t i = j + 1; i < n; i++)
+                if (t[i] > 0 && t[i] < req) rel[p++] = i;
+            for (p = 0; p < k; p++) ts_out[p] = t[rel[p]];
+            length = k;
+        } else {
+            k = n < L ? n : L;
+            memcpy(ts_out, t + n - k, (size_t)k * sizeof(int64_t));
+            if (F == 0) length = k;
         }
-        for (int64_t j = k; j < dim; j++) { o[j] = 0.0f; m[j] = 1; }
+        if (k < L) memset(ts_out + k, 0, (size_t)(L - k) * sizeof(int64_t));
+        for (int64_t f = 0; f < F; f++) {
+            int64_t fn;
+            const int64_t fs = row_range(offs[f], valids[f], bits[f], b, &fn);
+            int32_t *o = values + (b * F + f) * L;
+            if (strict) {
+                oob[f] += put_tokens(srcs[f] + fs, rel, fn, k, L, vocab[f], o);
+            } else {
+                int64_t fk = fn < L ? fn : L;
+                oob[f] += put_tokens(srcs[f] + fs + fn - fk, 0, 0, fk, L, vocab[f], o);
+                if (fk > length) length = fk;
+            }
+        }
+        lengths[b] = (int32_t)length;
     }
 }
+
+/* Width>1 int features: column c keeps its first dims[c] elements at out/miss[b*stride + pos[c] + j].
+   <= 0 and padding -> 0, missing; >= vocab -> 0, missing, counted in oob[c]; vocab <= 0 -> all 0, missing. */
+void pcvr_int_lists(int64_t C, const int32_t *const *offs, const uint8_t *const *valids, const int64_t *bits,
+                    const int64_t *const *srcs, const int64_t *dims, const int64_t *vocab, const int64_t *pos,
+                    int64_t rows, int32_t *out, uint8_t *miss, int64_t stride, int64_t *oob) {
+    for (int64_t c = 0; c < C; c++) {
+        const int64_t voc = vocab[c], dim = dims[c];
+        int64_t cnt = 0;
+        for (int64_t b = 0; b < rows; b++) {
+            int64_t n;
+            const int64_t *x = srcs[c] + row_range(offs[c], valids[c], bits[c], b, &n);
+            int32_t *o = out + b * stride + pos[c];
+            uint8_t *m = miss + b * stride + pos[c];
+            int64_t k = voc <= 0 ? 0 : (n < dim ? n : dim);
+            for (int64_t j = 0; j < k; j++) {
+                int64_t v = x[j];
+                int ok = v > 0 && v < voc;
+                cnt += v >= voc;
+                o[j] = ok ? (int32_t)v : 0;
+                m[j] = !ok;
+            }
+            for (int64_t j = k; j < dim; j++) { o[j] = 0; m[j] = 1; }
+        }
+        oob[c] = cnt;
+    }
+}
+
+/* Dense features: the first dims[c] floats; non-finite and padding -> 0, missing. */
+void pcvr_dense_lists(int64_t C, const int32_t *const *offs, const uint8_t *const *valids, const int64_t *bits,
+                      const float *const *srcs, const int64_t *dims, const int64_t *pos, int64_t rows, float *out,
+                      uint8_t *miss, int64_t stride) {
+    for (int64_t c = 0; c < C; c++) {
+        const int64_t dim = dims[c];
+        for (int64_t b = 0; b < rows; b++) {
+            int64_t n;
+            const float *x = srcs[c] + row_range(offs[c], valids[c], bits[c], b, &n);
+            float *o = out + b * stride + pos[c];
+            uint8_t *m = miss + b * stride + pos[c];
+            int64_t k = n < dim ? n : dim;
+            for (int64_t j = 0; j < k; j++) {
+                float v = x[j];
+                int ok = (v - v) == 0.0f; /* false for NaN and +-inf */
+                o[j] = ok ? v : 0.0f;
+                m[j] = !ok;
+            }
+            for (int64_t j = k; j < dim; j++) { o[j] = 0.0f; m[j] = 1; }
+        }
+    }
+}
+
 """
 _NATIVE_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c99"]
 _native_state: dict = {}
@@ -374,16 +469,14 @@ def _build_native():
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(path))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.pcvr_tokens.argtypes = [p, p, p, p, p, i64, i64, i64, p, i64]
-    lib.pcvr_tokens.restype = i64
-    lib.pcvr_copy_rows.argtypes = [p, p, p, p, i64, i64, p]
-    lib.pcvr_copy_rows.restype = None
-    lib.pcvr_strict_plan.argtypes = [p, p, p, p, i64, i64, p, p]
-    lib.pcvr_strict_plan.restype = None
-    lib.pcvr_int_head.argtypes = [p, p, p, i64, i64, i64, p, p, i64]
-    lib.pcvr_int_head.restype = i64
-    lib.pcvr_dense_head.argtypes = [p, p, p, i64, i64, p, p, i64]
-    lib.pcvr_dense_head.restype = None
+    lib.pcvr_domain.argtypes = [i64, p, p, p, p, p, p, p, i64, p, p, i64, i64, i64, p, p, p, p, p]
+    lib.pcvr_domain.restype = None
+    lib.pcvr_int_lists.argtypes = [i64, p, p, p, p, p, p, p, i64, p, p, i64, p]
+    lib.pcvr_int_lists.restype = None
+    lib.pcvr_dense_lists.argtypes = [i64, p, p, p, p, p, p, i64, p, p, i64]
+    lib.pcvr_dense_lists.restype = None
+    lib.pcvr_scalar_ints.argtypes = [i64, p, p, p, p, p, i64, p, p, i64, p]
+    lib.pcvr_scalar_ints.restype = None
     return lib
 
 
@@ -393,6 +486,63 @@ class NativeUnavailable(RuntimeError):
 
 def _ptr(array: np.ndarray | None) -> int | None:
     return None if array is None else array.__array_interface__["data"][0]
+
+
+def _ptrs(pointers: list[int]) -> int:
+    """A C array of pointers (kept alive in _PTR_KEEP until the next call from this thread)."""
+    table = np.array(pointers, dtype=np.uintp)
+    _PTR_KEEP.append(table)
+    if len(_PTR_KEEP) > 64:
+        del _PTR_KEEP[:-16]
+    return _ptr(table)
+
+
+_PTR_KEEP: list[np.ndarray] = []
+
+
+class _ArenaPool:
+    """Output memory for batches, recycled once a batch is gone.
+
+    All big output arrays of one batch are views into one uint8 arena. Fresh memory costs a page fault per
+    page on first write (about as much as the conversion itself: the allocator returns freed 20 MB blocks
+    to the system), so up to `size` arenas are kept and one is reused when nothing refers to it any more:
+    no Batch tensor, view or numpy array made from it is alive (its reference count says so)."""
+
+    def __init__(self, size: int = 3) -> None:
+        self.size = size
+        self.arenas: list[np.ndarray] = []
+        self.layouts: dict[tuple, tuple[int, dict[str, tuple[int, np.dtype, tuple[int, ...]]]]] = {}
+
+    def views(self, shapes: dict[str, tuple[np.dtype, tuple[int, ...]]]) -> dict[str, np.ndarray]:
+        key = tuple((name, np.dtype(dt).str, shape) for name, (dt, shape) in shapes.items())
+        if key not in self.layouts:
+            offset, layout = 0, {}
+            for name, (dt, shape) in shapes.items():
+                layout[name] = (offset, np.dtype(dt), shape)
+                nbytes = int(np.prod(shape, dtype=np.int64)) * np.dtype(dt).itemsize
+                offset += -(-nbytes // 64) * 64  # 64-byte aligned
+            self.layouts[key] = (max(offset, 64), layout)
+        total, layout = self.layouts[key]
+        arena = None
+        for i in range(len(self.arenas)):
+            # references: the list, the getrefcount argument; anything more is a live batch
+            if self.arenas[i].size == total and sys.getrefcount(self.arenas[i]) == 2:
+                arena = self.arenas[i]
+                break
+        if arena is None:
+            arena = np.empty(total, dtype=np.uint8)
+            if len(self.arenas) < self.size:
+                self.arenas.append(arena)
+            else:  # replace a pooled arena of another size (batch sizes change at the end of a file)
+                for i in range(len(self.arenas)):
+                    if self.arenas[i].size != total:
+                        self.arenas[i] = arena
+                        break
+        out = {}
+        for name, (offset, dt, shape) in layout.items():
+            n = int(np.prod(shape, dtype=np.int64))
+            out[name] = arena[offset : offset + n * dt.itemsize].view(dt).reshape(shape)
+        return out
 
 
 class Converter:
@@ -442,6 +592,14 @@ class Converter:
         self._scalar_offsets = {
             side: np.array([f.offset for f in feats], dtype=np.int64) for side, feats in self._scalars.items()
         }
+        self._side_vocab = {d.name: d.side_vocab.astype(np.int64) for d in schema.domains}
+        self._pool = _ArenaPool()
+        i64 = lambda xs: np.array(xs, dtype=np.int64)  # noqa: E731
+        self._list_dims = {side: i64([f.dim for f in fs]) for side, fs in self._lists_int.items()}
+        self._list_vocab = {side: i64([f.vocab_size for f in fs]) for side, fs in self._lists_int.items()}
+        self._list_pos = {side: i64([f.offset for f in fs]) for side, fs in self._lists_int.items()}
+        self._dense_dims = {side: i64([f.dim for f in schema.dense_group(side)]) for side in ("user", "item")}
+        self._dense_pos = {side: i64([f.offset for f in schema.dense_group(side)]) for side in ("user", "item")}
         self.reset_stats()
 
     # ------------------------------------------------------------------------------------------
@@ -481,8 +639,9 @@ class Converter:
         if self._checked is None or not data.schema.equals(self._checked):
             check_arrow_schema(data.schema, self.schema)
             self._checked = data.schema
+            self._index = {name: data.schema.get_field_index(name) for name in self.expected}
         rows = data.num_rows
-        cols = {name: _column(data, name) for name in self.expected}
+        cols = {name: _column(data, i) for name, i in self._index.items()}
 
         ts_arr = cols["timestamp"]
         if ts_arr.null_count:
@@ -509,9 +668,10 @@ class Converter:
             user_id[null] = NULL_USER_ID
             self.stats["null_user_id"] += int(null.sum())
 
-        user = self._features("user", cols, rows)
-        item = self._features("item", cols, rows)
-        sequences = {d.name: self._domain(d, cols, request_ts, rows) for d in self.schema.domains}
+        out = self._pool.views(self._shapes(rows))
+        user = self._features("user", cols, rows, out)
+        item = self._features("item", cols, rows, out)
+        sequences = {d.name: self._domain(d, cols, request_ts, rows, out) for d in self.schema.domains}
 
         self.stats["rows"] += rows
         self.stats["batches"] += 1
@@ -525,6 +685,20 @@ class Converter:
             row_index=torch.arange(row_offset, row_offset + rows, dtype=torch.int64),
         )
 
+    def _shapes(self, rows: int) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
+        """The big output arrays of a batch of `rows` rows (allocated together, see _ArenaPool)."""
+        shapes = {}
+        for side in ("user", "item"):
+            width, dwidth = self.schema.int_width(side), self.schema.dense_width(side)
+            shapes[f"{side}.int_values"] = (np.int32, (rows, width))
+            shapes[f"{side}.int_missing"] = (np.bool_, (rows, width))
+            shapes[f"{side}.dense_values"] = (np.float32, (rows, dwidth))
+            shapes[f"{side}.dense_missing"] = (np.bool_, (rows, dwidth))
+        for d in self.schema.domains:
+            shapes[f"{d.name}.values"] = (np.int32, (rows, len(d.side_features), d.max_len))
+            shapes[f"{d.name}.timestamps"] = (np.int64, (rows, d.max_len))
+        return shapes
+
     # ------------------------------------------------------------------------------------------
     def _scalar_ints(self, side: str, cols: dict[str, pa.Array], values, missing) -> None:
         """All width-1 int features of a side at once: a [rows, n] matrix, vectorised over columns."""
@@ -533,6 +707,27 @@ class Converter:
         if not feats:
             return
         rows = values.shape[0]
+        if self._lib is not None and rows:
+            vals, valid, bits = [], [], []
+            for feat in feats:
+                arr = cols[feat.column]
+                bufs = arr.buffers()
+                vals.append(bufs[1].address + 8 * arr.offset)
+                valid.append(bufs[0].address if arr.null_count else 0)
+                bits.append(arr.offset)
+            oob = np.empty(len(feats), dtype=np.int64)
+            self._lib.pcvr_scalar_ints(
+                len(feats), _ptrs(vals), _ptrs(valid), _ptr(np.array(bits, dtype=np.int64)),
+                _ptr(self._scalar_vocab[side]), _ptr(self._scalar_offsets[side]), rows,
+                _ptr(values), _ptr(missing), values.shape[1], _ptr(oob),
+            )  # fmt: skip
+            if not oob.any():
+                return
+            if self.clip_oov:
+                for i in np.flatnonzero(oob):
+                    self._count_oob(group, feats[i].column, int(oob[i]))
+                return
+            # clip_oov=False: the numpy path below raises naming the column and value
         raw = np.empty((rows, len(feats)), dtype=np.int64)
         for i, feat in enumerate(feats):
             arr = cols[feat.column]
@@ -554,48 +749,30 @@ class Converter:
         values[:, cols_at] = np.where(ok, raw, 0)
         missing[:, cols_at] = ~ok
 
-    def _features(self, side: str, cols: dict[str, pa.Array], rows: int) -> FeatureBlock:
+    def _features(self, side: str, cols: dict[str, pa.Array], rows: int, out: dict) -> FeatureBlock:
         schema = self.schema
         group = f"{side}_int"
-        width = schema.int_width(side)
-        values = np.empty((rows, width), dtype=np.int32)
-        missing = np.empty((rows, width), dtype=bool)
+        values, missing = out[f"{side}.int_values"], out[f"{side}.int_missing"]
         self._scalar_ints(side, cols, values, missing)
 
-        for feat in self._lists_int[side]:
-            lists = _lists(cols[feat.column], feat.column, np.int64)
-            plan = _head_plan(lists, feat.dim)  # first dim elements: these lists are not time-ordered
-            target = slice(feat.offset, feat.offset + feat.dim)
-            if self._lib is not None:
-                n_oob = self._lib.pcvr_int_head(
-                    _ptr(lists.values), _ptr(plan.start), _ptr(plan.count), rows, feat.dim, feat.vocab_size,
-                    _ptr(values[:, target]), _ptr(missing[:, target]), width,
-                )  # fmt: skip
-                if n_oob and not self.clip_oov:
-                    self._int_list_numpy(group, feat, lists, plan, values, missing)  # raises with the value
-                self._count_oob(group, feat.column, n_oob)
-            else:
-                self._int_list_numpy(group, feat, lists, plan, values, missing)
-
-        dwidth = schema.dense_width(side)
-        dense = np.empty((rows, dwidth), dtype=np.float32)
-        dmissing = np.empty((rows, dwidth), dtype=bool)
-        for feat in schema.dense_group(side):
-            lists = _lists(cols[feat.column], feat.column, np.float32)
-            plan = _head_plan(lists, feat.dim)
-            target = slice(feat.offset, feat.offset + feat.dim)
-            if self._lib is not None:
-                self._lib.pcvr_dense_head(
-                    _ptr(lists.values), _ptr(plan.start), _ptr(plan.count), rows, feat.dim,
-                    _ptr(dense[:, target]), _ptr(dmissing[:, target]), dwidth,
-                )  # fmt: skip
-                continue
-            v = _gather(lists.values, plan)
-            ok = np.isfinite(v)
-            if plan.padded:
-                ok &= plan.keep()
-            dense[:, target] = np.where(ok, v, np.float32(0))
-            np.logical_not(ok, out=dmissing[:, target])
+        dense, dmissing = out[f"{side}.dense_values"], out[f"{side}.dense_missing"]
+        if self._lib is not None:
+            self._lists_native(side, cols, rows, values, missing, dense, dmissing)
+        else:
+            for feat in self._lists_int[side]:
+                lists = _lists(cols[feat.column], feat.column, np.int64)
+                # the first dim elements: these lists are not time-ordered
+                self._int_list_numpy(group, feat, lists, _head_plan(lists, feat.dim), values, missing)
+            for feat in schema.dense_group(side):
+                lists = _lists(cols[feat.column], feat.column, np.float32)
+                plan = _head_plan(lists, feat.dim)
+                target = slice(feat.offset, feat.offset + feat.dim)
+                v = _gather(lists.values, plan)
+                ok = np.isfinite(v)
+                if plan.padded:
+                    ok &= plan.keep()
+                dense[:, target] = np.where(ok, v, np.float32(0))
+                np.logical_not(ok, out=dmissing[:, target])
 
         return FeatureBlock(
             int_values=torch.from_numpy(values),
@@ -603,6 +780,29 @@ class Converter:
             dense_values=torch.from_numpy(dense),
             dense_missing=torch.from_numpy(dmissing),
         )
+
+    def _lists_native(self, side: str, cols, rows: int, values, missing, dense, dmissing) -> None:
+        group = f"{side}_int"
+        feats = self._lists_int[side]
+        if feats:
+            raw = [_RawList(cols[f.column], f.column, np.int64) for f in feats]
+            oob = np.empty(len(feats), dtype=np.int64)
+            self._lib.pcvr_int_lists(
+                len(feats), *_RawList.pointers(raw), _ptr(self._list_dims[side]), _ptr(self._list_vocab[side]),
+                _ptr(self._list_pos[side]), rows, _ptr(values), _ptr(missing), values.shape[1], _ptr(oob),
+            )  # fmt: skip
+            for i in np.flatnonzero(oob):
+                if not self.clip_oov:  # the numpy path raises naming the column and value
+                    lists = _lists(cols[feats[i].column], feats[i].column, np.int64)
+                    self._int_list_numpy(group, feats[i], lists, _head_plan(lists, feats[i].dim), values, missing)
+                self._count_oob(group, feats[i].column, int(oob[i]))
+        dfeats = self.schema.dense_group(side)
+        if dfeats:
+            raw = [_RawList(cols[f.column], f.column, np.float32) for f in dfeats]
+            self._lib.pcvr_dense_lists(
+                len(dfeats), *_RawList.pointers(raw), _ptr(self._dense_dims[side]), _ptr(self._dense_pos[side]),
+                rows, _ptr(dense), _ptr(dmissing), dense.shape[1],
+            )  # fmt: skip
 
     def _int_list_numpy(self, group: str, feat, lists: _Lists, plan: _Plan, values, missing) -> None:
         v = _gather(lists.values, plan)
@@ -626,18 +826,11 @@ class Converter:
         """The last L valid events (0 < ts < the row's request timestamp) of each row, oldest first, as
         event numbers within the row."""
         rows = len(ts.lengths)
-        rel = np.empty((rows, L), dtype=np.int64)
-        count = np.empty(rows, dtype=np.int64)
-        if self._lib is not None:
-            self._lib.pcvr_strict_plan(
-                _ptr(ts.values), _ptr(ts.starts), _ptr(ts.lengths), _ptr(request_ts), rows, L, _ptr(rel), _ptr(count)
-            )
-            return _Plan(ts.starts, count, L, rel)
-        rel[:] = 0
-        count[:] = 0
+        rel = np.zeros((rows, L), dtype=np.int64)
+        count = np.zeros(rows, dtype=np.int64)
         if rows == 0 or len(ts.values) == 0:
             return _Plan(ts.starts, count, L, rel)
-        # numpy: scan a tail window of each list first (newest events last, so the kept events are near
+        # scan a tail window of each list first (newest events last, so the kept events are near
         # the end); rows whose window holds fewer than L valid events but whose list is longer are redone
         # over their whole list
         window = L + STRICT_SLACK
@@ -695,51 +888,55 @@ class Converter:
         limit = None if np.array_equal(lists.lengths, ts.lengths) else lists.lengths
         return base.with_start(lists.starts, limit)
 
-    def _domain(self, domain, cols: dict[str, pa.Array], request_ts: np.ndarray, rows: int) -> SequenceBlock:
+    def _domain(self, domain, cols: dict[str, pa.Array], request_ts: np.ndarray, rows: int, out: dict) -> SequenceBlock:
+        if self._lib is None:
+            return self._domain_numpy(domain, cols, request_ts, rows, out)
+        L = domain.max_len
+        side = domain.side_features
+        raw = [_RawList(cols[f.column], f.column, np.int64) for f in side]
+        ts = _RawList(cols[domain.ts_feature.column], domain.ts_feature.column, np.int64)
+        values, timestamps = out[f"{domain.name}.values"], out[f"{domain.name}.timestamps"]
+        lengths = np.empty(rows, dtype=np.int32)
+        rel = np.empty(L, dtype=np.int64)
+        oob = np.empty(len(side), dtype=np.int64)
+        self._lib.pcvr_domain(
+            len(side), *_RawList.pointers(raw), _ptr(self._side_vocab[domain.name]),
+            ts.offsets, ts.valid, ts.bit, ts.values, _ptr(request_ts), int(self.strict_time_filter),
+            rows, L, _ptr(values), _ptr(timestamps), _ptr(lengths), _ptr(rel), _ptr(oob),
+        )  # fmt: skip
+        if oob.any() and not self.clip_oov:  # the numpy path raises naming the column and value
+            self._domain_numpy(domain, cols, request_ts, rows, out)
+        for f in np.flatnonzero(oob):
+            self._count_oob(domain.name, side[f].column, int(oob[f]))
+        return SequenceBlock(
+            values=torch.from_numpy(values), timestamps=torch.from_numpy(timestamps), lengths=torch.from_numpy(lengths)
+        )
+
+    def _domain_numpy(self, domain, cols, request_ts: np.ndarray, rows: int, out: dict) -> SequenceBlock:
         L = domain.max_len
         side = domain.side_features
         ts = _lists(cols[domain.ts_feature.column], domain.ts_feature.column, np.int64)
         base = self._strict_plan(ts, request_ts, L) if self.strict_time_filter else _tail_plan(ts, L)
 
-        if self._lib is not None:
-            timestamps = np.empty((rows, L), dtype=np.int64)
-            self._lib.pcvr_copy_rows(
-                _ptr(ts.values), _ptr(base.start), _ptr(base.count), _ptr(base.rel), rows, L, _ptr(timestamps)
-            )
-        else:
-            timestamps = _gather(ts.values, base)
-            if base.padded:
-                timestamps *= base.keep()
+        timestamps = out[f"{domain.name}.timestamps"]
+        timestamps[...] = _gather(ts.values, base)
+        if base.padded:
+            timestamps *= base.keep()
 
-        values = np.empty((rows, len(side), L), dtype=np.int32)
+        values = out[f"{domain.name}.values"]
         lengths = base.count if (self.strict_time_filter or not side) else np.zeros(rows, dtype=np.int64)
         for f, feat in enumerate(side):
-            lists = _lists(cols[feat.column], feat.column, np.int64)
+            lists = _lists(cols[feat.column], feat.column, np.int64, like=ts)
             plan = self._side_plan(lists, ts, base, L)
             if not self.strict_time_filter:
                 lengths = np.maximum(lengths, plan.count)
-            self._side_values(domain.name, feat, lists.values, plan, values[:, f, :])
+            self._side_values_numpy(domain.name, feat, lists.values, plan, values[:, f, :])
 
         return SequenceBlock(
             values=torch.from_numpy(values),
             timestamps=torch.from_numpy(timestamps),
             lengths=torch.from_numpy(lengths.astype(np.int32)),
         )
-
-    def _side_values(self, group: str, feat, source: np.ndarray, plan: _Plan, out: np.ndarray) -> None:
-        """out [B, L] int32 (a view into the domain's values) = the feature's tokens: <= 0 and padding
-        -> 0, out-of-vocab counted then 0 (or raised), vocab 0 -> all 0."""
-        if self._lib is not None:
-            rows, L = out.shape
-            n_oob = self._lib.pcvr_tokens(
-                _ptr(source), _ptr(plan.start), _ptr(plan.count), _ptr(plan.rel), _ptr(plan.limit),
-                rows, L, feat.vocab_size, _ptr(out), out.strides[0] // out.itemsize,
-            )  # fmt: skip
-            if n_oob and not self.clip_oov:
-                self._side_values_numpy(group, feat, source, plan, out)  # raises with the value
-            self._count_oob(group, feat.column, n_oob)
-            return
-        self._side_values_numpy(group, feat, source, plan, out)
 
     def _side_values_numpy(self, group: str, feat, source: np.ndarray, plan: _Plan, out: np.ndarray) -> None:
         vocab = feat.vocab_size

@@ -45,7 +45,7 @@ import pyarrow.parquet as pq
 
 from pcvr_lib.schema import Schema, load_schema
 
-GENERATOR_VERSION = 1
+GENERATOR_VERSION = 2
 REQUEST_T0 = 1_760_000_000  # 2025-10-09, request times span two weeks after it
 REQUEST_SPAN = 14 * 86_400
 DAY = 86_400
@@ -58,6 +58,7 @@ P_NULL = 0.03
 P_ZERO = 0.03
 P_NEG = 0.01
 P_OOB = 0.005
+P_SIDE_NULL = 0.002  # a side column null for a row while its domain has events (rare)
 
 # Planted signal weights (see the module docstring).
 W_USER, W_ITEM, W_RECENT, W_SIDE = 1.4, 1.2, 1.3, 1.0
@@ -215,7 +216,7 @@ def generate_table(schema: Schema, rows: int, seed: int = 0) -> pa.Table:
             if feat.fid == domain.ts_fid:
                 columns[feat.column] = _list_array(lengths, no_null, ts)
                 continue
-            null = rng.random(rows) < 0.01  # a side column missing for a row (ragged domain)
+            null = rng.random(rows) < P_SIDE_NULL  # a side column missing for a row (ragged domain)
             feat_lengths = np.where(null, 0, lengths)
             values = _noisy_ids(rng, int(lengths.sum()), feat.vocab_size)
             if i == 0 and feat is domain.side_features[0] and len(values):
