@@ -21,7 +21,7 @@ from pcvr_lib.kernels import layer_norm, registry, rms_norm
 from pcvr_lib.kernels.layer_norm import layer_norm_reference
 from pcvr_lib.kernels.rms_norm import common as norm_common
 from pcvr_lib.kernels.rms_norm import prewarm, rms_norm_reference
-from pcvr_lib.kernels.testing import poisoned_outputs, randn
+from pcvr_lib.kernels.testing import grad_input_term_scale, grad_param_term_scale, poisoned_outputs, randn
 from pcvr_lib.kernels.tolerance import DTYPE_NAMES, assert_close
 
 CUDA = torch.cuda.is_available()
@@ -104,9 +104,12 @@ def check_backward(op, backend, shape, dtype, device, seed=0):
     ref_y = _reference(op, ref_inputs)
     ref_grads = torch.autograd.grad(ref_y, ref_inputs, grad_out.double())
     assert_close(y, ref_y, dtype, what=f"{op}[{backend}] training forward")
+    eps = 1e-6 if op == "rms_norm" else 1e-5
+    dx_scale = grad_input_term_scale(tensors[0], tensors[1], grad_out, eps, centered=op == "layer_norm")
     for name, got, want in zip(("dx", "dweight", "dbias"), grads, ref_grads, strict=False):
         assert got.dtype == dtype
-        assert_close(got, want, dtype, what=f"{op}[{backend}] {name} {_id(shape)}")
+        assert_close(got, want, dtype, what=f"{op}[{backend}] {name} {_id(shape)}",
+                     scale=dx_scale if name == "dx" else grad_param_term_scale(grad_out))
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)

@@ -8,6 +8,7 @@ Without a GPU the kernels still lower and compile for sm_90 (nvcc), which the CP
 
 from __future__ import annotations
 
+import functools
 import time
 from collections.abc import Callable
 
@@ -26,9 +27,15 @@ def tl_dtype(dtype: torch.dtype) -> str:
 def cuda_target(device: torch.device | None = None) -> dict:
     """The device's architecture when there is one, else sm_90 (the H200's), for compile-only checks."""
     if device is not None and device.type == "cuda":
-        major, minor = torch.cuda.get_device_capability(device)
-        return {"kind": "cuda", "arch": f"sm_{major}{minor}"}
+        return {"kind": "cuda", "arch": _arch(device.index if device.index is not None else -1)}
     return {"kind": "cuda", "arch": "sm_90"}
+
+
+@functools.cache
+def _arch(index: int) -> str:
+    # cached: querying the capability costs microseconds, and the launch path asks on every call
+    major, minor = torch.cuda.get_device_capability(None if index < 0 else index)
+    return f"sm_{major}{minor}"
 
 
 def get_launcher(key: tuple, build: Callable[[], object], device: torch.device | None = None) -> Callable:
@@ -38,7 +45,9 @@ def get_launcher(key: tuple, build: Callable[[], object], device: torch.device |
     torch's current stream), skipping the JITKernel wrapper's per-call Python work; when the adapter
     does not expose it, the JITKernel is returned.
     """
-    full_key = (*key, cuda_target(device)["arch"])
+    arch = _arch(device.index if device.index is not None else -1) if device is not None and \
+        device.type == "cuda" else "sm_90"
+    full_key = (*key, arch)
     launch = _LAUNCHERS.get(full_key)
     if launch is None:
         kernel = get_kernel(key, build, device)

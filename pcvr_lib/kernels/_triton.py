@@ -111,15 +111,21 @@ class Launcher:
         return compiled
 
 
-def _direct_launch(compiled, grid, args, device):
+@functools.cache
+def _triton_runtime():
     from triton import knobs
     from triton.runtime.driver import driver
 
-    stream = driver.active.get_current_stream(device.index)
+    return knobs.runtime, driver.active.get_current_stream
+
+
+def _direct_launch(compiled, grid, args, device):
+    runtime, current_stream = _triton_runtime()
+    stream = current_stream(device.index)
     meta = compiled.launch_metadata(grid, stream, *args)
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                 compiled.function, compiled.packed_metadata, meta, knobs.runtime.launch_enter_hook,
-                 knobs.runtime.launch_exit_hook, *args)
+                 compiled.function, compiled.packed_metadata, meta, runtime.launch_enter_hook,
+                 runtime.launch_exit_hook, *args)
     return compiled
 
 

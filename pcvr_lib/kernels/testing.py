@@ -65,3 +65,25 @@ def randn(shape, dtype: torch.dtype, device, seed: int, *, scale: float = 1.0, s
 def fp64(*tensors: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """Detached fp64 CPU copies, the inputs of every reference computation."""
     return tuple(t.detach().to(device="cpu", dtype=torch.float64) for t in tensors)
+
+
+def grad_input_term_scale(x: torch.Tensor, weight: torch.Tensor, dy: torch.Tensor, eps: float,
+                          centered: bool) -> float:
+    """RMS of dy * weight / std(x): the size of the terms whose difference is a norm's input gradient.
+
+    Rounding error in dx scales with these terms, not with dx itself, which can cancel to ~0 (one
+    element per row, constant rows): the tolerance of dx is taken relative to this.
+    """
+    xd, wd, gd = x.detach().double(), weight.detach().double(), dy.detach().double()
+    if centered:
+        xd = xd - xd.mean(-1, keepdim=True)
+    inv_std = torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps)
+    return float((gd * wd * inv_std).pow(2).mean().sqrt())
+
+
+def grad_param_term_scale(dy: torch.Tensor) -> float:
+    """rms(dy) * sqrt(rows): the size of a weight/bias gradient, a sum over rows of dy times a
+    normalised input of order one (the reference can be exactly 0 where the fp32 result is rounding)."""
+    gd = dy.detach().double()
+    rows = gd.numel() // max(1, gd.shape[-1])
+    return float(gd.pow(2).mean().sqrt()) * rows ** 0.5

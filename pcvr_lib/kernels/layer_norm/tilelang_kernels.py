@@ -7,7 +7,7 @@ import torch
 
 from pcvr_lib.kernels._tilelang import get_kernel, get_launcher, tl_dtype
 from pcvr_lib.kernels._triton import sm_count
-from pcvr_lib.kernels.rms_norm.config import block_config, next_pow2
+from pcvr_lib.kernels.rms_norm.config import block_config, next_pow2, paired_rows
 
 
 def build_forward(n: int, dtype: str, save_stats: bool):
@@ -135,9 +135,9 @@ def forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: flo
     if not save_stats:
         kernel(x2, weight, bias, y, eps)
         return y, None
-    stats = torch.empty((2, m), dtype=torch.float32, device=x2.device)
-    kernel(x2, weight, bias, y, stats[0], stats[1], eps)
-    return y, (stats[0], stats[1])
+    mean, rstd = paired_rows(m, x2.device).unbind(0)
+    kernel(x2, weight, bias, y, mean, rstd, eps)
+    return y, (mean, rstd)
 
 
 def backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor):
@@ -145,7 +145,7 @@ def backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, mean: tor
     block_m, _ = block_config(n)
     programs = max(1, min(-(-m // block_m), 4 * sm_count(x2.device.index)))
     dx = torch.empty_like(x2)
-    partial = torch.empty((2, programs, n), dtype=torch.float32, device=x2.device)
+    partial = paired_rows(programs * n, x2.device).view(2, programs, n)
     _launcher("bwd", n, x2.dtype, x2.device)(dy, x2, weight, mean, rstd, dx, partial[0], partial[1])
     sums = partial.sum(1).to(weight.dtype)
     return dx, sums[0], sums[1]

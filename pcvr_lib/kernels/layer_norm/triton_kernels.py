@@ -9,7 +9,7 @@ import triton
 import triton.language as tl
 
 from pcvr_lib.kernels._triton import Launcher, align_key, kernel, next_pow2, sm_count
-from pcvr_lib.kernels.rms_norm.config import block_config
+from pcvr_lib.kernels.rms_norm.config import block_config, paired_rows
 
 
 @kernel(do_not_specialize=["M"])
@@ -76,8 +76,7 @@ def forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: flo
     block_m, num_warps = block_config(n)
     y = torch.empty_like(x2)
     if save_stats:
-        stats = torch.empty((2, m), dtype=torch.float32, device=x2.device)
-        mean, rstd = stats[0], stats[1]
+        mean, rstd = paired_rows(m, x2.device).unbind(0)
     else:
         mean = rstd = y  # never touched: SAVE_STATS is a compile-time False
     args = (x2, weight, bias, y, mean, rstd, m, n, eps, block_m, next_pow2(n), save_stats)
@@ -92,7 +91,7 @@ def backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, mean: tor
     block_m, num_warps = block_config(n)
     programs = max(1, min(triton.cdiv(m, block_m), 4 * sm_count(x2.device.index)))
     dx = torch.empty_like(x2)
-    partial = torch.empty((2, programs, n), dtype=torch.float32, device=x2.device)
+    partial = paired_rows(programs * n, x2.device).view(2, programs, n)
     args = (dy, x2, weight, mean, rstd, dx, partial[0], partial[1], m, n, block_m, next_pow2(n))
     key = (next_pow2(n), block_m, num_warps, align_key(*args[:8], n))
     _launch_bwd(key, (programs,), args, num_warps, x2.device)

@@ -63,7 +63,7 @@ def _gpu(backend: str):
         if torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad):
             return _RMSNormFunction.apply(x, weight, eps, impl)
         y, _ = impl.forward(rows_view(x), weight if weight.is_contiguous() else weight.contiguous(), eps, False)
-        return y.view(x.shape)
+        return y if x.dim() == 2 else y.view(x.shape)
     return run
 
 

@@ -53,5 +53,7 @@ def backend_module(op: str, backend: str, device: torch.device, package: str):
 
 def rows_view(x: torch.Tensor) -> torch.Tensor:
     """(M, C) contiguous view (a copy only when x is not contiguous)."""
+    if x.dim() == 2 and x.is_contiguous():
+        return x
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.is_contiguous() else x2.contiguous()

@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import functools
 
+import torch
+
 MAX_WIDTH = 16384  # one row must fit in registers; wider rows are rejected with a clear error
 TILE_ELEMENTS = 4096
 
@@ -31,3 +33,14 @@ def _block_config(width: int, tile_elements: int) -> tuple[int, int]:
     elements = block_m * block_n
     num_warps = min(16, max(4, elements // 512))
     return block_m, num_warps
+
+
+def paired_rows(length: int, device) -> torch.Tensor:
+    """A (2, length) fp32 tensor from one allocation whose two rows each start 16-byte aligned.
+
+    Slices of one (2, length) tensor would put the second at 4 * length bytes: its alignment would
+    then change with the row count, and triton specialises (recompiles) on pointer alignment.
+    """
+    stride = (length + 3) // 4 * 4
+    buf = torch.empty((2, stride), dtype=torch.float32, device=device)
+    return buf[:, :length]
