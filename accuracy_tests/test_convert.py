@@ -538,3 +538,45 @@ def test_open_dataset_missing_column_and_wrong_type(tmp_path):
     pq.write_table(table.set_column(col, "user_id", pa.array(["u"])), tmp_path / "b.parquet")
     with pytest.raises(DataError, match="column 'user_id' has type string, expected int64"):
         open_dataset(tmp_path / "b.parquet", schema)
+
+
+# ----------------------------------------------------------------------------------------------
+# output memory recycling and input variants
+# ----------------------------------------------------------------------------------------------
+
+
+def test_kept_batches_are_never_overwritten(backend, demo_schema, demo_batches):
+    # output arenas are recycled only once nothing refers to a batch: kept batches and kept single
+    # tensors (views) must survive later conversions untouched
+    converter = Converter(demo_schema, backend=backend)
+    kept = converter(demo_batches[0])
+    expected = kept.clone()
+    one_tensor = converter(demo_batches[1]).sequences["seq_d"].values
+    one_expected = one_tensor.clone()
+    for _ in range(3):
+        for rb in demo_batches:
+            converter(rb)  # dropped at once: their arenas are reused
+    assert all(torch.equal(a, b) for a, b in zip(kept.tensors(), expected.tensors(), strict=True))
+    assert torch.equal(one_tensor, one_expected)
+    assert len(converter._pool.arenas) <= converter._pool.size
+
+
+def test_recycled_output_matches_fresh(backend, demo_schema, demo_batches):
+    converter = Converter(demo_schema, backend=backend, strict_time_filter=True)
+    for _ in range(2):
+        for rb in demo_batches:
+            compare(converter(rb), reference_convert(rb, demo_schema, strict=True), demo_schema)
+
+
+def test_large_list_columns(backend):
+    schema = small_schema()
+    rows = [{"sq_9": [5, 6, 7, 8], "sq_8": [1, 2, 3, 4], "user_int_feats_2": [1, 2], "user_dense_feats_2": [0.5]}, {}]
+    rb = make_batch(schema, rows)
+    large = rb
+    for name, kind in expected_columns(schema).items():
+        if kind.startswith("list"):
+            i = large.schema.get_field_index(name)
+            col = large.column(i)
+            large = large.set_column(i, name, col.cast(pa.large_list(col.type.value_type)))
+    a, b = Converter(schema, backend=backend)(rb), Converter(schema, backend=backend)(large)
+    assert all(torch.equal(x, y) for x, y in zip(a.tensors(), b.tensors(), strict=True))

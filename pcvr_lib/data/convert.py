@@ -511,6 +511,7 @@ class _ArenaPool:
     def __init__(self, size: int = 3) -> None:
         self.size = size
         self.arenas: list[np.ndarray] = []
+        self.free_refs: list[int] = []
         self.layouts: dict[tuple, tuple[int, dict[str, tuple[int, np.dtype, tuple[int, ...]]]]] = {}
 
     def views(self, shapes: dict[str, tuple[np.dtype, tuple[int, ...]]]) -> dict[str, np.ndarray]:
@@ -525,19 +526,24 @@ class _ArenaPool:
         total, layout = self.layouts[key]
         arena = None
         for i in range(len(self.arenas)):
-            # references: the list, the getrefcount argument; anything more is a live batch
-            if self.arenas[i].size == total and sys.getrefcount(self.arenas[i]) == 2:
+            # free when its reference count is back to the count it had with no views (measured the same
+            # way: the list's reference and getrefcount's argument)
+            if self.arenas[i].size == total and sys.getrefcount(self.arenas[i]) == self.free_refs[i]:
                 arena = self.arenas[i]
                 break
         if arena is None:
-            arena = np.empty(total, dtype=np.uint8)
-            if len(self.arenas) < self.size:
-                self.arenas.append(arena)
-            else:  # replace a pooled arena of another size (batch sizes change at the end of a file)
-                for i in range(len(self.arenas)):
-                    if self.arenas[i].size != total:
-                        self.arenas[i] = arena
-                        break
+            slot = len(self.arenas) if len(self.arenas) < self.size else None
+            if slot is None:  # replace a pooled arena of another size (batch sizes change at a file's end)
+                slot = next((i for i in range(len(self.arenas)) if self.arenas[i].size != total), None)
+            if slot is None:
+                arena = np.empty(total, dtype=np.uint8)  # every pooled arena is in use: not pooled
+            else:
+                if slot == len(self.arenas):
+                    self.arenas.append(None)
+                    self.free_refs.append(0)
+                self.arenas[slot] = np.empty(total, dtype=np.uint8)
+                self.free_refs[slot] = sys.getrefcount(self.arenas[slot])
+                arena = self.arenas[slot]
         out = {}
         for name, (offset, dt, shape) in layout.items():
             n = int(np.prod(shape, dtype=np.int64))
