@@ -162,6 +162,23 @@ def test_errors():
             flash_attention(q, q, q, backend="tilelang")
 
 
+@pytest.mark.parametrize("backend", ["torch", "triton", "tilelang"])
+def test_empty_sequences_give_zeros(backend):
+    device = "cpu"
+    if backend != "torch":
+        if not CUDA:
+            pytest.skip(f"{backend}: no CUDA device")
+        device = "cuda"
+    q = torch.randn(2, 2, 5, 32, dtype=torch.float16, device=device, requires_grad=True)
+    k = torch.randn(2, 2, 0, 32, dtype=torch.float16, device=device, requires_grad=True)
+    out = flash_attention(q, k, k, backend=backend)
+    assert out.shape == q.shape and not out.any()
+    out.sum().backward()
+    assert not q.grad.any()
+    empty_q = torch.randn(2, 2, 0, 32, dtype=torch.float16, device=device)
+    assert flash_attention(empty_q, q.detach(), q.detach(), backend=backend).shape == (2, 2, 0, 32)
+
+
 def test_fp32_inputs_run_in_bf16_and_return_fp32():
     q, k, v, _ = _inputs(2, 2, 9, 11, 32, torch.float32, seed=3)
     kl = torch.tensor([4, 11], dtype=torch.int32)

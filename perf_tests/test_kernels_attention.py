@@ -225,13 +225,13 @@ def test_attention_perf(benchmark, backend, shape, mask, dtype, direction):
             if rkey not in _REF:
                 _REF[rkey] = reference(q, k, v, do, kl, mask, direction)
                 baseline = _as_list(make_call("torch", q, k, v, do, kl, attn_mask, mask, direction)())
-                _REF[(*rkey, "torch_err")] = [float((a.float() - r).abs().max()) for a, r in
+                _REF[(*rkey, "torch_err")] = [float((a.detach().float() - r).abs().max()) for a, r in
                                               zip(baseline, _REF[rkey], strict=True)]
             ref, torch_err = _REF[rkey], _REF[(*rkey, "torch_err")]
             got = _as_list(call())
             worst_abs, worst_rel = 0.0, 0.0
             for name, a, r, te in zip(("out", "dq", "dk", "dv"), got, ref, torch_err, strict=False):
-                a = a.float()
+                a = a.detach().float()
                 assert not torch.isnan(a).any(), f"{backend} {name}: NaN"
                 err = float((a - r).abs().max())
                 top = float(r.abs().max())

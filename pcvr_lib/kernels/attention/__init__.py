@@ -155,6 +155,8 @@ def flash_attention(q, k, v, *, key_lengths=None, causal=False, causal_valid=Fal
     impl = _CUDA_IMPLS.get(backend) if q.is_cuda else None
     if impl is None:
         impl = _impl(backend, q.device)
+    if q.numel() == 0 or k.shape[2] == 0:  # nothing to attend to (or nobody asking): zeros, every backend
+        return _empty_result(q, k, v)
     if impl is _TORCH:
         return _torch_attention(q, k, v, key_lengths, causal, causal_valid, scale, seed, p)
     mode = mode_name(key_lengths, causal, causal_valid)
@@ -170,6 +172,13 @@ def flash_attention(q, k, v, *, key_lengths=None, causal=False, causal_valid=Fal
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
         return _FlashAttention.apply(q, k, v, key_lengths, mode, scale, seed, p, impl, interpret)
     return impl.forward(q, k, v, key_lengths, mode, scale, seed, p, False, interpret=interpret)[0]
+
+
+def _empty_result(q, k, v):
+    out = q.new_zeros(q.shape)
+    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
+        out = out + 0.0 * (q.sum() + k.sum() + v.sum())  # zero gradients instead of "does not require grad"
+    return out
 
 
 def _torch_attention(q, k, v, key_lengths, causal, causal_valid, scale, seed, p):
