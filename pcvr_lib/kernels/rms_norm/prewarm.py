@@ -16,7 +16,7 @@ import time
 from concurrent.futures import ProcessPoolExecutor
 
 # accuracy_tests/test_norms.py: odd and small widths in every dtype, big rows in fp16/bf16
-ACCURACY_WIDTHS = (96, 127, 128, 385, 400)
+ACCURACY_WIDTHS = (1, 96, 127, 128, 385, 400)
 BIG_WIDTHS = (1024, 4096, 16384)
 RECOMPILE_WIDTH = 333  # the row-count test (fp16)
 NAN_WIDTH = 200  # the NaN-row test (fp32, inference kernel)
