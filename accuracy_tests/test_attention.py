@@ -253,6 +253,19 @@ def test_triton_interpreter(repo_root):
     assert " passed" in tail and "skipped" not in tail.splitlines()[-1], f"interpreter cases did not run:\n{tail}"
 
 
+@pytest.mark.parametrize("which", ["fwd", "dq", "dkdv"])
+def test_triton_compiles_for_sm90(which):
+    """The compiled (not interpreted) kernels build for sm_90 without a GPU and use Hopper's wgmma."""
+    problem = registry.package_problem("triton")
+    if problem:
+        pytest.skip(f"triton: {problem}")
+    from pcvr_lib.kernels.attention import triton_impl
+
+    kernel = triton_impl.compile_for(90, which, 64, "bf16", "causal_valid", has_kl=True, dropout=True)
+    assert len(kernel.asm["cubin"]) > 0
+    assert "wgmma.mma_async" in kernel.asm["ptx"], f"{which}: no Hopper wgmma in the PTX"
+
+
 # ----------------------------------------------------------------------------- tilelang (compile only)
 
 

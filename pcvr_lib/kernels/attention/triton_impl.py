@@ -415,16 +415,18 @@ FWD_CONFIGS = {
     (32, 1): (128, 64, 4, 3), (64, 1): (128, 64, 4, 3), (128, 1): (128, 64, 8, 3),
     (32, 2): (128, 64, 4, 3), (64, 2): (128, 64, 4, 3), (128, 2): (128, 64, 8, 3),
 }
-# dq kernel (rows x keys) and dkdv kernel (queries x keys): (BLOCK_M, BLOCK_N, num_warps, num_stages)
+# dq kernel (rows x keys) and dkdv kernel (queries x keys): (BLOCK_M, BLOCK_N, num_warps, num_stages).
+# D128 backward: chosen from ptxas's spill report (sm_90a, compiled on a CPU host with triton 3.9): dq
+# 64x64 spills 112 B with 4 warps, 16 B with 8; dK/dV 64x64/4 warps spills 300 B, 32x64/4 warps 4 B.
 BWD_DQ_CONFIGS = {
-    (32, 0): (64, 64, 4, 2), (64, 0): (64, 64, 4, 2), (128, 0): (64, 64, 4, 2),
-    (32, 1): (128, 64, 8, 2), (64, 1): (128, 64, 8, 2), (128, 1): (64, 64, 4, 2),
-    (32, 2): (128, 64, 8, 2), (64, 2): (128, 64, 8, 2), (128, 2): (64, 64, 4, 2),
+    (32, 0): (64, 64, 4, 2), (64, 0): (64, 64, 4, 2), (128, 0): (64, 64, 8, 2),
+    (32, 1): (128, 64, 8, 2), (64, 1): (128, 64, 8, 2), (128, 1): (64, 64, 8, 2),
+    (32, 2): (128, 64, 8, 2), (64, 2): (128, 64, 8, 2), (128, 2): (64, 64, 8, 2),
 }
 BWD_KV_CONFIGS = {
-    (32, 0): (64, 64, 4, 2), (64, 0): (64, 64, 4, 2), (128, 0): (64, 64, 4, 2),
-    (32, 1): (64, 128, 8, 2), (64, 1): (64, 128, 8, 2), (128, 1): (64, 64, 4, 2),
-    (32, 2): (64, 128, 8, 2), (64, 2): (64, 128, 8, 2), (128, 2): (64, 64, 4, 2),
+    (32, 0): (64, 64, 4, 2), (64, 0): (64, 64, 4, 2), (128, 0): (32, 64, 4, 2),
+    (32, 1): (64, 128, 8, 2), (64, 1): (64, 128, 8, 2), (128, 1): (32, 64, 4, 2),
+    (32, 2): (64, 128, 8, 2), (64, 2): (64, 128, 8, 2), (128, 2): (32, 64, 4, 2),
 }
 
 
@@ -526,3 +528,35 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
 
 def _threshold(p: float) -> int:
     return int(round(p * (1 << 24)))
+
+
+def compile_for(arch: int, which: str, D: int, dtype: str = "bf16", mode: str = "causal_valid", has_kl: bool = True,
+                dropout: bool = True, store_lse: bool = True, config=None):
+    """Compile one kernel ("fwd", "dq", "dkdv") ahead of time for CUDA compute capability `arch` (e.g. 90)
+    without a GPU; returns triton's CompiledKernel (its .asm holds the PTX and cubin)."""
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    fn = dict(zip(("fwd", "dq", "dkdv"), kernels(False), strict=True))[which]
+    tables = {"fwd": FWD_CONFIGS, "dq": BWD_DQ_CONFIGS, "dkdv": BWD_KV_CONFIGS}
+    bm, bn, warps, stages = config or tables[which][(D, 0)]
+    constexprs = {"MODE": _MODE_CODE[mode], "HAS_KL": has_kl, "DROPOUT": dropout, "BLOCK_M": bm, "BLOCK_N": bn,
+                  "HEAD_DIM": D}
+    if which == "fwd":
+        constexprs["STORE_LSE"] = store_lse
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV"):
+            signature[name] = f"*{dtype}"
+        elif name in ("LSE", "DELTA"):
+            signature[name] = "*fp32"
+        elif name == "KL":
+            signature[name] = "*i32"
+        elif name in ("qk_scale", "sm_scale", "drop_scale"):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    return triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": warps, "num_stages": stages})
