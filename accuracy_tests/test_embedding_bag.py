@@ -369,29 +369,31 @@ TILELANG_KERNELS = {
 }
 
 
+def _compile_tilelang_for_sm90(name):
+    """Compile one TileLang kernel kind for sm_90 in a worker process; returns (name, CUDA source)."""
+    from tvm.target import Target
+
+    from pcvr_lib.kernels.embedding_bag import tilelang_impl as ti
+
+    builder, args = TILELANG_KERNELS[name]
+    target = Target({"kind": "cuda", "arch": "sm_90"})
+    return name, ti.compile_kernel(getattr(ti, builder)(*args), target).get_kernel_source()
+
+
 def test_tilelang_kernels_compile_for_sm90():
-    """Every TileLang kernel kind lowers and compiles for sm_90 (no GPU needed; concurrently, nvcc is the
-    cost); on a GPU the accuracy tests above run them. TileLang's C target cannot execute them: they
-    index threads explicitly (T.get_thread_binding), which the C target rejects ("has no SIMT threads")."""
+    """Every TileLang kernel kind lowers and compiles for sm_90 (no GPU needed; nvcc is the cost, so the
+    kinds compile in parallel processes: TileLang's Python front end is not thread-safe); on a GPU the
+    accuracy tests above run them. TileLang's C target cannot execute them: they index threads explicitly
+    (T.get_thread_binding), which the C target rejects ("has no SIMT threads")."""
     problem = registry.package_problem("tilelang")
     if problem:
         pytest.skip(f"tilelang: {problem}")
     if _nvcc_missing():
         pytest.skip(f"tilelang: {_nvcc_missing()}")
-    from concurrent.futures import ThreadPoolExecutor
+    from concurrent.futures import ProcessPoolExecutor
 
-    from tvm.target import Target
-
-    from pcvr_lib.kernels.embedding_bag import tilelang_impl as ti
-
-    target = Target({"kind": "cuda", "arch": "sm_90"})
-
-    def build(name):
-        builder, args = TILELANG_KERNELS[name]
-        return name, ti.compile_kernel(getattr(ti, builder)(*args), target).get_kernel_source()
-
-    with ThreadPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
-        sources = dict(pool.map(build, TILELANG_KERNELS))
+    with ProcessPoolExecutor(max_workers=max(2, os.cpu_count() or 1)) as pool:
+        sources = dict(pool.map(_compile_tilelang_for_sm90, TILELANG_KERNELS))
     for name, source in sources.items():
         assert "__global__" in source, name
     assert "uint4" in sources["fwd_fp16_i32_vec8"], "16-byte vector loads expected"

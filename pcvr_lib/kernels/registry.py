@@ -62,10 +62,10 @@ def op_backends(op: str) -> tuple[str, ...]:
 def _ensure_registered(op: str) -> None:
     if op in _OPS:
         return
-    try:  # the operator's package registers itself on import
-        importlib.import_module(f"pcvr_lib.kernels.{op}")
-    except ModuleNotFoundError:
-        pass
+    from pcvr_lib.kernels import _EXPORTS  # operator name -> its package, which registers itself on import
+
+    if op in _EXPORTS:
+        importlib.import_module(_EXPORTS[op])
     if op not in _OPS:
         raise ValueError(f"unknown operator {op!r}; registered: {', '.join(sorted(_OPS)) or 'none'}")
 
