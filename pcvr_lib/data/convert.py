@@ -315,38 +315,56 @@ static inline int64_t put_tokens_avx512(const int64_t *x, int64_t k, int64_t L, 
 #define PCVR_FENCE() ((void)0)
 #endif
 
-static inline int64_t put_tokens(const int64_t *x, const int64_t *rel, int64_t lim, int64_t k, int64_t L,
-                                 int64_t voc, int32_t *o) {
+/* Token rules on x[0..k) into o[0..k), zeros to L; returns the out-of-vocab count. */
+static inline int64_t put_tokens(const int64_t *x, int64_t k, int64_t L, int64_t voc, int32_t *o) {
     int64_t n = 0;
     if (voc <= 0) k = 0;
 #if defined(__AVX512F__)
-    if (!rel && voc > 0 && ((uintptr_t)o & 31) == 0 && (L & 7) == 0) return put_tokens_avx512(x, k, L, voc, o);
+    if (voc > 0 && ((uintptr_t)o & 31) == 0 && (L & 7) == 0) return put_tokens_avx512(x, k, L, voc, o);
 #endif
-    if (rel) {
-        for (int64_t j = 0; j < k; j++) {
-            int64_t v = rel[j] < lim ? x[rel[j]] : 0;
-            n += v >= voc;
-            o[j] = (v > 0 && v < voc) ? (int32_t)v : 0;
-        }
-    } else {
-        for (int64_t j = 0; j < k; j++) {
-            int64_t v = x[j];
-            n += v >= voc;
-            o[j] = (v > 0 && v < voc) ? (int32_t)v : 0;
-        }
+    for (int64_t j = 0; j < k; j++) {
+        int64_t v = x[j];
+        n += v >= voc;
+        o[j] = (v > 0 && v < voc) ? (int32_t)v : 0;
     }
     if (k < L) memset(o + k, 0, (size_t)(L - k) * sizeof(int32_t));
+    return n;
+}
+
+/* Strict mode: the k kept events given as nr runs of consecutive event numbers; events at or past lim (the
+   column's own length) read as 0. */
+static inline int64_t put_runs(const int64_t *x, const int64_t *run_src, const int64_t *run_len, int64_t nr,
+                               int64_t lim, int64_t L, int64_t voc, int32_t *o) {
+    int64_t n = 0, p = 0;
+    if (voc > 0) {
+        for (int64_t r = 0; r < nr; p += run_len[r++]) {
+            const int64_t e = run_src[r], len = run_len[r];
+            int64_t inside = lim - e < len ? lim - e : len;
+            if (inside < 0) inside = 0;
+            const int64_t *xe = x + e;
+            int32_t *d = o + p;
+            for (int64_t j = 0; j < inside; j++) {
+                int64_t v = xe[j];
+                n += v >= voc;
+                d[j] = (v > 0 && v < voc) ? (int32_t)v : 0;
+            }
+            for (int64_t j = inside; j < len; j++) d[j] = 0;
+        }
+    }
+    if (p < L) memset(o + p, 0, (size_t)(L - p) * sizeof(int32_t));
     return n;
 }
 
 /* One sequence domain, row by row: timestamps [rows, L] (raw), values [rows, F, L] (token rules),
    lengths [rows]. Non-strict: every column keeps its last min(len, L) elements; length = max over side
    columns (the timestamp column's when F == 0). Strict: the last L events with 0 < ts < request[b]
-   (event numbers in rel, scratch [L]); side columns take the same events (0 past their own end). */
+   (found as runs of consecutive events in the scratch rel [2L]); side columns take the same events (0 past
+   their own end), copied run by run. */
 void pcvr_domain(int64_t F, const int32_t *const *offs, const uint8_t *const *valids, const int64_t *bits,
                  const int64_t *const *srcs, const int64_t *vocab, const int32_t *ts_off, const uint8_t *ts_valid,
                  int64_t ts_bit, const int64_t *ts_src, const int64_t *request, int64_t strict, int64_t rows,
                  int64_t L, int32_t *values, int64_t *timestamps, int32_t *lengths, int64_t *rel, int64_t *oob) {
+    int64_t *run_src = rel, *run_len = rel + L, nr = 0;
     for (int64_t f = 0; f < F; f++) oob[f] = 0;
     for (int64_t b = 0; b < rows; b++) {
         int64_t n, length = 0;
@@ -359,10 +377,19 @@ void pcvr_domain(int64_t F, const int32_t *const *offs, const uint8_t *const *va
             int64_t j = n - 1;
             k = 0;
             for (; j >= 0 && k < L; j--) k += (t[j] > 0 && t[j] < req);
-            int64_t p = 0;
-            for (int64_t i = j + 1; i < n; i++)
-                if (t[i] > 0 && t[i] < req) rel[p++] = i;
-            for (p = 0; p < k; p++) ts_out[p] = t[rel[p]];
+            /* the kept events as runs of consecutive events: run r is events run_src[r] .. +run_len[r] */
+            nr = 0;
+            for (int64_t i = j + 1; i < n; i++) {
+                if (!(t[i] > 0 && t[i] < req)) continue;
+                if (nr && run_src[nr - 1] + run_len[nr - 1] == i) {
+                    run_len[nr - 1]++;
+                } else {
+                    run_src[nr] = i;
+                    run_len[nr++] = 1;
+                }
+            }
+            for (int64_t r = 0, p = 0; r < nr; p += run_len[r++])
+                memcpy(ts_out + p, t + run_src[r], (size_t)run_len[r] * sizeof(int64_t));
             length = k;
         } else {
             k = n < L ? n : L;
@@ -375,10 +402,10 @@ void pcvr_domain(int64_t F, const int32_t *const *offs, const uint8_t *const *va
             const int64_t fs = row_range(offs[f], valids[f], bits[f], b, &fn);
             int32_t *o = values + (b * F + f) * L;
             if (strict) {
-                oob[f] += put_tokens(srcs[f] + fs, rel, fn, k, L, vocab[f], o);
+                oob[f] += put_runs(srcs[f] + fs, run_src, run_len, nr, fn, L, vocab[f], o);
             } else {
                 int64_t fk = fn < L ? fn : L;
-                oob[f] += put_tokens(srcs[f] + fs + fn - fk, 0, 0, fk, L, vocab[f], o);
+                oob[f] += put_tokens(srcs[f] + fs + fn - fk, fk, L, vocab[f], o);
                 if (fk > length) length = fk;
             }
         }
@@ -930,7 +957,7 @@ class Converter:
         ts = _RawList(cols[domain.ts_feature.column], domain.ts_feature.column, np.int64)
         values, timestamps = out[f"{domain.name}.values"], out[f"{domain.name}.timestamps"]
         lengths = np.empty(rows, dtype=np.int32)
-        rel = np.empty(L, dtype=np.int64)
+        rel = np.empty(2 * L, dtype=np.int64)  # strict-mode scratch
         oob = np.empty(len(side), dtype=np.int64)
         self._lib.pcvr_domain(
             len(side), *_RawList.pointers(raw), _ptr(self._side_vocab[domain.name]),
