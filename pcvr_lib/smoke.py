@@ -139,6 +139,7 @@ def smoke(
     stream=sys.stdout,
 ) -> dict[str, Any]:
     from pcvr_lib.data.generate import generate_dataset
+    from pcvr_lib.models import model_class
     from pcvr_lib.train import resolve_device
 
     resolve_device(device)
@@ -160,6 +161,9 @@ def smoke(
          "model_config": dict(model_config or {})}
         for m in models for s in seeds
     ]
+    # longest runs first, so that the workers finish together (results are re-sorted below)
+    costs = {m: getattr(model_class(m), "cost_hint", 1.0) for m in models}
+    work.sort(key=lambda job: -costs[job["model"]])
     results = _execute(work, jobs, stream)
     results.sort(key=lambda r: (models.index(r["model"]), r["seed"]))
     runs_sec = time.perf_counter() - t_start

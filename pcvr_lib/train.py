@@ -71,6 +71,7 @@ class TrainConfig:
     weight_decay: float = 0.01
     sparse_lr: float = 0.05
     max_grad_norm: float = 1.0
+    init_output_prior: bool = True  # logit bias starts at the training labels' log-odds
     split: str = "timestamp_auto"
     valid_ratio: float = 0.2
     device: str = "cpu"
@@ -171,8 +172,11 @@ class Telemetry:
     def __exit__(self, *exc) -> None:
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
-        self.elapsed = time.perf_counter() - self._t0
+        self.wall = time.perf_counter() - self._t0
+        self.elapsed = self.wall - self.excluded
         self.ended = _now()
+
+    excluded = 0.0  # seconds inside the phase that belong to another phase (training's holdout evals)
 
     def to_dict(self, model=None, metadata: dict | None = None) -> dict[str, Any]:
         elapsed = max(self.elapsed, 1e-9)
@@ -182,6 +186,7 @@ class Telemetry:
             "started_at": self.started,
             "ended_at": self.ended,
             "elapsed_sec": self.elapsed,
+            "wall_sec": self.wall,
             "cpu_peak_rss_mb": _peak_rss_mb(),
             "device": str(self.device),
             "cuda_device_name": torch.cuda.get_device_name(self.device) if cuda else None,
@@ -369,9 +374,6 @@ def train(config: TrainConfig, progress=None) -> dict[str, Any]:
     """Train, validate, checkpoint and write training_summary.json + training_telemetry.json.
 
     `progress(step, steps, loss)` is called after each step when given."""
-    from pcvr_lib.models import build_model
-    from pcvr_lib.optim import build_optimizer_set, train_step
-
     if config.steps < 1:
         raise TrainError(f"steps must be >= 1, got {config.steps}")
     if config.batch_size < 1 or config.eval_batch_size < 1:
@@ -381,7 +383,18 @@ def train(config: TrainConfig, progress=None) -> dict[str, Any]:
     schema = _load_schema(_schema_path(data, config.schema), config.max_lens)
     run_dir = Path(config.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
     seed_everything(config.seed, config.deterministic)
+    try:
+        return _train(config, device, data, schema, run_dir, progress)
+    finally:  # the deterministic switch is process-wide: give the caller its setting back
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
+def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress) -> dict[str, Any]:
+    from pcvr_lib.models import build_model
+    from pcvr_lib.optim import build_optimizer_set, train_step
+
 
     model = build_model(config.model, schema, config.model_config).to(device)
     meta: dict[str, Any] = {"model": config.model, "seed": config.seed, "amp": config.amp}
@@ -399,6 +412,9 @@ def train(config: TrainConfig, progress=None) -> dict[str, Any]:
         num_workers=config.num_workers,
     )
     split = train_loader.split
+    if config.init_output_prior:
+        meta["train_positive_rate"] = _positive_rate(data, split.train_mask)
+        _raw_model(model).set_output_prior(meta["train_positive_rate"])
     losses, skipped, clipped, grad_norms = [], 0, 0, []
     checkpoints = []
     val_result = None
@@ -432,6 +448,7 @@ def train(config: TrainConfig, progress=None) -> dict[str, Any]:
                 folder = save_checkpoint(run_dir, model, schema, config, step, val_result["metrics"]["auc"])
                 checkpoints.append(str(folder))
                 eval_seconds += time.perf_counter() - t0
+        telemetry.excluded = eval_seconds  # elapsed_sec and the rates cover the training steps only
     train_meta = dict(meta, skipped_steps=skipped, clipped_steps=clipped, holdout_eval_sec=eval_seconds,
                       loader=train_loader.stats())
     train_telemetry = telemetry.to_dict(model, train_meta)
@@ -464,6 +481,15 @@ def train(config: TrainConfig, progress=None) -> dict[str, Any]:
     }
     write_json(run_dir / "training_summary.json", summary)
     return summary
+
+
+def _positive_rate(data: Path, rows: np.ndarray) -> float:
+    """Share of label_type == 2 among the given rows (the converter's label rule; null counts as 0)."""
+    import pyarrow.parquet as pq
+
+    labels = pq.read_table(data, columns=["label_type"]).column("label_type").to_numpy(zero_copy_only=False)
+    positive = np.nan_to_num(labels.astype(np.float64), nan=0.0) == 2
+    return float(positive[rows].mean()) if rows.any() else 0.5
 
 
 def _holdout(model, data, schema, config: TrainConfig, split, device) -> dict:
@@ -612,6 +638,8 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dense-lr", type=float, default=d.dense_lr)
     parser.add_argument("--sparse-lr", type=float, default=d.sparse_lr)
     parser.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm)
+    parser.add_argument("--no-output-prior", action="store_true",
+                        help="leave the logit bias at its random init (default: the train labels' log-odds)")
     parser.add_argument("--split", default=d.split)
     parser.add_argument("--valid-ratio", type=float, default=d.valid_ratio)
     parser.add_argument("--device", default="cpu")
@@ -628,7 +656,8 @@ def run_train(args: argparse.Namespace) -> int:
         label=args.label, seed=args.seed, deterministic=not args.no_deterministic, steps=args.steps,
         batch_size=args.batch_size, eval_batch_size=args.eval_batch_size, eval_every=args.eval_every,
         dense_optimizer=args.dense_optimizer, dense_lr=args.dense_lr, sparse_lr=args.sparse_lr,
-        max_grad_norm=args.max_grad_norm, split=args.split, valid_ratio=args.valid_ratio, device=args.device,
+        max_grad_norm=args.max_grad_norm, init_output_prior=not args.no_output_prior, split=args.split,
+        valid_ratio=args.valid_ratio, device=args.device,
         amp=args.amp, compile=args.compile, num_workers=args.num_workers, log_every=args.log_every,
     )
     return _guarded(lambda: _print_train(train(config)))

@@ -144,3 +144,11 @@ def test_config_errors_name_the_option(schema):
         build_model("baseline", schema, {"d_model": 62, "num_heads": 4})
     with pytest.raises(ValueError, match="attention_backend"):
         build_model("onetrans", schema, {"attention_backend": "cuda"})
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_output_prior_sets_the_logit_bias(name, schema):
+    model = _model(name, schema)
+    model.set_output_prior(0.1)
+    bias = model.output_layer().bias
+    assert bias.shape == (1,) and torch.sigmoid(bias).item() == pytest.approx(0.1)

@@ -141,3 +141,17 @@ def test_rms_norm_torch_formula():
     w = torch.rand(8, dtype=torch.float64)
     expect = x / torch.sqrt((x * x).mean(-1, keepdim=True) + 1e-6) * w
     torch.testing.assert_close(rms_norm(x, w, 1e-6), expect)
+
+
+def test_rope_rotates_pairs_by_position():
+    from pcvr_lib.models.common import apply_rope
+
+    x = torch.randn(1, 1, 5, 8, dtype=torch.float64)
+    out = apply_rope(x)
+    torch.testing.assert_close(out.norm(dim=-1), x.norm(dim=-1))  # a rotation keeps norms
+    torch.testing.assert_close(out[..., 0, :], x[..., 0, :])  # position 0 is not rotated
+    # relative property: <rope(q)_i, rope(k)_j> depends on i - j only
+    q = torch.randn(8, dtype=torch.float64).expand(1, 1, 5, 8)
+    k = torch.randn(8, dtype=torch.float64).expand(1, 1, 5, 8)
+    rq, rk = apply_rope(q.contiguous()), apply_rope(k.contiguous())
+    torch.testing.assert_close((rq[0, 0, 3] * rk[0, 0, 1]).sum(), (rq[0, 0, 4] * rk[0, 0, 2]).sum())

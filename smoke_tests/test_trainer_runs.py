@@ -65,6 +65,7 @@ def test_artifacts_complete_and_well_formed(finished_run):
                                                         "positive_mean", "negative_mean", "margin",
                                                         "positive_quantiles", "negative_quantiles"}
     assert s["steps"] == 3 and len(s["losses"]) == 3
+    assert 0.0 < s["telemetry"]["metadata"]["train_positive_rate"] < 0.5  # the logit bias started there
     for name in ("training_telemetry.json", "evaluation_telemetry.json", "inference_telemetry.json"):
         t = json.loads((run_dir / name).read_text())
         assert TELEMETRY_FIELDS <= set(t), name
@@ -152,3 +153,12 @@ def test_cli_train_val_infer(data, tmp_path, capsys):
     assert "holdout AUC" in out and "scored 120 rows" in out
     assert json.loads((run_dir / "evaluation.json").read_text())["metrics"]["sample_count"] == ROWS
     assert (tmp_path / "res" / "predictions.json").is_file()
+
+
+def test_bf16_amp_training_and_deterministic_switch_restored(data, tmp_path):
+    before = torch.are_deterministic_algorithms_enabled()
+    summary = train(_config(data, tmp_path / "amp", steps=2, amp=True, model="tokenformer"))
+    assert torch.are_deterministic_algorithms_enabled() == before
+    assert summary["skipped_steps"] == 0 and all(np.isfinite(x) for x in summary["losses"])
+    tel = summary["telemetry"]
+    assert tel["metadata"]["amp"] is True and tel["wall_sec"] >= tel["elapsed_sec"] > 0

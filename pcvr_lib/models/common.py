@@ -217,14 +217,30 @@ class MultiHeadAttention(nn.Module):
         return self.out(o.transpose(1, 2).reshape(b, s, -1))
 
 
+_ROPE_TABLES: dict[tuple, tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _rope_tables(s: int, d: int, device: torch.device, dtype: torch.dtype, base: float):
+    key = (s, d, str(device), dtype, base)
+    tables = _ROPE_TABLES.get(key)
+    if tables is None:
+        if len(_ROPE_TABLES) > 64:
+            _ROPE_TABLES.clear()
+        inv_freq = base ** (-torch.arange(0, d, 2, device=device, dtype=torch.float64) / d)
+        angles = torch.arange(s, device=device, dtype=torch.float64)[:, None] * inv_freq[None]
+        angles = torch.cat([angles, angles], dim=-1)  # rotate-half layout: pairs (i, i + d/2)
+        tables = (angles.cos().to(dtype), angles.sin().to(dtype))
+        _ROPE_TABLES[key] = tables
+    return tables
+
+
 def apply_rope(x: torch.Tensor, base: float = 10000.0) -> torch.Tensor:
-    """Rotary position embedding over the sequence dim of (B, H, S, D); D even."""
+    """Rotary position embedding over the sequence dim of (B, H, S, D), D even (rotate-half pairing);
+    the cos/sin tables are built once per (S, D, device, dtype)."""
     s, d = x.shape[-2], x.shape[-1]
-    inv_freq = base ** (-torch.arange(0, d, 2, device=x.device, dtype=torch.float32) / d)
-    angles = torch.arange(s, device=x.device, dtype=torch.float32)[:, None] * inv_freq[None]
-    cos, sin = angles.cos().to(x.dtype), angles.sin().to(x.dtype)
-    x1, x2 = x[..., 0::2], x[..., 1::2]
-    return torch.stack((x1 * cos - x2 * sin, x1 * sin + x2 * cos), dim=-1).flatten(-2)
+    cos, sin = _rope_tables(s, d, x.device, x.dtype, base)
+    x1, x2 = x[..., : d // 2], x[..., d // 2 :]
+    return x * cos + torch.cat((-x2, x1), dim=-1) * sin
 
 
 class SwiGLU(nn.Module):
@@ -518,6 +534,8 @@ class PCVRModel(nn.Module):
 
     name: ClassVar[str] = ""
     config_class: ClassVar[type[ModelConfig]] = ModelConfig
+    # relative CPU cost of a training step (baseline = 1); the smoke starts the dearest runs first
+    cost_hint: ClassVar[float] = 1.0
 
     def __init__(self, schema: Schema, config: ModelConfig | dict | None = None):
         super().__init__()
@@ -535,6 +553,18 @@ class PCVRModel(nn.Module):
 
     def forward(self, batch: Batch) -> torch.Tensor:
         return self.predict(batch)[0]
+
+    def output_layer(self) -> nn.Linear:
+        """The final Linear that produces the logit (its bias can be set to the label prior)."""
+        return self.out
+
+    @torch.no_grad()
+    def set_output_prior(self, positive_rate: float) -> None:
+        """Start the logit bias at log(p / (1 - p)) of the training labels' positive rate. Without it the
+        first steps spend the sparse optimizer's large steps on lowering every score, which moves the
+        embeddings of frequent ids most and so ranks frequent values low whatever the label says."""
+        p = min(max(float(positive_rate), 1e-4), 1 - 1e-4)
+        self.output_layer().bias.fill_(math.log(p / (1 - p)))
 
     def sparse_parameters(self) -> list[nn.Parameter]:
         """The embedding tables (sparse gradients; Adagrad)."""

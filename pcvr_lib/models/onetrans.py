@@ -118,6 +118,7 @@ class OneTransLayer(nn.Module):
 @register("onetrans")
 class OneTrans(PCVRModel):
     config_class = OneTransConfig
+    cost_hint = 0.8
 
     def __init__(self, schema, config=None):
         super().__init__(schema, config)

@@ -85,6 +85,7 @@ class TokenFormerBlock(nn.Module):
 @register("tokenformer")
 class TokenFormer(PCVRModel):
     config_class = TokenFormerConfig
+    cost_hint = 4.5  # measured on the 2-core CPU: ~3.3 s vs ~0.7 s (baseline) per step at B=128, L=32
 
     def __init__(self, schema, config=None):
         super().__init__(schema, config)
@@ -92,9 +93,11 @@ class TokenFormer(PCVRModel):
         d = c.d_model
         self.encoder = FeatureEncoder(schema, c, dense_tokens=False)
         self.domains = self.encoder.domains
-        self.user_field_proj = nn.Linear(c.emb_dim, d)
+        # field tokens: Linear -> LayerNorm (+ a field position), so that they enter the stream at the same
+        # scale as the LayerNorm-ed sequence and dense tokens instead of the embeddings' small init scale
+        self.user_field_proj = nn.Sequential(nn.Linear(c.emb_dim, d), nn.LayerNorm(d))
         self.user_field_pos = nn.Parameter(torch.zeros(len(schema.user_int), d))
-        self.item_field_proj = nn.Linear(c.emb_dim, d)
+        self.item_field_proj = nn.Sequential(nn.Linear(c.emb_dim, d), nn.LayerNorm(d))
         self.item_field_pos = nn.Parameter(torch.zeros(len(schema.item_int), d))
         user_dense_width = schema.dense_width("user") + NUM_SEQ_STATS * len(self.domains)
         self.user_packets = DensePackets(user_dense_width, c.dense_packet, d)
@@ -107,7 +110,8 @@ class TokenFormer(PCVRModel):
             TokenFormerBlock(c, None if i < half else c.window) for i in range(c.num_blocks)
         )
         self.final_norm = RMSNorm(d, backend=c.rms_norm_backend)
-        self.head = nn.Sequential(nn.Linear(d, d), nn.SiLU(), nn.Linear(d, 1))
+        self.head = nn.Sequential(nn.Linear(d, d), nn.SiLU())
+        self.out = nn.Linear(d, 1)
 
     def predict(self, batch: Batch):
         c: TokenFormerConfig = self.config
@@ -143,4 +147,4 @@ class TokenFormer(PCVRModel):
         for block in self.blocks:
             x = block(x, lengths, target, masks)
         embedding = self.final_norm(x.gather(1, target[:, None, None].expand(-1, 1, x.shape[-1]))[:, 0])
-        return self.head(embedding), embedding
+        return self.out(self.head(embedding)), embedding
