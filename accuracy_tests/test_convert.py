@@ -580,3 +580,16 @@ def test_large_list_columns(backend):
             large = large.set_column(i, name, col.cast(pa.large_list(col.type.value_type)))
     a, b = Converter(schema, backend=backend)(rb), Converter(schema, backend=backend)(large)
     assert all(torch.equal(x, y) for x, y in zip(a.tensors(), b.tensors(), strict=True))
+
+
+def test_one_converter_shared_by_threads(backend, demo_schema, demo_batches):
+    # the native kernels release the GIL; output arenas and pointer tables must not be shared by mistake
+    from concurrent.futures import ThreadPoolExecutor
+
+    converter = Converter(demo_schema, backend=backend)
+    expected = [Converter(demo_schema, backend=backend)(rb).clone() for rb in demo_batches]
+    work = list(range(len(demo_batches))) * 4
+    with ThreadPoolExecutor(max_workers=3) as pool:
+        results = list(pool.map(lambda i: (i, converter(demo_batches[i])), work))
+    for i, batch in results:
+        assert all(torch.equal(a, b) for a, b in zip(batch.tensors(), expected[i].tensors(), strict=True))

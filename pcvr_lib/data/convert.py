@@ -31,6 +31,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+import threading
 from dataclasses import dataclass
 
 import numpy as np
@@ -164,7 +165,7 @@ class _RawList:
         return (
             _ptrs([c.offsets for c in columns]),
             _ptrs([c.valid for c in columns]),
-            _ptrs([c.bit for c in columns]),
+            _i64s([c.bit for c in columns]),
             _ptrs([c.values for c in columns]),
         )
 
@@ -542,16 +543,14 @@ def _ptr(array: np.ndarray | None) -> int | None:
     return None if array is None else array.__array_interface__["data"][0]
 
 
-def _ptrs(pointers: list[int]) -> int:
-    """A C array of pointers (kept alive in _PTR_KEEP until the next call from this thread)."""
-    table = np.array(pointers, dtype=np.uintp)
-    _PTR_KEEP.append(table)
-    if len(_PTR_KEEP) > 64:
-        del _PTR_KEEP[:-16]
-    return _ptr(table)
+def _ptrs(pointers: list[int]) -> ctypes.Array:
+    """A C array of pointers. Passed as a call argument, ctypes keeps it alive for the call (a temporary
+    numpy array's address would not be)."""
+    return (ctypes.c_void_p * max(len(pointers), 1))(*pointers)
 
 
-_PTR_KEEP: list[np.ndarray] = []
+def _i64s(values: list[int]) -> ctypes.Array:
+    return (ctypes.c_int64 * max(len(values), 1))(*values)
 
 
 class _ArenaPool:
@@ -566,9 +565,14 @@ class _ArenaPool:
         self.size = size
         self.arenas: list[np.ndarray] = []
         self.free_refs: list[int] = []
+        self.lock = threading.Lock()  # one Converter may serve several loader threads
         self.layouts: dict[tuple, tuple[int, dict[str, tuple[int, np.dtype, tuple[int, ...]]]]] = {}
 
     def views(self, shapes: dict[str, tuple[np.dtype, tuple[int, ...]]]) -> dict[str, np.ndarray]:
+        with self.lock:  # choosing an arena and making its views must not interleave with another thread
+            return self._views(shapes)
+
+    def _views(self, shapes: dict[str, tuple[np.dtype, tuple[int, ...]]]) -> dict[str, np.ndarray]:
         key = tuple((name, np.dtype(dt).str, shape) for name, (dt, shape) in shapes.items())
         if key not in self.layouts:
             offset, layout = 0, {}
@@ -777,7 +781,7 @@ class Converter:
                 bits.append(arr.offset)
             oob = np.empty(len(feats), dtype=np.int64)
             self._lib.pcvr_scalar_ints(
-                len(feats), _ptrs(vals), _ptrs(valid), _ptr(np.array(bits, dtype=np.int64)),
+                len(feats), _ptrs(vals), _ptrs(valid), _i64s(bits),
                 _ptr(self._scalar_vocab[side]), _ptr(self._scalar_offsets[side]), rows,
                 _ptr(values), _ptr(missing), values.shape[1], _ptr(oob),
             )  # fmt: skip
