@@ -375,19 +375,27 @@ void pcvr_domain(int64_t F, const int32_t *const *offs, const uint8_t *const *va
         int64_t k;
         if (strict) {
             const int64_t req = request[b];
-            int64_t j = n - 1;
+            /* one pass back from the newest event until L valid ones: the kept events as runs of
+               consecutive events (run r is events run_src[r] .. + run_len[r]), newest run first */
             k = 0;
-            for (; j >= 0 && k < L; j--) k += (t[j] > 0 && t[j] < req);
-            /* the kept events as runs of consecutive events: run r is events run_src[r] .. +run_len[r] */
             nr = 0;
-            for (int64_t i = j + 1; i < n; i++) {
-                if (!(t[i] > 0 && t[i] < req)) continue;
-                if (nr && run_src[nr - 1] + run_len[nr - 1] == i) {
+            for (int64_t j = n - 1; j >= 0 && k < L; j--) {
+                if (!(t[j] > 0 && t[j] < req)) continue;
+                k++;
+                if (nr && run_src[nr - 1] == j + 1) {
+                    run_src[nr - 1] = j;
                     run_len[nr - 1]++;
                 } else {
-                    run_src[nr] = i;
+                    run_src[nr] = j;
                     run_len[nr++] = 1;
                 }
+            }
+            for (int64_t r = 0; r < nr / 2; r++) { /* oldest run first */
+                int64_t a = run_src[r], c = run_len[r];
+                run_src[r] = run_src[nr - 1 - r];
+                run_len[r] = run_len[nr - 1 - r];
+                run_src[nr - 1 - r] = a;
+                run_len[nr - 1 - r] = c;
             }
             for (int64_t r = 0, p = 0; r < nr; p += run_len[r++])
                 memcpy(ts_out + p, t + run_src[r], (size_t)run_len[r] * sizeof(int64_t));
