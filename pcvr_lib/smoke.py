@@ -9,7 +9,8 @@ stay at their defaults; on CPU the sequences are cut to `--max-lens` (default 32
 and the embedding vocabularies are hashed to the model config's cap so the smoke fits a 2-core machine.
 
 Runs go to OUT/<model>_seed<seed>/ and are spread over `--jobs` worker processes (default: 2 on a CPU
-with 2+ cores, 1 on CUDA), each with `--threads` torch threads (default 1): on a small shared CPU two
+with 2+ cores, 1 on CUDA; a fresh process per run so that each run's peak memory is its own), each with
+`--threads` torch threads (default 1): on a small shared CPU two
 single-threaded processes beat one process with two threads, whose OpenMP workers stall whenever another
 process takes a core. Timings of concurrent runs include that sharing; use --jobs 1 for isolated numbers.
 """
@@ -215,7 +216,9 @@ def _execute(work: list[dict], jobs: int, stream) -> list[dict]:
         return results
     import multiprocessing
 
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn")) as pool:
+    # a fresh process per run: each run's peak RSS is its own, not the high-water mark of earlier runs
+    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
+                             max_tasks_per_child=1) as pool:
         futures = [pool.submit(run_one, job) for job in work]
         for fut in as_completed(futures):
             results.append(fut.result())
