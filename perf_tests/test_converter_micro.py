@@ -121,6 +121,7 @@ def micro_batches(data_cache_dir, data_scale):
     return preload(path, n_batches, 256)
 
 
+@pytest.mark.benchmark(group="data-converter")
 @pytest.mark.parametrize("strict", [False, True], ids=["strict=0", "strict=1"])
 def test_converter_micro(benchmark, micro_batches, strict):
     single_thread()

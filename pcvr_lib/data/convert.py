@@ -479,14 +479,13 @@ _native_state: dict = {}
 
 
 def _cpu_id() -> str:
+    """The CPU model and feature flags (part of the build key: -march=native code is CPU specific)."""
     try:
         with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith(("model name", "flags")):
-                    return line
+            lines = [line for line in f if line.startswith(("model name", "flags"))]
+        return "".join(dict.fromkeys(lines))  # first model name and flags lines, once each
     except OSError:
-        pass
-    return platform.processor()
+        return platform.processor()
 
 
 def native_library():
