@@ -580,7 +580,7 @@ class _ArenaPool:
             return self._views(shapes)
 
     def _views(self, shapes: dict[str, tuple[np.dtype, tuple[int, ...]]]) -> dict[str, np.ndarray]:
-        key = tuple((name, np.dtype(dt).str, shape) for name, (dt, shape) in shapes.items())
+        key = tuple((name, shape) for name, (_, shape) in shapes.items())
         if key not in self.layouts:
             offset, layout = 0, {}
             for name, (dt, shape) in shapes.items():
@@ -609,11 +609,10 @@ class _ArenaPool:
                 self.arenas[slot] = np.empty(total, dtype=np.uint8)
                 self.free_refs[slot] = sys.getrefcount(self.arenas[slot])
                 arena = self.arenas[slot]
-        out = {}
-        for name, (offset, dt, shape) in layout.items():
-            n = int(np.prod(shape, dtype=np.int64))
-            out[name] = arena[offset : offset + n * dt.itemsize].view(dt).reshape(shape)
-        return out
+        return {
+            name: np.ndarray(shape, dtype=dt, buffer=arena, offset=offset)
+            for name, (offset, dt, shape) in layout.items()
+        }
 
 
 class Converter:
@@ -665,6 +664,7 @@ class Converter:
         }
         self._side_vocab = {d.name: d.side_vocab.astype(np.int64) for d in schema.domains}
         self._pool = _ArenaPool()
+        self._shape_cache: dict[int, dict] = {}
         i64 = lambda xs: np.array(xs, dtype=np.int64)  # noqa: E731
         self._list_dims = {side: i64([f.dim for f in fs]) for side, fs in self._lists_int.items()}
         self._list_vocab = {side: i64([f.vocab_size for f in fs]) for side, fs in self._lists_int.items()}
@@ -758,6 +758,8 @@ class Converter:
 
     def _shapes(self, rows: int) -> dict[str, tuple[np.dtype, tuple[int, ...]]]:
         """The big output arrays of a batch of `rows` rows (allocated together, see _ArenaPool)."""
+        if rows in self._shape_cache:
+            return self._shape_cache[rows]
         shapes = {}
         for side in ("user", "item"):
             width, dwidth = self.schema.int_width(side), self.schema.dense_width(side)
@@ -768,6 +770,9 @@ class Converter:
         for d in self.schema.domains:
             shapes[f"{d.name}.values"] = (np.int32, (rows, len(d.side_features), d.max_len))
             shapes[f"{d.name}.timestamps"] = (np.int64, (rows, d.max_len))
+        if len(self._shape_cache) > 8:
+            self._shape_cache.clear()
+        self._shape_cache[rows] = shapes
         return shapes
 
     # ------------------------------------------------------------------------------------------
