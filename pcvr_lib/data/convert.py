@@ -132,6 +132,7 @@ def _lists(array: pa.Array, name: str, dtype: np.dtype, like: _Lists | None = No
 
 
 _EMPTY = np.zeros(1, dtype=np.int64)  # a valid address for columns without values
+_LARGE_LIST_ID = pa.large_list(pa.int64()).id
 
 
 class _RawList:
@@ -142,10 +143,10 @@ class _RawList:
         n, off = len(array), array.offset
         bufs = array.buffers()  # validity, offsets, child validity, child values
         child = array.values
-        if child.null_count:
+        if bufs[2] is not None and child.null_count:
             _lists(array, name, dtype)  # raises when a row uses a null element
         self._keep = None
-        if pa.types.is_large_list(array.type):
+        if array.type.id == _LARGE_LIST_ID:
             offsets = np.frombuffer(bufs[1], dtype=np.int64, count=off + n + 1)[off:]
             if len(offsets) and offsets[-1] >= 2**31:
                 raise DataError(f"column {name!r}: more than 2**31 list elements in one batch")
@@ -156,7 +157,7 @@ class _RawList:
         self.valid = bufs[0].address if array.null_count else 0
         self.bit = off
         values = bufs[3] if len(bufs) > 3 else None
-        itemsize = np.dtype(dtype).itemsize
+        itemsize = 4 if dtype is np.float32 else 8
         self.values = values.address + itemsize * child.offset if values is not None else _ptr(_EMPTY)
 
     @staticmethod
@@ -982,8 +983,9 @@ class Converter:
         )  # fmt: skip
         if oob.any() and not self.clip_oov:  # the numpy path raises naming the column and value
             self._domain_numpy(domain, cols, request_ts, rows, out)
-        for f in np.flatnonzero(oob):
-            self._count_oob(domain.name, side[f].column, int(oob[f]))
+        for f, n_oob in enumerate(oob.tolist()):
+            if n_oob:
+                self._count_oob(domain.name, side[f].column, n_oob)
         return SequenceBlock(
             values=torch.from_numpy(values), timestamps=torch.from_numpy(timestamps), lengths=torch.from_numpy(lengths)
         )
