@@ -187,8 +187,14 @@ def test_fused_chain_equals_one_transform_at_a_time(mode):
     # the Augmenter plans all sequence moves and gathers once; applying each transform on its own (each
     # gathering its output) with the same generator must give the same batch
     batch = make_batch(rows=40, seed=14)
-    chain = [SequenceCrop(2, mode, 3), FeatureMask(0.3), DomainDropout(0.3), SequenceCrop(2, mode, 2),
-             FeatureMask(0.2), SparseDropout(0.3)]
+    chain = [
+        SequenceCrop(2, mode, 3),
+        FeatureMask(0.3),
+        DomainDropout(0.3),
+        SequenceCrop(2, mode, 2),
+        FeatureMask(0.2),
+        SparseDropout(0.3),
+    ]
     fused = Augmenter(chain)(batch, gen(15))
     g = gen(15)
     stepwise = batch

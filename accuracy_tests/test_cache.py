@@ -171,8 +171,19 @@ def test_stats_fields_and_counts():
     cache = make_cache("lru", 2)
     run(cache, ["a", "b", "a", "c", "b"])
     stats = cache.stats()
-    for field in ("enabled", "policy", "effective_policy", "items", "hits", "misses", "hit_rate", "bypasses",
-                  "evictions", "opt_active", "trace_length"):
+    for field in (
+        "enabled",
+        "policy",
+        "effective_policy",
+        "items",
+        "hits",
+        "misses",
+        "hit_rate",
+        "bypasses",
+        "evictions",
+        "opt_active",
+        "trace_length",
+    ):
         assert field in stats
     assert (stats["hits"], stats["misses"], stats["evictions"], stats["items"]) == (1, 4, 2, 2)
     assert stats["hit_rate"] == pytest.approx(0.2)

@@ -92,8 +92,9 @@ def test_batches_match_a_direct_conversion(schema, dataset):
 def test_cache_presets_give_the_same_batches_as_no_cache(schema, dataset):
     plain = list(PcvrLoader(dataset, schema, preset="none", batch_size=BATCH, mode="steps", steps=30, seed=1))
     for preset in ("cache", "opt"):
-        cached = PcvrLoader(dataset, schema, preset=preset, batch_size=BATCH, mode="steps", steps=30, seed=1,
-                            cache_capacity=3)
+        cached = PcvrLoader(
+            dataset, schema, preset=preset, batch_size=BATCH, mode="steps", steps=30, seed=1, cache_capacity=3
+        )
         got = list(cached)
         assert cached.stats()["cache"]["hits"] > 0
         for a, b in zip(plain, got, strict=True):
@@ -114,8 +115,10 @@ def test_opt_loader_reaches_belady_and_beats_lru(schema, dataset):
 
 def test_steps_are_seeded_and_weighted(schema, dataset):
     def draw(seed):
-        return [int(b.row_index[0]) for b in PcvrLoader(dataset, schema, batch_size=BATCH, mode="steps", steps=40,
-                                                        seed=seed)]
+        return [
+            int(b.row_index[0])
+            for b in PcvrLoader(dataset, schema, batch_size=BATCH, mode="steps", steps=40, seed=seed)
+        ]
 
     assert draw(7) == draw(7)
     assert draw(7) != draw(8)
@@ -134,8 +137,7 @@ def test_split_sides_are_respected(schema, dataset):
     assert np.array_equal(np.sort(valid_rows), valid.split.rows("valid"))
     assert train.planned_rows == train_rows.size
     # augmentations apply to training only: the valid side of an augment preset is not cropped/masked
-    aug_valid = PcvrLoader(dataset, schema, preset="augment", batch_size=BATCH, split="timestamp_auto",
-                           side="valid")
+    aug_valid = PcvrLoader(dataset, schema, preset="augment", batch_size=BATCH, split="timestamp_auto", side="valid")
     assert sum(b.batch_size for b in aug_valid) == valid_rows.size
     # a user-hash split keeps each user on one side
     users = PcvrLoader(dataset, schema, batch_size=BATCH, split="user_hash", side="valid", valid_ratio=0.3)
@@ -150,8 +152,9 @@ def test_augment_preset_is_reproducible(schema, dataset):
     for x, y in zip(a, b, strict=True):
         assert_batches_equal(x, y)
     c = list(PcvrLoader(dataset, schema, preset="opt-augment", batch_size=BATCH, seed=6, cache_capacity=2))
-    assert any(not torch.equal(x.sequences["seq_d"].lengths, y.sequences["seq_d"].lengths)
-               for x, y in zip(a, c, strict=True))
+    assert any(
+        not torch.equal(x.sequences["seq_d"].lengths, y.sequences["seq_d"].lengths) for x, y in zip(a, c, strict=True)
+    )
 
 
 def test_workers_give_the_same_batches_in_order(schema, dataset):

@@ -77,9 +77,9 @@ class _SeqPlan:
         values = torch.gather(
             base.values[:, None].expand(-1, self.views, -1, -1), 3, source.expand(-1, -1, features, -1)
         ).view(rows * self.views, features, length)
-        timestamps = torch.gather(
-            base.timestamps[:, None].expand(-1, self.views, -1), 2, source[:, :, 0]
-        ).view(rows * self.views, length)
+        timestamps = torch.gather(base.timestamps[:, None].expand(-1, self.views, -1), 2, source[:, :, 0]).view(
+            rows * self.views, length
+        )
         values.mul_(inside[:, None, :])  # zero past the length (a multiply is much faster than masked_fill)
         timestamps.mul_(inside)
         return SequenceBlock(values, timestamps, self.lengths.to(base.lengths.dtype))

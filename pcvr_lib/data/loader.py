@@ -310,18 +310,14 @@ class PcvrLoader:
         Augmenter(self.augmentations)  # validates the configs now rather than in a worker
 
         meta = parquet.metadata
-        self.row_group_rows = np.array(
-            [meta.row_group(i).num_rows for i in range(meta.num_row_groups)], dtype=np.int64
-        )
+        self.row_group_rows = np.array([meta.row_group(i).num_rows for i in range(meta.num_row_groups)], dtype=np.int64)
         self.row_group_offsets = np.concatenate([[0], np.cumsum(self.row_group_rows)]).astype(np.int64)
         if isinstance(split, SplitPlan):
             if split.num_rows != int(meta.num_rows):
                 raise LoaderError(f"split plan covers {split.num_rows} rows, the file has {meta.num_rows}")
             self.split = split
         elif split is not None:
-            self.split = plan_split(
-                parquet, split, valid_ratio=valid_ratio, train_ratio=train_ratio, salt=split_salt
-            )
+            self.split = plan_split(parquet, split, valid_ratio=valid_ratio, train_ratio=train_ratio, salt=split_salt)
         else:
             self.split = None
         self._mask = self.split.mask(side) if self.split is not None else None
