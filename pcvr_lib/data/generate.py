@@ -16,7 +16,8 @@ Shapes (see notes/data-convert.md for the numbers):
 - sequences: per row a heavy-tailed (lognormal) length capped at 4000; the last domain (sorted by name,
   seq_d in the demo) averages about 2.5x its max_len (~1,300 events), the others about 0.7x theirs, so many
   rows are longer than max_len. Lists are chronological, newest LAST; event times lie before the request
-  except for about 10% of rows whose newest events come a little after it; some event times are 0.
+  except for about 10% of rows whose newest events come a little after it; some event times are 0. A side
+  column is null for 0.2% of rows (a rare ragged domain).
 
 Planted signal (the label's logit; `planted_score` recomputes it from a converted batch):
     +1.4 if the first width-1 user_int feature with vocab >= 3 has value % 3 == 1
