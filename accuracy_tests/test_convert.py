@@ -593,3 +593,32 @@ def test_one_converter_shared_by_threads(backend, demo_schema, demo_batches):
         results = list(pool.map(lambda i: (i, converter(demo_batches[i])), work))
     for i, batch in results:
         assert all(torch.equal(a, b) for a, b in zip(batch.tensors(), expected[i].tensors(), strict=True))
+
+
+class _ConvertingDataset(torch.utils.data.IterableDataset):
+    """Converts the batches of a parquet file inside a DataLoader worker (each worker its own half)."""
+
+    def __init__(self, path, schema, backend):
+        self.path, self.schema, self.backend = path, schema, backend
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        converter = Converter(self.schema, backend=self.backend)
+        for i, rb in enumerate(pq.ParquetFile(self.path).iter_batches(batch_size=50)):
+            if info is None or i % info.num_workers == info.id:
+                yield converter(rb, row_offset=50 * i)
+
+
+def test_batches_cross_dataloader_workers_intact(backend, demo_schema, data_cache_dir):
+    # workers hand batches to the main process through shared memory while their converter recycles
+    # output arenas: every received batch must equal the one converted in the main process
+    path = generate_dataset(demo_schema, rows=200, seed=3, row_group_size=100, cache_dir=data_cache_dir, progress=False)
+    expected = {}
+    for i, rb in enumerate(pq.ParquetFile(path).iter_batches(batch_size=50)):
+        expected[50 * i] = Converter(demo_schema, backend=backend)(rb, row_offset=50 * i)
+    loader = torch.utils.data.DataLoader(_ConvertingDataset(path, demo_schema, backend), batch_size=None, num_workers=2)
+    got = list(loader)
+    assert sorted(int(b.row_index[0]) for b in got) == sorted(expected)
+    for batch in got:
+        want = expected[int(batch.row_index[0])]
+        assert all(torch.equal(a, b) for a, b in zip(batch.tensors(), want.tensors(), strict=True))
