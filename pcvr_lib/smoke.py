@@ -76,7 +76,7 @@ def _run_one(job, train, validate, infer, TrainConfig) -> dict[str, Any]:
     summary = train(TrainConfig(
         model=job["model"], data=job["data"], run_dir=str(run_dir), max_lens=job["max_lens"],
         label=run_dir.name, seed=job["seed"], steps=job["steps"], batch_size=job["batch_size"],
-        device=job["device"], amp=job["amp"], model_config=job["model_config"],
+        device=job["device"], amp=job["amp"], model_config=job["model_config"], eval_at_init=True,
     ))
     evaluation = validate(run_dir, device=job["device"])
     inference = infer(run_dir, device=job["device"])
@@ -87,6 +87,7 @@ def _run_one(job, train, validate, infer, TrainConfig) -> dict[str, Any]:
         "seed": job["seed"],
         "run_dir": str(run_dir),
         "auc": summary["validation_metrics"]["auc"],
+        "init_auc": summary["init_validation_metrics"]["auc"],
         "logloss": summary["validation_metrics"]["logloss"],
         "valid_rows": summary["validation_metrics"]["sample_count"],
         "skipped_steps": summary["skipped_steps"],
@@ -105,7 +106,8 @@ def _run_one(job, train, validate, infer, TrainConfig) -> dict[str, Any]:
 
 
 def _table(results: list[dict], models: list[str]) -> str:
-    head = (f"{'model':<12} {'AUC per seed':<26} {'AUC mean ± sd':>16} {'LogLoss':>8} {'train s':>8} "
+    head = (f"{'model':<12} {'AUC at step 0 -> last, per seed':<40} {'AUC mean ± sd':>16} {'LogLoss':>8} "
+            f"{'train s':>8} "
             f"{'eval s':>7} {'infer s':>8} {'train r/s':>9} {'infer r/s':>9} {'peak MiB':>9} {'params':>8}")
     lines = [head, "-" * len(head)]
     for model in models:
@@ -114,7 +116,7 @@ def _table(results: list[dict], models: list[str]) -> str:
             continue
         aucs = np.array([r["auc"] for r in rs])
         sd = f"{aucs.std(ddof=1):.4f}" if len(aucs) > 1 else "n/a"
-        per_seed = " ".join(f"{a:.3f}" for a in aucs)
+        per_seed = " ".join(f"{r['init_auc']:.3f}->{r['auc']:.3f}" for r in rs)
 
         def mean(key, rs=rs):
             vals = [r[key] for r in rs if r[key] is not None]
@@ -122,7 +124,7 @@ def _table(results: list[dict], models: list[str]) -> str:
 
         peak = max(max(r["train_peak_rss_mb"] or 0, r["infer_peak_rss_mb"] or 0) for r in rs)
         lines.append(
-            f"{model:<12} {per_seed:<26} {aucs.mean():>8.4f} ± {sd:<6} {mean('logloss'):>8.4f} "
+            f"{model:<12} {per_seed:<40} {aucs.mean():>8.4f} ± {sd:<6} {mean('logloss'):>8.4f} "
             f"{mean('train_sec'):>8.1f} {mean('eval_sec'):>7.2f} {mean('infer_sec'):>8.2f} "
             f"{mean('train_rows_per_sec'):>9.0f} {mean('infer_rows_per_sec'):>9.0f} {peak:>9.0f} "
             f"{rs[0]['parameters']['total'] / 1e6:>7.2f}M"

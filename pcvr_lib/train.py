@@ -72,6 +72,7 @@ class TrainConfig:
     sparse_lr: float = 0.05
     max_grad_norm: float = 1.0
     init_output_prior: bool = True  # logit bias starts at the training labels' log-odds
+    eval_at_init: bool = False  # also score the holdout before the first step (shows what training added)
     split: str = "timestamp_auto"
     valid_ratio: float = 0.2
     device: str = "cpu"
@@ -420,7 +421,13 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress) -
     val_result = None
     telemetry = Telemetry("train", device)
     eval_seconds = 0.0
+    init_metrics = None
     with telemetry:
+        if config.eval_at_init:
+            t0 = time.perf_counter()
+            m = _holdout(model, data, schema, config, split, device)["metrics"]
+            init_metrics = {"auc": m["auc"], "logloss": m["logloss"], "sample_count": m["sample_count"]}
+            eval_seconds += time.perf_counter() - t0
         for step, batch in enumerate(train_loader, start=1):
             model.train()
             batch = batch.to(device, non_blocking=True)
@@ -473,6 +480,7 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress) -
                                "auc_ci": metrics.get("auc_ci"), "sample_count": metrics["sample_count"],
                                "metric_source": "training_validation"},
         "validation_score_diagnostics": metrics["score_diagnostics"],
+        "init_validation_metrics": init_metrics,
         "checkpoints": checkpoints,
         "best_checkpoint": checkpoints[-1],
         "train_config": config.to_dict(),
@@ -638,6 +646,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dense-lr", type=float, default=d.dense_lr)
     parser.add_argument("--sparse-lr", type=float, default=d.sparse_lr)
     parser.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm)
+    parser.add_argument("--eval-at-init", action="store_true", help="also score the holdout before step 1")
     parser.add_argument("--no-output-prior", action="store_true",
                         help="leave the logit bias at its random init (default: the train labels' log-odds)")
     parser.add_argument("--split", default=d.split)
@@ -656,7 +665,8 @@ def run_train(args: argparse.Namespace) -> int:
         label=args.label, seed=args.seed, deterministic=not args.no_deterministic, steps=args.steps,
         batch_size=args.batch_size, eval_batch_size=args.eval_batch_size, eval_every=args.eval_every,
         dense_optimizer=args.dense_optimizer, dense_lr=args.dense_lr, sparse_lr=args.sparse_lr,
-        max_grad_norm=args.max_grad_norm, init_output_prior=not args.no_output_prior, split=args.split,
+        max_grad_norm=args.max_grad_norm, init_output_prior=not args.no_output_prior, eval_at_init=args.eval_at_init,
+        split=args.split,
         valid_ratio=args.valid_ratio, device=args.device,
         amp=args.amp, compile=args.compile, num_workers=args.num_workers, log_every=args.log_every,
     )

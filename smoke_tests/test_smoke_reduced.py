@@ -36,4 +36,5 @@ def test_reduced_smoke(tmp_path):
     assert set(diag["groups"]) == set(model_names())
     saved = json.loads((out / "smoke_summary.json").read_text())
     assert saved["steps"] == 2 and len(saved["runs"]) == len(model_names())
-    assert "1/" in text and "AUC per seed" in text and "smoke finished" in text
+    assert "1/" in text and "AUC at step 0" in text and "smoke finished" in text
+    assert all(0.0 <= r["init_auc"] <= 1.0 for r in summary["runs"])
