@@ -115,7 +115,7 @@ def fwd_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
             lse = T.alloc_fragment([bm], acc)
 
             qlen = T.max(KL[bz], 0) if has_kl else Sq
-            kv_len = T.min(qlen, Skv)
+            kv_len = T.min(qlen, Skv) if has_kl else Skv  # no key lengths: every key is valid
             m_start = bx * bm
             if mode == 1:
                 lo = 0
@@ -205,7 +205,7 @@ def bwd_dq_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
             dq = T.alloc_fragment([bm, D], acc)
 
             qlen = T.max(KL[bz], 0) if has_kl else Sq
-            kv_len = T.min(qlen, Skv)
+            kv_len = T.min(qlen, Skv) if has_kl else Skv  # no key lengths: every key is valid
             m_start = bx * bm
             if mode == 1:
                 lo = 0
@@ -289,7 +289,7 @@ def bwd_dkdv_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
             dv = T.alloc_fragment([bn, D], acc)
 
             qlen = T.max(KL[bz], 0) if has_kl else Sq
-            kv_len = T.min(qlen, Skv)
+            kv_len = T.min(qlen, Skv) if has_kl else Skv  # no key lengths: every key is valid
             n_start = bx * bn
             if mode == 1:
                 lo = 0
