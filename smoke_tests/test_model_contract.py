@@ -152,3 +152,14 @@ def test_output_prior_sets_the_logit_bias(name, schema):
     model.set_output_prior(0.1)
     bias = model.output_layer().bias
     assert bias.shape == (1,) and torch.sigmoid(bias).item() == pytest.approx(0.1)
+
+
+@pytest.mark.parametrize("name", MODELS)
+def test_gpu_backends_route_to_the_kernel_package_without_fallback(name, schema, batch):
+    """A non-torch backend reaches pcvr_lib.kernels (which refuses CPU tensors or head dim 16 here) or is
+    refused by the model with a clear message; it never silently runs torch instead."""
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU refusal path")
+    model = _model(name, schema, attention_backend="triton", rms_norm_backend="triton")
+    with pytest.raises((ValueError, RuntimeError), match="flash_attention|rms_norm|attention backend 'triton'"):
+        model(batch)
