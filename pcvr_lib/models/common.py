@@ -103,8 +103,8 @@ def attention(
     """Multi-head attention on (B, H, S, D) tensors. The one place models call it.
 
     key_lengths [B]: keys at positions >= length are padding (prefix-valid; a length of 0 counts as 1).
-    causal: query i sees keys <= i. With key_lengths and self-attention a padded query (position >=
-    length) also sees itself, so no row is empty ("causal-valid"); its output is never read.
+    causal: query i sees keys <= i. Outputs at padded query positions (>= length) are unspecified and
+    never read by the models; the explicit mask lets a padded query see itself so that no row is empty.
     window: sliding window, query i sees keys in (i - window, i]. global_query [B] (long): per
     row, the query position that sees every valid key regardless of causal/window (the target token).
     mask: a precomputed `attention_mask(...)` of exactly these arguments (a model with several layers
@@ -122,6 +122,12 @@ def attention(
             q, k, v, key_lengths=key_lengths, causal=causal, causal_valid=causal and key_lengths is not None,
             backend=backend,
         )
+    if mask is None and causal and window is None and q.shape[2] == k.shape[2]:
+        # prefix-valid keys under a causal mask: a valid query i < length only sees keys <= i, all valid,
+        # so the key-length mask changes nothing it computes (and the target token, the last valid one,
+        # already sees every valid key). Padded queries' outputs are never read. SDPA's causal path needs
+        # no mask tensor and is the fastest on CPU.
+        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if mask is None:
         mask = attention_mask(q.shape[0], q.shape[2], k.shape[2], q.device, key_lengths, causal, window, global_query)
     elif mask.dtype != torch.bool and mask.dtype != q.dtype:

@@ -140,7 +140,7 @@ class TokenFormer(PCVRModel):
         target = lengths - 1
         masks = {}  # one mask per window setting, shared by the blocks (torch backend)
         if c.attention_backend == "torch":
-            for window in {block.window for block in self.blocks}:
+            for window in {block.window for block in self.blocks} - {None}:  # plain causal needs no mask
                 masks[window] = additive_mask(
                     attention_mask(b, x.shape[1], x.shape[1], device, lengths, True, window, target)
                 )
