@@ -33,13 +33,17 @@ DEFAULT_SCHEMA = ROOT / "fixtures" / "sample_1000_raw.schema.json"
 DEFAULT_MAX_LEN = 32
 
 
+class SmokeError(ValueError):
+    """A bad smoke option; exit code 2."""
+
+
 def _parse_seeds(text: str) -> list[int]:
     try:
         seeds = [int(s) for s in text.split(",") if s.strip()]
     except ValueError:
-        raise SystemExit(f"error: --seeds must be comma-separated integers, got {text!r}") from None
+        raise SmokeError(f"--seeds must be comma-separated integers, got {text!r}") from None
     if not seeds:
-        raise SystemExit("error: --seeds is empty")
+        raise SmokeError("--seeds is empty")
     return seeds
 
 
@@ -52,7 +56,7 @@ def _parse_models(text: str) -> list[str]:
     chosen = [m.strip() for m in text.split(",") if m.strip()]
     unknown = [m for m in chosen if m not in names]
     if unknown or not chosen:
-        raise SystemExit(f"error: unknown model(s) {unknown or text!r}; registered: {', '.join(names)} (or all)")
+        raise SmokeError(f"unknown model(s) {unknown or text!r}; registered: {', '.join(names)} (or all)")
     return chosen
 
 
@@ -260,7 +264,7 @@ def run(args: argparse.Namespace) -> int:
         smoke(_parse_models(args.models), _parse_seeds(args.seeds), steps=args.steps, device=args.device,
               out=args.out, batch_size=args.batch_size, max_lens=args.max_lens, jobs=args.jobs,
               threads=args.threads, amp=args.amp, diagnostics=not args.no_diagnostics)
-    except TrainError as exc:
+    except (TrainError, SmokeError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0

@@ -38,3 +38,12 @@ def test_reduced_smoke(tmp_path):
     assert saved["steps"] == 2 and len(saved["runs"]) == len(model_names())
     assert "1/" in text and "AUC at step 0" in text and "smoke finished" in text
     assert all(0.0 <= r["init_auc"] <= 1.0 for r in summary["runs"])
+
+
+def test_smoke_bad_options_exit_2(tmp_path, capsys):
+    from pcvr_lib.cli import main
+
+    assert main(["smoke", "--models", "nope", "--out", str(tmp_path)]) == 2
+    assert "unknown model(s) ['nope']" in capsys.readouterr().err
+    assert main(["smoke", "--seeds", "a,b", "--out", str(tmp_path)]) == 2
+    assert main(["smoke", "--steps", "0", "--out", str(tmp_path)]) == 2
