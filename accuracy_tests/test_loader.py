@@ -101,6 +101,19 @@ def test_cache_presets_give_the_same_batches_as_no_cache(schema, dataset):
             assert_batches_equal(a, b)
 
 
+def test_late_reads_while_reading_ahead(schema, dataset):
+    # a deep read-ahead looks at the cache long before the consumer uses a key, so keys it saw cached are
+    # often evicted by then and decoded again in the consuming thread, concurrently with the reader
+    # (this once failed: one ParquetFile handle read from two threads)
+    kwargs = dict(batch_size=BATCH, mode="steps", steps=60, seed=9)
+    plain = list(PcvrLoader(dataset, schema, **kwargs))
+    for _ in range(3):
+        loader = PcvrLoader(dataset, schema, preset="cache", cache_capacity=2, read_ahead=8, **kwargs)
+        for a, b in zip(plain, loader, strict=True):
+            assert_batches_equal(a, b)
+        assert loader.stats()["batches"] == 60
+
+
 def test_opt_loader_reaches_belady_and_beats_lru(schema, dataset):
     kwargs = dict(batch_size=BATCH, mode="steps", steps=120, seed=3, cache_capacity=3)
     opt = PcvrLoader(dataset, schema, preset="opt", **kwargs)

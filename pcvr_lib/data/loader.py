@@ -91,12 +91,23 @@ def _batch_seed(seed: int, pass_index: int, position: int) -> int:
     return int(splitmix64(key)[0] >> np.uint64(1))
 
 
+def _put(out: queue.Queue, obj, stop: threading.Event) -> None:
+    """Put unless the consumer has stopped (so a reader never blocks forever on a full queue)."""
+    while not stop.is_set():
+        try:
+            out.put(obj, timeout=0.1)
+            return
+        except queue.Full:
+            continue
+
+
 class _Pipeline:
     """Produces the batches of a list of (pass, position, key) items; one instance per process."""
 
     def __init__(self, loader: PcvrLoader, cache_capacity: int):
         self.loader = loader
         self.file: pq.ParquetFile | None = None
+        self.late_file: pq.ParquetFile | None = None
         self.converter = Converter(
             loader.schema, training=loader.training, strict_time_filter=loader.strict_time_filter
         )
@@ -108,14 +119,14 @@ class _Pipeline:
         self.groups_read = 0
         self.current_pass: int | None = None
 
-    def _open(self) -> pq.ParquetFile:
-        if self.file is None:  # opened lazily so DataLoader workers each get their own handle
-            self.file = pq.ParquetFile(self.loader.path)
-        return self.file
-
-    def _read_group(self, group: int) -> pa.Table:
+    def _read_group(self, group: int, late: bool = False) -> pa.Table:
+        # Handles are opened lazily (DataLoader workers each get their own), and a late read in the
+        # consuming thread uses its own handle: a ParquetFile must not be read from two threads at once.
+        name = "late_file" if late else "file"
+        if getattr(self, name) is None:
+            setattr(self, name, pq.ParquetFile(self.loader.path))
         self.groups_read += 1
-        return self._open().read_row_group(group, columns=self.loader.columns, use_threads=True)
+        return getattr(self, name).read_row_group(group, columns=self.loader.columns, use_threads=True)
 
     def _slice(self, table: pa.Table, key: BatchKey) -> pa.Table:
         start = key[2] * self.loader.batch_size
@@ -136,16 +147,11 @@ class _Pipeline:
                     table = self._read_group(group)
                 for item in run:
                     data = self._slice(table, item[2]) if table is not None else None
-                    while not stop.is_set():
-                        try:
-                            out.put((item, data), timeout=0.1)
-                            break
-                        except queue.Full:
-                            continue
+                    _put(out, (item, data), stop)
                 i = j
-            out.put(None)
+            _put(out, None, stop)
         except BaseException as exc:  # handed to the consumer, which re-raises it
-            out.put(exc)
+            _put(out, exc, stop)
 
     def _arrow_items(self, items):
         """(item, Arrow slice or None) in order, decoded ahead in a thread when read_ahead > 0."""
@@ -192,7 +198,7 @@ class _Pipeline:
         if batch is None:
             if data is None:
                 self.late_reads += loader.read_ahead > 0
-                data = self._slice(self._read_group(key[1]), key)
+                data = self._slice(self._read_group(key[1], late=loader.read_ahead > 0), key)
             batch = self.converter(data, row_offset=loader.batch_start(key))
             self.cache.put(key, batch)
         batch = loader.filter_rows(batch, key)
