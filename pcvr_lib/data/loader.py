@@ -227,16 +227,16 @@ class _WorkerDataset(torch.utils.data.IterableDataset):
         super().__init__()
         self.loader = loader
         self.stats_queue = stats_queue
-        self.pipeline: _Pipeline | None = None
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        if self.pipeline is None:
-            self.pipeline = _Pipeline(self.loader, max(1, self.loader.cache_capacity // workers))
+        # a fresh pipeline (cache, counters) per iteration, as in the single-process path: one iteration
+        # is the whole plan, and OPT's trace starts at its beginning
+        pipeline = _Pipeline(self.loader, max(1, self.loader.cache_capacity // workers))
         items = self.loader.plan_items()[worker::workers]
-        yield from self.pipeline.batches(items, self.loader.pass_traces(items))
-        self.stats_queue.put((worker, self.pipeline.stats()))
+        yield from pipeline.batches(items, self.loader.pass_traces(items))
+        self.stats_queue.put((worker, pipeline.stats()))
 
 
 class PcvrLoader:
