@@ -160,6 +160,16 @@ def test_clone_isolation(policy):
     assert torch.equal(cache.get("k"), torch.arange(5))
 
 
+def test_peek_and_contains_count_nothing():
+    cache = make_cache("lru", 2)
+    run(cache, ["a", "b"])
+    before = cache.stats()
+    assert cache.contains("a") and cache.peek("a") is cache.peek("a") and cache.peek("z") is None
+    assert cache.stats() == before
+    run(cache, ["c"])  # peeking did not refresh a: it is still the LRU victim
+    assert sorted(cache.keys()) == ["b", "c"]
+
+
 def test_none_cache_counts_misses_and_stores_nothing():
     cache = make_cache("none", 8)
     assert run(cache, ["a", "a", "a"]) == [False, False, False]

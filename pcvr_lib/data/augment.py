@@ -180,8 +180,11 @@ class FeatureMask(_Transform):
             rows, length = plan.lengths.shape[0], plan.max_len
             valid = torch.arange(length)[None, :] < plan.lengths[:, None]
             keep = valid & ~(torch.rand(rows, length, generator=gen) < self.p)
-            # compaction: a stable sort puts the kept positions first, in their order
-            order = torch.sort((~keep).to(torch.uint8), dim=1, stable=True).indices
+            # compaction: kept position j goes to slot (kept positions before j); the rest to a spare slot
+            slot = torch.where(keep, keep.cumsum(1) - 1, length)
+            order = torch.zeros(rows, length + 1, dtype=torch.int64)
+            order.scatter_(1, slot, torch.arange(length).expand(rows, -1))
+            order = order[:, :length]
             plan.source = order if plan.source is None else torch.gather(plan.source, 1, order)
             plan.lengths = keep.sum(1)
 

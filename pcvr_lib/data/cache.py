@@ -78,6 +78,11 @@ class BatchCache:
         """Membership without counting an access or touching recency (for read-ahead decisions)."""
         return key in self._data
 
+    def peek(self, key: Hashable) -> Any | None:
+        """The stored payload itself (no clone, no access counted), for read-ahead only: the caller must
+        not modify it. Payloads are never modified in the cache, so a peeked one stays valid after eviction."""
+        return self._data.get(key)
+
     def get(self, key: Hashable) -> Any | None:
         self._on_access(key)
         payload = self._data.get(key)

@@ -12,9 +12,11 @@ pass the cache's trace is rebuilt from the rest of the plan (payloads kept, per-
 
 Speed: Arrow decoding of the next row groups runs in a read-ahead thread (pyarrow releases the GIL and
 decodes columns on its own thread pool) while the calling thread converts, caches and augments, so
-conversion hides behind decoding. The reader asks the cache (without counting an access) whether a key is
-already there and skips decoding row groups whose batches are all cached; if a key is evicted between
-that look and its use, the batch is decoded on the spot (counted in `stats()["late_reads"]`).
+conversion hides behind decoding. The reader peeks into the cache (without counting an access) and skips
+decoding row groups whose batches are all cached, passing those payloads along by reference; if one is
+evicted before its use, the consumer counts the miss but reuses that identical batch instead of decoding
+(`stats()["reused_after_eviction"]`). A batch neither decoded ahead nor seen is decoded on the spot in
+the consuming thread (`late_reads`; not expected with the peek).
 The batch work runs with `torch_threads` intra-op threads (default 1, restored before each batch is
 handed out): the copies and masks are memory-bound, and on a small shared machine torch's thread pool
 spinning against pyarrow's decoder threads made a 200 KB clone take 13 ms instead of 5 us.
@@ -91,6 +93,13 @@ def _batch_seed(seed: int, pass_index: int, position: int) -> int:
     return int(splitmix64(key)[0] >> np.uint64(1))
 
 
+@dataclass(frozen=True)
+class _Converted:
+    """A cached payload seen by the read-ahead thread (by reference; never modified)."""
+
+    batch: Batch
+
+
 def _put(out: queue.Queue, obj, stop: threading.Event) -> None:
     """Put unless the consumer has stopped (so a reader never blocks forever on a full queue)."""
     while not stop.is_set():
@@ -116,6 +125,7 @@ class _Pipeline:
         self.rows = 0
         self.batch_count = 0
         self.late_reads = 0
+        self.reused_after_eviction = 0
         self.groups_read = 0
         self.current_pass: int | None = None
 
@@ -142,11 +152,13 @@ class _Pipeline:
                 while j < len(items) and items[j][2][1] == group:
                     j += 1
                 run = items[i:j]
-                table = None
-                if not all(self.cache.contains(key) for _, _, key in run):
-                    table = self._read_group(group)
-                for item in run:
-                    data = self._slice(table, item[2]) if table is not None else None
+                # Cached payloads are passed along by reference: if one is evicted before the consumer
+                # asks for it, the consumer still counts a miss but reuses this (identical) batch
+                # instead of decoding the row group again in its own thread.
+                cached = [self.cache.peek(key) for _, _, key in run]
+                table = None if all(c is not None for c in cached) else self._read_group(group)
+                for item, payload in zip(run, cached, strict=True):
+                    data = self._slice(table, item[2]) if table is not None else _Converted(payload)
                     _put(out, (item, data), stop)
                 i = j
             _put(out, None, stop)
@@ -196,10 +208,14 @@ class _Pipeline:
             self.cache.set_trace(traces[pass_index])  # per-sweep rebuild: the rest of the plan
         batch = self.cache.get(key)
         if batch is None:
-            if data is None:
-                self.late_reads += loader.read_ahead > 0
-                data = self._slice(self._read_group(key[1], late=loader.read_ahead > 0), key)
-            batch = self.converter(data, row_offset=loader.batch_start(key))
+            if isinstance(data, _Converted):  # evicted after the read-ahead saw it: reuse, do not decode
+                self.reused_after_eviction += 1
+                batch = data.batch.clone()
+            else:
+                if data is None:
+                    self.late_reads += loader.read_ahead > 0
+                    data = self._slice(self._read_group(key[1], late=loader.read_ahead > 0), key)
+                batch = self.converter(data, row_offset=loader.batch_start(key))
             self.cache.put(key, batch)
         batch = loader.filter_rows(batch, key)
         if self.augmenter is not None:
@@ -215,6 +231,7 @@ class _Pipeline:
             "batches": self.batch_count,
             "row_groups_read": self.groups_read,
             "late_reads": self.late_reads,
+            "reused_after_eviction": self.reused_after_eviction,
             "cache": self.cache.stats(),
             "converter": dict(self.converter.stats),
         }
@@ -461,6 +478,7 @@ class PcvrLoader:
             "batches": sum(w["batches"] for w in workers),
             "row_groups_read": sum(w["row_groups_read"] for w in workers),
             "late_reads": sum(w["late_reads"] for w in workers),
+            "reused_after_eviction": sum(w["reused_after_eviction"] for w in workers),
         }
         if workers:
             caches = [w["cache"] for w in workers]
