@@ -184,6 +184,7 @@ def run_loader_case(benchmark, cfg, schema, path, preset):
         bytes_per_batch=nbytes,
         row_groups_read=stats["row_groups_read"],
         late_reads=stats["late_reads"],
+        reused_after_eviction=stats["reused_after_eviction"],
         pyarrow_read_rows_per_sec=floor,
         ratio_to_pyarrow_read=rows_per_sec / floor,
     )
