@@ -18,6 +18,8 @@ from pathlib import Path
 # extra_info keys worth a column, in display order, with their header and format.
 SUMMARY_FIELDS = [
     ("rows_per_sec", "rows/s", "{:,.0f}"),
+    ("ratio_to_pyarrow_read", "vs pyarrow", "{:.2f}"),
+    ("ratio_to_copy_floor", "vs copy", "{:.2f}"),
     ("hit_rate", "hit", "{:.1%}"),
     ("speedup_vs_torch", "vs torch", "{:.2f}x"),
     ("device_us", "device us", "{:.1f}"),
