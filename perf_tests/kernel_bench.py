@@ -38,7 +38,7 @@ class CaseKey:
     op: str
     shape: str  # e.g. "65536x1024"
     dtype: str  # fp16 | bf16 | fp32
-    direction: str  # fwd | fwdbwd
+    direction: str  # fwd | fwd+bwd
 
     def case_id(self, backend: str) -> str:
         return f"op={self.op},backend={backend},shape={self.shape},dtype={self.dtype},dir={self.direction}"

@@ -34,13 +34,13 @@ ROUNDS = 20
 
 def _cases():
     cases = []
-    for direction in ("fwd", "fwdbwd"):  # forward first: the targets that matter most
+    for direction in ("fwd", "fwd+bwd"):  # forward first: the targets that matter most
         for op in ("rms_norm", "layer_norm"):
             for shape in SHAPES:
                 for dtype in DTYPES:
                     key = kb.CaseKey(op, f"{shape[0]}x{shape[1]}", DTYPE_NAMES[dtype], direction)
                     for backend in BACKENDS:
-                        if backend == "torch_compile" and direction == "fwdbwd" and shape != SHAPES[0]:
+                        if backend == "torch_compile" and direction == "fwd+bwd" and shape != SHAPES[0]:
                             continue  # compile time: fwd+bwd compile peer at the reference shape only
                         cases.append(pytest.param(key, backend, shape, dtype, id=key.case_id(backend)))
     return cases
@@ -110,7 +110,7 @@ def _bytes(op: str, shape, dtype, direction: str) -> int:
 def test_norm(benchmark, key, backend, shape, dtype):
     kb.require_gpu_backend(key.op, backend)
     fn = _peer_fn(key.op, backend)
-    grad = key.direction == "fwdbwd"
+    grad = key.direction == "fwd+bwd"
     tensors, dy = _inputs(key.op, shape, dtype, grad)
 
     if grad:

@@ -5,7 +5,7 @@ times per-call latency as a user sees it (back-to-back calls, host work included
 beside it) through the shared runner perf_tests/kernel_bench.py.
 
 The "torch" case is the peer a user would otherwise call: `F.embedding_bag(mode="mean",
-padding_idx=0)` (sparse=True for fwdbwd) on ids that are already in range; the library's own torch
+padding_idx=0)` (sparse=True for fwd+bwd) on ids that are already in range; the library's own torch
 backend adds one masking pass for ids outside (0, V). Gradients are taken with torch.autograd.grad
 (nothing accumulates across calls).
 
@@ -13,7 +13,7 @@ Distributions: "uniform" = fixed bag length, each position padding (id 0) with p
 uniform in [1, V); "zipf" = bag lengths uniform in [1, L] (the rest padding), ids log-uniform
 (P(id) ~ 1/id, Zipf s=1) scattered over the table by a multiplicative hash, so hot rows are not
 neighbours. Bytes counted: valid gathered rows + ids + output (fwd); plus grad_out read, ids read and
-the COO values + indices written (fwdbwd, B*L entries: our layout).
+the COO values + indices written (fwd+bwd, B*L entries: our layout).
 
 Print the summary table of a saved run: python perf_tests/test_kernels_embedding.py RUN.json
 """
@@ -73,7 +73,7 @@ def cases():
     for name, batch, num_rows, dim, bag, dtypes in SHAPES:
         for dtype in dtypes:
             for dist in DISTS:
-                for direction, backends in (("fwd", FWD_BACKENDS), ("fwdbwd", TRAIN_BACKENDS)):
+                for direction, backends in (("fwd", FWD_BACKENDS), ("fwd+bwd", TRAIN_BACKENDS)):
                     for backend in backends:  # torch first: the speedups need its time
                         cid = (f"op={OP},backend={backend},shape={name},dtype={dtype},dist={dist},"
                                f"dir={direction}")
@@ -214,7 +214,7 @@ def cpu_case(benchmark, shape, dtype, dist, direction):
     result = benchmark.pedantic(call, rounds=1, iterations=1)
     out = result if direction == "fwd" else result[0]
     assert_close(out, eb.reference_forward(weight, ids), weight.dtype, what="torch forward")
-    if direction == "fwdbwd":
+    if direction == "fwd+bwd":
         grad_check(result[1], weight, ids, grad_out)
     benchmark.extra_info.update({"op": OP, "backend": "torch", "shape": shape[0], "dtype": dtype, "dist": dist,
                                  "dir": direction, "note": "CPU smoke run, not a GPU timing"})
