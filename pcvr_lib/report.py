@@ -164,12 +164,12 @@ def resolve_baseline(storage: Path, wanted: str | None) -> Path:
 
 
 def check_same_accelerator(baseline: dict, baseline_path: Path, gpu_now: str | None) -> None:
-    gpu_then = (baseline.get("machine_info", {}).get("gpu") or {}).get("name")
-    if gpu_then != gpu_now:
-        raise ReportError(
-            f"refusing to compare: {baseline_path} was measured on {gpu_then or 'no GPU'}, this machine has "
-            f"{gpu_now or 'no GPU'}; timings from different accelerators are not comparable"
-        )
+    from pcvr_lib.timing import assert_comparable
+
+    try:
+        assert_comparable(baseline.get("machine_info", {}), {"gpu": {"name": gpu_now} if gpu_now else None})
+    except ValueError as exc:
+        raise ReportError(f"{baseline_path}: {exc}") from exc
 
 
 def add_compare_arguments(parser) -> None:
