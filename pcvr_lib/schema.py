@@ -166,51 +166,25 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int | np.integer) and not isinstance(value, bool)
 
 
-def _int_entry(group: str, index: int, entry: Any) -> tuple[int, int, int]:
+_FIELD_MIN = {"vocab_size": 0, "dim": 1}  # smallest allowed value of each non-fid field
+
+
+def _entry(where: str, index: int, entry: Any, names: tuple[str, ...]) -> tuple[int, ...]:
+    """One feature entry, given as a list in `names` order or a dict of those keys (names[0] is "fid")."""
     if isinstance(entry, Mapping):
-        _check_keys(f"{group}[{index}]", entry, {"fid", "vocab_size", "dim"}, {"fid", "vocab_size", "dim"})
-        values = (entry["fid"], entry["vocab_size"], entry["dim"])
-    elif isinstance(entry, list | tuple) and len(entry) == 3:
+        _check_keys(f"{where}[{index}]", entry, set(names), set(names))
+        values = tuple(entry[name] for name in names)
+    elif isinstance(entry, list | tuple) and len(entry) == len(names):
         values = tuple(entry)
     else:
-        raise SchemaError(f"{group}[{index}]: expected [fid, vocab_size, dim] or a dict of those, got {entry!r}")
-    fid, vocab, dim = values
-    _check_fid(group, index, fid)
-    if not _is_int(vocab) or vocab < 0:
-        raise SchemaError(f"{group} fid {fid}: vocab_size must be an integer >= 0, got {vocab!r}")
-    if not _is_int(dim) or dim < 1:
-        raise SchemaError(f"{group} fid {fid}: dim must be an integer >= 1, got {dim!r}")
-    return int(fid), int(vocab), int(dim)
-
-
-def _dense_entry(group: str, index: int, entry: Any) -> tuple[int, int]:
-    if isinstance(entry, Mapping):
-        _check_keys(f"{group}[{index}]", entry, {"fid", "dim"}, {"fid", "dim"})
-        values = (entry["fid"], entry["dim"])
-    elif isinstance(entry, list | tuple) and len(entry) == 2:
-        values = tuple(entry)
-    else:
-        raise SchemaError(f"{group}[{index}]: expected [fid, dim] or a dict of those, got {entry!r}")
-    fid, dim = values
-    _check_fid(group, index, fid)
-    if not _is_int(dim) or dim < 1:
-        raise SchemaError(f"{group} fid {fid}: dim must be an integer >= 1, got {dim!r}")
-    return int(fid), int(dim)
-
-
-def _seq_entry(where: str, index: int, entry: Any) -> tuple[int, int]:
-    if isinstance(entry, Mapping):
-        _check_keys(f"{where}[{index}]", entry, {"fid", "vocab_size"}, {"fid", "vocab_size"})
-        values = (entry["fid"], entry["vocab_size"])
-    elif isinstance(entry, list | tuple) and len(entry) == 2:
-        values = tuple(entry)
-    else:
-        raise SchemaError(f"{where}[{index}]: expected [fid, vocab_size] or a dict of those, got {entry!r}")
-    fid, vocab = values
+        raise SchemaError(f"{where}[{index}]: expected [{', '.join(names)}] or a dict of those, got {entry!r}")
+    fid = values[0]
     _check_fid(where, index, fid)
-    if not _is_int(vocab) or vocab < 0:
-        raise SchemaError(f"{where} fid {fid}: vocab_size must be an integer >= 0, got {vocab!r}")
-    return int(fid), int(vocab)
+    for name, value in zip(names[1:], values[1:], strict=True):
+        low = _FIELD_MIN[name]
+        if not _is_int(value) or value < low:
+            raise SchemaError(f"{where} fid {fid}: {name} must be an integer >= {low}, got {value!r}")
+    return tuple(int(v) for v in values)
 
 
 def _check_fid(group: str, index: int, fid: Any) -> None:
@@ -251,7 +225,7 @@ def parse_schema(raw: Mapping[str, Any], max_lens: Mapping[str, int] | str | Non
 
     int_groups: dict[str, tuple[IntFeature, ...]] = {}
     for group in INT_GROUPS:
-        entries = [_int_entry(group, i, e) for i, e in enumerate(_as_list(group, raw[group]))]
+        entries = [_entry(group, i, e, ("fid", "vocab_size", "dim")) for i, e in enumerate(_as_list(group, raw[group]))]
         if not entries:
             raise SchemaError(f"{group}: must list at least one feature")
         _check_unique(group, [fid for fid, _, _ in entries])
@@ -263,7 +237,7 @@ def parse_schema(raw: Mapping[str, Any], max_lens: Mapping[str, int] | str | Non
 
     dense_groups: dict[str, tuple[DenseFeature, ...]] = {}
     for group in DENSE_GROUPS:
-        entries = [_dense_entry(group, i, e) for i, e in enumerate(_as_list(group, raw.get(group, [])))]
+        entries = [_entry(group, i, e, ("fid", "dim")) for i, e in enumerate(_as_list(group, raw.get(group, [])))]
         _check_unique(group, [fid for fid, _ in entries])
         offsets = np.cumsum([0] + [dim for _, dim in entries])
         dense_groups[group] = tuple(
@@ -290,7 +264,10 @@ def parse_schema(raw: Mapping[str, Any], max_lens: Mapping[str, int] | str | Non
         if prefix in prefixes:
             raise SchemaError(f"{where}: prefix {prefix!r} is already used by domain {prefixes[prefix]!r}")
         prefixes[prefix] = name
-        feats = [_seq_entry(f"{where}.features", i, e) for i, e in enumerate(_as_list(where, spec["features"]))]
+        feats = [
+            _entry(f"{where}.features", i, e, ("fid", "vocab_size"))
+            for i, e in enumerate(_as_list(where, spec["features"]))
+        ]
         if not feats:
             raise SchemaError(f"{where}: must list at least one feature")
         _check_unique(f"{where}.features", [fid for fid, _ in feats])
