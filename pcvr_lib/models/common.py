@@ -24,6 +24,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pcvr_lib.data.batch import Batch, SequenceBlock
+from pcvr_lib.kernels.rms_norm import rms_norm_formula
 from pcvr_lib.schema import Schema
 
 NUM_TIME_BUCKETS = 64  # 0 = padding, 1..63 = request - event time classes
@@ -78,11 +79,10 @@ class ModelConfig:
 
 # ------------------------------------------------------------------------------------ operator sites
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, backend: str = "torch") -> torch.Tensor:
-    """RMSNorm over the last dim. The one place models call it: switch backends here."""
+    """RMSNorm over the last dim. The one place models call it: switch backends here. The torch backend is
+    the kernels package's fp32 eager formula (the models' numerics since the start), not F.rms_norm."""
     if backend == "torch":
-        xf = x.float()
-        out = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-        return (out * weight.float()).to(x.dtype)
+        return rms_norm_formula(x, weight, eps)
     from pcvr_lib import kernels  # GPU backends live in the kernels package
 
     return kernels.rms_norm(x, weight, eps, backend=backend)
