@@ -161,20 +161,6 @@ class NoCache(BatchCache):
         return out
 
 
-class LRUCache(BatchCache):
-    policy = "lru"
-
-    def __init__(self, capacity: int):
-        super().__init__(capacity)
-        self._data = OrderedDict()
-
-    def _on_hit(self, key):
-        self._data.move_to_end(key)
-
-    def _pop_victim(self):
-        return next(iter(self._data))
-
-
 class FIFOCache(BatchCache):
     """Evicts in insertion order; hits do not refresh."""
 
@@ -182,10 +168,19 @@ class FIFOCache(BatchCache):
 
     def __init__(self, capacity: int):
         super().__init__(capacity)
-        self._data = OrderedDict()
+        self._data = OrderedDict()  # its front stays cheap to reach after many evictions, unlike a dict's
 
     def _pop_victim(self):
         return next(iter(self._data))
+
+
+class LRUCache(FIFOCache):
+    """FIFO whose hits move the key to the back, so the front is the least recently used."""
+
+    policy = "lru"
+
+    def _on_hit(self, key):
+        self._data.move_to_end(key)
 
 
 class LFUCache(BatchCache):
