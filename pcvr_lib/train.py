@@ -396,7 +396,6 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress) -
     from pcvr_lib.models import build_model
     from pcvr_lib.optim import build_optimizer_set, train_step
 
-
     model = build_model(config.model, schema, config.model_config).to(device)
     meta: dict[str, Any] = {"model": config.model, "seed": config.seed, "amp": config.amp}
     runner = _compile(model, config.compile, meta)
@@ -719,17 +718,11 @@ def run_infer(args: argparse.Namespace) -> int:
 
 
 def _guarded(fn) -> int:
-    """Run a command body; expected errors become one clear line and exit code 2."""
-    from pcvr_lib.data.parquet import DataError
-    from pcvr_lib.data.split import SplitError
-    from pcvr_lib.optim import OptimizerError
-
+    """Run a command body; expected errors become one clear line and exit code 2. TrainError, DataError,
+    SplitError, OptimizerError and the model config / registry errors are all ValueErrors."""
     try:
         fn()
-    except (TrainError, DataError, SplitError, OptimizerError, FileNotFoundError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
-    except ValueError as exc:  # model config and registry errors
+    except (ValueError, FileNotFoundError) as exc:
         print(f"error: {exc}", file=sys.stderr)
         return 2
     return 0
