@@ -10,7 +10,6 @@ Standalone, the numbers in notes/data-convert.md:
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 import time
 from pathlib import Path
@@ -149,8 +148,7 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile one pass")
     args = parser.parse_args()
     single_thread()
-    cache = Path(os.environ.get("PCVR_CACHE_DIR", ROOT / ".cache" / "pcvr"))
-    path = generate_dataset(SCHEMA, rows=1000, multiplier=args.multiplier, cache_dir=cache)
+    path = generate_dataset(SCHEMA, rows=1000, multiplier=args.multiplier)  # the default (PCVR_CACHE_DIR) cache
     batches = preload(path, args.batches, args.batch_size)
     converter = Converter(load_schema(SCHEMA), strict_time_filter=args.strict, backend=args.backend)
     if args.profile:
