@@ -3,8 +3,8 @@ copy floor (copying one converted batch's bytes once into preallocated tensors).
 
 As a pytest-benchmark case (small data under CI):
     pytest perf_tests/test_converter_micro.py --benchmark-only
-Standalone, the numbers in notes/data-convert.md:
-    python perf_tests/test_converter_micro.py --multiplier 30 --batches 48 [--strict]
+Standalone, the numbers in notes/data-convert.md (--multiplier defaults to 30):
+    python perf_tests/test_converter_micro.py --batches 40 --passes 5 [--strict] [--backend numpy]
 """
 
 from __future__ import annotations
