@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from .._triton import next_pow2
+
 # (backend, kernel, ...cache key) -> seconds the first (compiling) call took, launch included.
 compile_seconds: dict[tuple, float] = {}
 
@@ -17,10 +19,6 @@ class LaunchConfig(NamedTuple):
     block_l: int
     block_d: int
     num_warps: int
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, int(n) - 1).bit_length()
 
 
 def launch_config(batch: int, bag: int, dim: int, elem_bytes: int) -> LaunchConfig:

@@ -11,12 +11,10 @@ import functools
 
 import torch
 
+from pcvr_lib.kernels._triton import next_pow2
+
 MAX_WIDTH = 16384  # one row must fit in registers; wider rows are rejected with a clear error
 TILE_ELEMENTS = 4096
-
-
-def next_pow2(n: int) -> int:
-    return 1 << (max(1, n) - 1).bit_length()
 
 
 def block_config(width: int) -> tuple[int, int]:
