@@ -38,7 +38,7 @@ except ImportError:  # run as a script from perf_tests/
 
 OP = eb.OP
 CUDA = torch.cuda.is_available()
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = kb.DTYPES  # "fp16" -> torch.float16, ...
 
 # name, B, V, D, L, dtypes
 GPU_SHAPES = [
