@@ -166,10 +166,11 @@ def run_loader_case(benchmark, cfg, schema, path, preset):
 
     best = min(timings)
     source_rows = loader.planned_rows
-    floor = pf.metadata.num_rows / min(floor_timings)
+    file_rows = pf.metadata.num_rows
+    floor = file_rows / min(floor_timings)
     # per round: loader rows/s over the floor's rows/s averaged from the reads just before and after it
     round_ratios = [
-        (loader.planned_rows / t) / (pf.metadata.num_rows / ((before + after) / 2))
+        (source_rows / t) / (file_rows / ((before + after) / 2))
         for t, before, after in zip(timings, floor_timings[:-1], floor_timings[1:], strict=False)
     ]
     rows_per_sec = source_rows / best
