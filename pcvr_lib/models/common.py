@@ -444,7 +444,8 @@ class FeatureEmbeddings(nn.Module):
         feature = getattr(self, f"{side}_feature")
         n = getattr(self, f"{side}_features")
         summed = emb.new_zeros(emb.shape[0], n, emb.shape[2]).index_add(1, feature, emb)
-        counts = (rows > 0).to(emb.dtype).new_zeros(rows.shape[0], n).index_add(1, feature, (rows > 0).to(emb.dtype))
+        present = (rows > 0).to(emb.dtype)
+        counts = present.new_zeros(rows.shape[0], n).index_add(1, feature, present)
         return summed / counts.clamp(min=1)[:, :, None]
 
     def sequence(self, seq: SequenceBlock, domain: str) -> torch.Tensor:
