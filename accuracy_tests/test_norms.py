@@ -278,11 +278,9 @@ def _compile_tilelang(spec):
 
 def test_tilelang_kernels_compile_for_sm90():
     """Every TileLang kernel (inference, training forward, backward) lowers and compiles for sm_90."""
-    ok, reason = (True, "") if registry.package_problem("tilelang") is None else (False, "tilelang: not installed")
-    if not ok:
-        pytest.skip(reason)
-    if not CUDA and not (os.environ.get("CUDA_HOME") or __import__("shutil").which("nvcc")):
-        pytest.skip("tilelang: no nvcc to compile for sm_90")
+    problem = registry.package_problem("tilelang") or (None if CUDA else registry.nvcc_problem(torch.device("cpu")))
+    if problem:
+        pytest.skip(f"tilelang: {problem}")
     # 385 exercises the padded, guarded path; bf16 the conversions
     specs = [(op, kind, 385, torch.bfloat16) for op in OPS for kind in ("fwd_infer", "fwd_train", "bwd")]
     with ProcessPoolExecutor(max_workers=min(6, os.cpu_count() or 1)) as pool:
