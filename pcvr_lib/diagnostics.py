@@ -332,6 +332,14 @@ def _colors(n: int):
     return [cmap(i % cmap.N) for i in range(n)]
 
 
+def _finish(plt, fig, title: str, out: Path) -> None:
+    """Title, lay out, save at 110 dpi and close a figure (every figure ends the same way)."""
+    fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+    plt.close(fig)
+
+
 def _fmt(value, digits=3):
     return "n/a" if value is None else f"{value:.{digits}f}"
 
@@ -400,10 +408,7 @@ def fig_runtime(summary: dict, out: Path) -> None:
         ax.margins(0.2)
     else:
         _no_data(ax, "no AUC / telemetry")
-    fig.suptitle("Runtime and resources")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _finish(plt, fig, "Runtime and resources", out)
 
 
 def fig_distribution(groups: list[Group], summary: dict, out: Path) -> None:
@@ -432,10 +437,7 @@ def fig_distribution(groups: list[Group], summary: dict, out: Path) -> None:
         ax.legend(fontsize=8)
     if not groups:
         _no_data(axes[0, 0])
-    fig.suptitle("Prediction distribution: positives vs negatives")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _finish(plt, fig, "Prediction distribution: positives vs negatives", out)
 
 
 def fig_correlation(groups: list[Group], summary: dict, out: Path) -> None:
@@ -476,10 +478,7 @@ def fig_correlation(groups: list[Group], summary: dict, out: Path) -> None:
     else:
         _no_data(ax2, "needs a group with two or more seeds")
         ax2.set_title("Within group (Spearman across seeds)")
-    fig.suptitle("Prediction correlation (Spearman rank correlation)")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _finish(plt, fig, "Prediction correlation (Spearman rank correlation)", out)
 
 
 def fig_disagreement(summary: dict, out: Path) -> None:
@@ -507,10 +506,7 @@ def fig_disagreement(summary: dict, out: Path) -> None:
     else:
         _no_data(ax1, "needs two groups with predictions")
         _no_data(ax2, "needs two groups with predictions")
-    fig.suptitle("Sample disagreement between groups")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _finish(plt, fig, "Sample disagreement between groups", out)
 
 
 def fig_stability(summary: dict, out: Path) -> None:
@@ -564,10 +560,7 @@ def fig_stability(summary: dict, out: Path) -> None:
     else:
         _no_data(ax, "needs a group with two or more seeds")
         ax.set_title("Prediction seed drift")
-    fig.suptitle("Stability across seeds")
-    fig.tight_layout()
-    fig.savefig(out, dpi=110)
-    plt.close(fig)
+    _finish(plt, fig, "Stability across seeds", out)
 
 
 # ---------------------------------------------------------------------------------------------- driver
