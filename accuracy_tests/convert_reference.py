@@ -95,7 +95,7 @@ def reference_convert(data, schema: Schema, *, training=True, strict=False, clip
             ts = ts_col[r] or []
             if strict:
                 valid = [j for j, t in enumerate(ts) if 0 < t < request[r]]
-                chosen = valid[-L:] if len(valid) > L else valid  # the last L valid events
+                chosen = valid[-L:]  # the last L valid events
                 lengths[r] = len(chosen)
                 for p, j in enumerate(chosen):
                     timestamps[r, p] = ts[j]
@@ -104,14 +104,14 @@ def reference_convert(data, schema: Schema, *, training=True, strict=False, clip
                     cell = col[r] or []
                     per_feature.append([cell[j] if j < len(cell) else 0 for j in chosen])
             else:
-                kept_ts = ts[-L:] if len(ts) > L else ts  # the newest L events
+                kept_ts = ts[-L:]  # the newest L events
                 for p, t in enumerate(kept_ts):
                     timestamps[r, p] = t
                 per_feature = []
                 for col in side_cols:
                     cell = col[r] or []
-                    per_feature.append(cell[-L:] if len(cell) > L else cell)
-                lengths[r] = max((len(x) for x in per_feature), default=len(kept_ts)) if side_feats else len(kept_ts)
+                    per_feature.append(cell[-L:])
+                lengths[r] = max((len(x) for x in per_feature), default=len(kept_ts))  # no side feature: the ts list
             for f, feat in enumerate(side_feats):
                 for p, x in enumerate(per_feature[f]):
                     if x <= 0 or feat.vocab_size == 0:
