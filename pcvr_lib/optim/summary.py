@@ -5,9 +5,10 @@
 
 from __future__ import annotations
 
-import json
 import re
 import sys
+
+from pcvr_lib.report import ReportError, load_benchmark_json
 
 
 def rows(data: dict) -> list[tuple]:
@@ -33,8 +34,11 @@ def main(argv: list[str] | None = None) -> int:
     if len(argv) != 1:
         print("usage: python -m pcvr_lib.optim.summary BENCH.json", file=sys.stderr)
         return 2
-    with open(argv[0]) as f:
-        data = json.load(f)
+    try:
+        data = load_benchmark_json(argv[0])
+    except ReportError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        return 2
     print(f"{'workload':10} {'dev':4} {'what':5} {'optimizer':22} {'median us':>10} {'device us':>10} "
           f"{'x fused':>8} {'step us':>9} {'loss':>8} {'NS sigma':>13}")
     for r in rows(data):
