@@ -34,7 +34,9 @@ def repo_root() -> Path:
 @pytest.fixture(scope="session")
 def data_cache_dir() -> Path:
     """Where generated parquet files are cached by content hash (ignored by git)."""
-    path = Path(os.environ.get("PCVR_CACHE_DIR", ROOT / ".cache" / "pcvr"))
+    from pcvr_lib.data.generate import default_cache_dir
+
+    path = default_cache_dir()
     path.mkdir(parents=True, exist_ok=True)
     return path
 
