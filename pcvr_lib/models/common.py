@@ -282,10 +282,23 @@ class PerTokenLinear(nn.Module):
 
 
 # ------------------------------------------------------------------------------- time and sequences
+_TIME_BOUNDARIES: dict[torch.device, torch.Tensor] = {}
+
+
+def _time_boundaries(device: torch.device) -> torch.Tensor:
+    """TIME_BOUNDARIES_SEC as an fp64 tensor on `device`, built once per device (on CUDA a fresh one
+    would be a blocking host-to-device copy on every call, twice per domain per forward)."""
+    boundaries = _TIME_BOUNDARIES.get(device)
+    if boundaries is None:
+        boundaries = torch.as_tensor(TIME_BOUNDARIES_SEC, dtype=torch.float64, device=device)
+        _TIME_BOUNDARIES[device] = boundaries
+    return boundaries
+
+
 def time_buckets(request_ts: torch.Tensor, event_ts: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
     """Bucket of (request - event) seconds: 63 log-spaced boundaries 5 s .. 1 year, searchsorted + 1
     capped at 63; padding positions get 0. request_ts [B], event_ts [B, L], valid [B, L] -> long [B, L]."""
-    boundaries = torch.as_tensor(TIME_BOUNDARIES_SEC, dtype=torch.float64, device=event_ts.device)
+    boundaries = _time_boundaries(event_ts.device)
     delta = (request_ts[:, None] - event_ts).to(torch.float64)
     bucket = (torch.searchsorted(boundaries, delta.contiguous()) + 1).clamp(max=NUM_TIME_BUCKETS - 1)
     return torch.where(valid, bucket, torch.zeros_like(bucket))
