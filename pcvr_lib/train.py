@@ -160,6 +160,7 @@ class Telemetry:
     def __init__(self, label: str, device: torch.device):
         self.label, self.device = label, device
         self.rows = self.batches = self.steps = 0
+        self.excluded = 0.0  # seconds inside the phase that belong to another phase (training's holdout evals)
 
     def __enter__(self) -> Telemetry:
         _reset_peak_rss()
@@ -176,8 +177,6 @@ class Telemetry:
         self.wall = time.perf_counter() - self._t0
         self.elapsed = self.wall - self.excluded
         self.ended = _now()
-
-    excluded = 0.0  # seconds inside the phase that belong to another phase (training's holdout evals)
 
     def to_dict(self, model=None, metadata: dict | None = None) -> dict[str, Any]:
         elapsed = max(self.elapsed, 1e-9)
