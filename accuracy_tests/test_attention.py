@@ -12,8 +12,6 @@ lowered and compiled for sm_90a (forward and backward). GPU: everything, outputs
 
 import math
 import os
-import subprocess
-import sys
 
 import pytest
 import torch
@@ -21,7 +19,7 @@ import torch
 from pcvr_lib.kernels import flash_attention, key_lengths_from_mask, registry
 from pcvr_lib.kernels.attention import allowed_mask, dropout_keep_mask
 from pcvr_lib.kernels.attention.masks import draw_seed
-from pcvr_lib.kernels.testing import poisoned_outputs
+from pcvr_lib.kernels.testing import poisoned_outputs, run_pytest_child
 
 CUDA = torch.cuda.is_available()
 ULP = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
@@ -242,12 +240,9 @@ def test_triton_interpreter(repo_root):
     problem = registry.package_problem("triton")
     if problem:
         pytest.skip(f"triton: {problem}")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PCVR_ATTENTION_INTERP_CHILD": "1"}
-    result = subprocess.run(
-        [sys.executable, "-m", "pytest", __file__, "-k", "test_triton_interpreter_case", "-q", "-x",
-         "-p", "no:cacheprovider", "--benchmark-disable", "-W", "ignore::DeprecationWarning"],
-        cwd=repo_root, env=env, capture_output=True, text=True, timeout=600,
-    )
+    result = run_pytest_child(__file__, "test_triton_interpreter_case",
+                              {"TRITON_INTERPRET": "1", "PCVR_ATTENTION_INTERP_CHILD": "1"}, repo_root,
+                              "-W", "ignore::DeprecationWarning")
     tail = (result.stdout + result.stderr)[-4000:]
     assert result.returncode == 0, f"interpreter cases failed:\n{tail}"
     assert " passed" in tail and "skipped" not in tail.splitlines()[-1], f"interpreter cases did not run:\n{tail}"

@@ -12,8 +12,6 @@ with nvcc; GPU-only checks skip with the registry's reason.
 from __future__ import annotations
 
 import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -23,7 +21,7 @@ from hypothesis import strategies as st
 
 from pcvr_lib.kernels import embedding_bag as eb
 from pcvr_lib.kernels import registry
-from pcvr_lib.kernels.testing import poisoned_outputs
+from pcvr_lib.kernels.testing import poisoned_outputs, run_pytest_child
 from pcvr_lib.kernels.tolerance import DTYPE_NAMES, Tolerance, assert_close, max_errors, tolerance
 
 CUDA = torch.cuda.is_available()
@@ -336,12 +334,8 @@ def test_triton_cases_under_interpreter():
     if problem:
         pytest.skip(f"triton: {problem}")
     root = Path(__file__).resolve().parents[1]
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    proc = subprocess.run(
-        [sys.executable, "-m", "pytest", str(Path(__file__).resolve()), "-k", "triton", "-q", "-x",
-         "-p", "no:cacheprovider", "-p", "no:randomly", "--benchmark-disable"],
-        cwd=root, env=env, capture_output=True, text=True, timeout=600,
-    )
+    proc = run_pytest_child(Path(__file__).resolve(), "triton", {"TRITON_INTERPRET": "1"}, root,
+                            "-p", "no:randomly")
     tail = (proc.stdout + proc.stderr)[-3000:]
     assert proc.returncode == 0, f"Triton interpreter cases failed:\n{tail}"
     assert " passed" in proc.stdout and "failed" not in proc.stdout, tail

@@ -10,6 +10,9 @@ buffers that never pass through `torch.empty`.
 from __future__ import annotations
 
 import contextlib
+import os
+import subprocess
+import sys
 
 import torch
 
@@ -87,3 +90,17 @@ def grad_param_term_scale(dy: torch.Tensor) -> float:
     gd = dy.detach().double()
     rows = gd.numel() // max(1, gd.shape[-1])
     return float(gd.pow(2).mean().sqrt()) * rows ** 0.5
+
+
+def run_pytest_child(test_file, select: str, env: dict[str, str], cwd, *extra_args: str,
+                     timeout: float = 600) -> subprocess.CompletedProcess:
+    """Run `pytest test_file -k select -q -x` in a child Python with `env` added to this environment.
+
+    For cases that need a variable set before any import (Triton reads TRITON_INTERPRET when its library
+    is imported): the child gets it, this process never sees it. The caller asserts on the result.
+    """
+    return subprocess.run(
+        [sys.executable, "-m", "pytest", str(test_file), "-k", select, "-q", "-x", "-p", "no:cacheprovider",
+         "--benchmark-disable", *extra_args],
+        cwd=cwd, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout,
+    )
