@@ -85,7 +85,7 @@ class _FlashAttention(torch.autograd.Function):
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
-_OK_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+_OK_DTYPES = registry.FLOAT_DTYPES  # float16, bfloat16, float32
 
 
 def _check(q, k, v, key_lengths) -> None:

@@ -11,7 +11,7 @@ from .reference import torch_embedding_bag_mean
 
 OP = "embedding_bag_mean"
 BACKENDS = ("torch", "triton", "tilelang", "cuembed")
-WEIGHT_DTYPES = (torch.float16, torch.bfloat16, torch.float32)
+WEIGHT_DTYPES = registry.FLOAT_DTYPES  # float16, bfloat16, float32
 ID_DTYPES = (torch.int32, torch.int64)
 _WEIGHT_DTYPES = frozenset(WEIGHT_DTYPES)
 _ID_DTYPES = frozenset(ID_DTYPES)
