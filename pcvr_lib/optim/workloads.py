@@ -112,7 +112,6 @@ WORKLOADS = {"mlp": mlp_task, "pcvr_dense": pcvr_dense_task}
 
 
 def make_task(name: str, device="cpu", seed: int = 0, **options) -> Task:
-    try:
-        return WORKLOADS[name](seed=seed, device=device, **options)
-    except KeyError:
-        raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}") from None
+    if name not in WORKLOADS:  # looked up first, so a KeyError inside a workload is not misreported
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    return WORKLOADS[name](seed=seed, device=device, **options)
