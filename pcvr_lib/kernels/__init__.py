@@ -7,6 +7,8 @@ operator never requires the others (or triton / tilelang) to be importable.
 from __future__ import annotations
 
 import importlib
+import sys
+import types
 
 _EXPORTS = {
     "rms_norm": "pcvr_lib.kernels.rms_norm",
@@ -30,3 +32,15 @@ def __getattr__(name: str):
 
 def __dir__():
     return sorted(set(globals()) | set(_EXPORTS))
+
+
+def make_module_callable(module_name: str, fn) -> None:
+    """Importing the subpackage `pcvr_lib.kernels.<op>` binds that name on `pcvr_lib.kernels` to the module,
+    shadowing the function of the same name; after this, calling the module calls `fn`, so
+    `from pcvr_lib.kernels import <op>` works whichever of the two it finds."""
+
+    class _CallableModule(types.ModuleType):
+        def __call__(self, *args, **kwargs):
+            return fn(*args, **kwargs)
+
+    sys.modules[module_name].__class__ = _CallableModule

@@ -8,12 +8,10 @@ recompiles (M is a runtime argument / symbolic dimension).
 
 from __future__ import annotations
 
-import sys
-import types
-
 import torch
 import torch.nn.functional as F
 
+from pcvr_lib import kernels
 from pcvr_lib.kernels import registry
 from pcvr_lib.kernels.rms_norm.common import backend_module, check_norm_inputs, rows_view
 
@@ -85,13 +83,4 @@ def layer_norm(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: f
 __all__ = ["layer_norm", "layer_norm_reference"]
 
 
-class _CallableModule(types.ModuleType):
-    """Importing the subpackage `pcvr_lib.kernels.layer_norm` binds that name on `pcvr_lib.kernels` to this
-    module, shadowing the function of the same name; calling the module calls the function, so
-    `from pcvr_lib.kernels import layer_norm` works whichever of the two it finds."""
-
-    def __call__(self, *args, **kwargs):
-        return layer_norm(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+kernels.make_module_callable(__name__, layer_norm)

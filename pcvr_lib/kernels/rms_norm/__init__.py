@@ -7,12 +7,10 @@ enabled and an input that requires grad, an autograd.Function runs the training 
 
 from __future__ import annotations
 
-import sys
-import types
-
 import torch
 import torch.nn.functional as F
 
+from pcvr_lib import kernels
 from pcvr_lib.kernels import registry
 from pcvr_lib.kernels.rms_norm.common import backend_module, check_norm_inputs, rows_view
 
@@ -86,13 +84,4 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, *, backen
 __all__ = ["rms_norm", "rms_norm_formula", "rms_norm_reference", "rms_norm_torch"]
 
 
-class _CallableModule(types.ModuleType):
-    """Importing the subpackage `pcvr_lib.kernels.rms_norm` binds that name on `pcvr_lib.kernels` to this
-    module, shadowing the function of the same name; calling the module calls the function, so
-    `from pcvr_lib.kernels import rms_norm` works whichever of the two it finds."""
-
-    def __call__(self, *args, **kwargs):
-        return rms_norm(*args, **kwargs)
-
-
-sys.modules[__name__].__class__ = _CallableModule
+kernels.make_module_callable(__name__, rms_norm)
