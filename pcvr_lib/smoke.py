@@ -64,17 +64,17 @@ def run_one(job: dict[str, Any]) -> dict[str, Any]:
     """Train, validate and infer one (model, seed); runs in a worker process. Returns the numbers."""
     import torch
 
-    from pcvr_lib.train import TrainConfig, infer, train, validate
-
     threads_before = torch.get_num_threads()
     torch.set_num_threads(job["threads"])
     try:
-        return _run_one(job, train, validate, infer, TrainConfig)
+        return _run_one(job)
     finally:  # matters when the run happens in the caller's process (--jobs 1)
         torch.set_num_threads(threads_before)
 
 
-def _run_one(job, train, validate, infer, TrainConfig) -> dict[str, Any]:
+def _run_one(job: dict[str, Any]) -> dict[str, Any]:
+    from pcvr_lib.train import TrainConfig, infer, train, validate
+
     run_dir = Path(job["run_dir"])
     t0 = time.perf_counter()
     summary = train(TrainConfig(
