@@ -25,7 +25,6 @@ import torch
 
 from pcvr_lib import timing
 from pcvr_lib.kernels import registry
-from pcvr_lib.kernels.tolerance import DTYPE_NAMES
 
 PEERS = ("torch", "torch_compile", "liger")
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
@@ -41,14 +40,8 @@ class CaseKey:
     direction: str  # fwd | fwd+bwd
 
     def case_id(self, backend: str) -> str:
+        """Readable stable id: op=rms_norm,backend=triton,shape=65536x1024,dtype=bf16,dir=fwd."""
         return f"op={self.op},backend={backend},shape={self.shape},dtype={self.dtype},dir={self.direction}"
-
-
-def case_id(op: str, backend: str, shape, dtype, direction: str) -> str:
-    """Readable stable id: op=rms_norm,backend=triton,shape=65536x1024,dtype=bf16,dir=fwd."""
-    shape_s = shape if isinstance(shape, str) else "x".join(str(s) for s in shape)
-    dtype_s = dtype if isinstance(dtype, str) else DTYPE_NAMES[dtype]
-    return CaseKey(op, shape_s, dtype_s, direction).case_id(backend)
 
 
 # per-call seconds measured in this session: key -> backend -> seconds
