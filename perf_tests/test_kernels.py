@@ -222,28 +222,80 @@ def test_host_overhead(benchmark, part):
 
 # ------------------------------------------------------------------ Triton tile-size exploration
 
+EXPLORE_SHAPES = [(65536, 1024), (262144, 128), (16384, 4096)]
+# forward: elements per program; backward: (elements per program, persistent programs per SM)
+# forward: LayerNorm only (RMSNorm's forward was swept in run 2: tile moved device time by <= 5%)
+EXPLORE_FWD = {"layer_norm": [2048, 4096, 8192], "rms_norm": []}
+EXPLORE_BWD = [(4096, 4), (2048, 4), (1024, 4), (2048, 8), (4096, 2), (4096, 8)]  # default first
+
+
+def _explore_cases():
+    cases = []
+    for op in ("rms_norm", "layer_norm"):
+        for shape in EXPLORE_SHAPES:
+            sid = f"{shape[0]}x{shape[1]}"
+            for tile in EXPLORE_FWD[op]:
+                cases.append(pytest.param(op, shape, "fwd", tile, None,
+                                          id=f"op={op},shape={sid},kernel=fwd,tile={tile}"))
+            for tile, per_sm in EXPLORE_BWD:
+                cases.append(pytest.param(op, shape, "bwd", tile, per_sm,
+                                          id=f"op={op},shape={sid},kernel=bwd,tile={tile},per_sm={per_sm}"))
+    return cases
+
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("tile", [2048, 8192, 16384], ids=lambda t: f"tile={t}")
-@pytest.mark.parametrize("shape", [(262144, 128), (65536, 1024)], ids=lambda s: f"shape={s[0]}x{s[1]}")
-def test_triton_tile_exploration(benchmark, monkeypatch, shape, tile):
-    """Elements per program other than the default 4096 (rms_norm forward, fp16): device time only."""
-    from pcvr_lib.kernels.rms_norm import config
+@pytest.mark.parametrize(("op", "shape", "kernel", "tile", "per_sm"), _explore_cases())
+def test_triton_tile_exploration(benchmark, monkeypatch, op, shape, kernel, tile, per_sm):
+    """The Triton norm kernels alone (fp16) at other tiles than the defaults: device time decides.
 
-    kb.require_gpu_backend("rms_norm", "triton")
-    monkeypatch.setattr(config, "TILE_ELEMENTS", tile)
+    fwd: TILE_ELEMENTS (elements per program); bwd: TRITON_BWD_TILE_ELEMENTS and the persistent grid's
+    programs per SM. Each variant is checked against the fp64 reference (poisoned outputs) first.
+    """
+    from pcvr_lib.kernels.layer_norm import triton_kernels as ln_tr
+    from pcvr_lib.kernels.rms_norm import config
+    from pcvr_lib.kernels.rms_norm import triton_kernels as rms_tr
+
+    kb.require_gpu_backend(op, "triton")
     dtype = torch.float16
-    key = kb.CaseKey(f"rms_norm[tile={tile}]", f"{shape[0]}x{shape[1]}", "fp16", "fwd")
-    fn = _peer_fn("rms_norm", "triton")
-    tensors, _ = _inputs("rms_norm", shape, dtype, grad=False)
+    mod = rms_tr if op == "rms_norm" else ln_tr
+    if kernel == "fwd":
+        monkeypatch.setattr(config, "TILE_ELEMENTS", tile)
+        blocks = config.block_config(shape[1])
+    else:
+        monkeypatch.setattr(config, "TRITON_BWD_TILE_ELEMENTS", tile)
+        monkeypatch.setattr(config, "TRITON_BWD_PROGRAMS_PER_SM", per_sm)
+        blocks = config.triton_bwd_block_config(shape[1])
+    tensors, dy = _inputs(op, shape, dtype, grad=kernel == "bwd")
+    x, *params = (t.detach() for t in tensors)
+    eps = EPS[op]
+    y, stats = mod.forward(x, *params, eps, True)
+    stats = stats if isinstance(stats, tuple) else (stats,)
+
+    if kernel == "fwd":
+        def call():
+            return mod.forward(x, *params, eps, False)[0]
+    else:
+        def call():
+            return mod.backward(dy, x, params[0], *stats)
 
     def check():
         with poisoned_outputs():
-            y = fn(*tensors)
-        ref = _reference("rms_norm", tensors, None)[0]
-        assert_close(y, ref, dtype, what=key.case_id("triton"))
-        return max_errors(y, ref)
+            got = call()
+        got = [got] if kernel == "fwd" else list(got)
+        refs = _reference(op, tensors, dy if kernel == "bwd" else None)
+        refs = refs if kernel == "fwd" else refs[1:]
+        worst = (0.0, 0.0)
+        scales = ([None] if kernel == "fwd" else
+                  [grad_input_term_scale(x, params[0], dy, eps, op == "layer_norm"), *[grad_param_term_scale(dy)] * 2])
+        for name, g, want, scale in zip(("out", "dx", "dweight", "dbias"), got, refs, scales, strict=False):
+            assert_close(g, want, dtype, what=f"{op} {kernel} tile={tile} {name}", scale=scale)
+            worst = tuple(max(a, b) for a, b in zip(worst, max_errors(g, want), strict=True))
+        return worst
 
-    benchmark.extra_info["block_config"] = list(config.block_config(shape[1]))
-    kb.run_case(benchmark, key=key, backend="triton", call=lambda: fn(*tensors), check=check,
-                bytes_moved=_bytes("rms_norm", shape, dtype, "fwd"), rounds=ROUNDS)
+    label = f"{op}[{kernel},tile={tile}" + (f",per_sm={per_sm}]" if per_sm else "]")
+    key = kb.CaseKey(label, f"{shape[0]}x{shape[1]}", "fp16", kernel)
+    benchmark.extra_info.update({"block_config": list(blocks), "tile": tile, "programs_per_sm": per_sm,
+                                 "kernel": kernel})
+    passes = 2 if kernel == "fwd" else 3  # bwd kernel: reads x and dy, writes dx (stats and partials small)
+    kb.run_case(benchmark, key=key, backend="triton", call=call, check=check,
+                bytes_moved=passes * shape[0] * shape[1] * 2, rounds=ROUNDS)

@@ -7,7 +7,7 @@ import torch
 
 from pcvr_lib.kernels._tilelang import get_kernel, get_launcher, tl_dtype
 from pcvr_lib.kernels._triton import sm_count
-from pcvr_lib.kernels.rms_norm.config import block_config, next_pow2, paired_rows
+from pcvr_lib.kernels.rms_norm.config import block_config, next_pow2, paired_rows, persistent_programs
 
 
 def build_forward(n: int, dtype: str, save_stats: bool):
@@ -143,7 +143,7 @@ def forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: flo
 def backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor):
     m, n = x2.shape
     block_m, _ = block_config(n)
-    programs = max(1, min(-(-m // block_m), 4 * sm_count(x2.device.index)))
+    programs = persistent_programs(m, block_m, sm_count(x2.device.index), 4)
     dx = torch.empty_like(x2)
     partial = paired_rows(programs * n, x2.device).view(2, programs, n)
     _launcher("bwd", n, x2.dtype, x2.device)(dy, x2, weight, mean, rstd, dx, partial[0], partial[1])

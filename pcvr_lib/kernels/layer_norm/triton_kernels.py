@@ -9,6 +9,7 @@ import triton
 import triton.language as tl
 
 from pcvr_lib.kernels._triton import Launcher, align_key, kernel, next_pow2, sm_count
+from pcvr_lib.kernels.rms_norm import config
 from pcvr_lib.kernels.rms_norm.config import block_config, paired_rows
 
 
@@ -43,8 +44,9 @@ def _ln_bwd(DY, X, W, MEAN, RSTD, DX, DWP, DBP, M, N, BLOCK_M: tl.constexpr,
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
-    db = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # dw/db accumulate per (row slot, column) in registers and are summed over rows once after the loop
+    dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    db = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(pid * BLOCK_M, M, step):
         rows = start + tl.arange(0, BLOCK_M)
         rmask = rows < M
@@ -60,10 +62,10 @@ def _ln_bwd(DY, X, W, MEAN, RSTD, DX, DWP, DBP, M, N, BLOCK_M: tl.constexpr,
         c2 = tl.sum(gw, axis=1) / N
         dx = (gw - xhat * c1[:, None] - c2[:, None]) * rstd[:, None]
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
-        dw += tl.sum(dy * xhat, axis=0)
-        db += tl.sum(dy, axis=0)
-    tl.store(DWP + pid * N + cols, dw, mask=cmask)
-    tl.store(DBP + pid * N + cols, db, mask=cmask)
+        dw += dy * xhat
+        db += dy
+    tl.store(DWP + pid * N + cols, tl.sum(dw, axis=0), mask=cmask)
+    tl.store(DBP + pid * N + cols, tl.sum(db, axis=0), mask=cmask)
 
 
 _launch_fwd = Launcher(_ln_fwd)
@@ -88,8 +90,8 @@ def forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: flo
 def backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor):
     """Returns (dx, dw, db) for the (M, N) forward input x2."""
     m, n = x2.shape
-    block_m, num_warps = block_config(n)
-    programs = max(1, min(triton.cdiv(m, block_m), 4 * sm_count(x2.device.index)))
+    block_m, num_warps = config.triton_bwd_block_config(n)
+    programs = config.persistent_programs(m, block_m, sm_count(x2.device.index), config.TRITON_BWD_PROGRAMS_PER_SM)
     dx = torch.empty_like(x2)
     partial = paired_rows(programs * n, x2.device).view(2, programs, n)
     args = (dy, x2, weight, mean, rstd, dx, partial[0], partial[1], m, n, block_m, next_pow2(n))

@@ -15,11 +15,26 @@ from pcvr_lib.kernels._triton import next_pow2
 
 MAX_WIDTH = 16384  # one row must fit in registers; wider rows are rejected with a clear error
 TILE_ELEMENTS = 4096
+# The Triton backward's own tile and persistent-grid size (programs per SM), kept apart so the H200 sweep
+# (perf_tests/test_kernels.py::test_triton_tile_exploration) can move them without touching the forward
+# or TileLang (whose in-process compile cache is keyed by width, not tile).
+TRITON_BWD_TILE_ELEMENTS = 4096
+TRITON_BWD_PROGRAMS_PER_SM = 4
 
 
 def block_config(width: int) -> tuple[int, int]:
     """(rows per program, warps per program) for a row width (TILE_ELEMENTS per program)."""
     return _block_config(width, TILE_ELEMENTS)
+
+
+def triton_bwd_block_config(width: int) -> tuple[int, int]:
+    """(rows per program, warps per program) of the Triton backward kernels."""
+    return _block_config(width, TRITON_BWD_TILE_ELEMENTS)
+
+
+def persistent_programs(rows: int, block_m: int, sms: int, per_sm: int) -> int:
+    """Programs of a persistent backward grid: `per_sm` per SM, no more than there are row blocks."""
+    return max(1, min(-(-rows // block_m), per_sm * sms))
 
 
 @functools.cache

@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from pcvr_lib.kernels._triton import Launcher, align_key, kernel, next_pow2, sm_count
+from pcvr_lib.kernels.rms_norm import config
 from pcvr_lib.kernels.rms_norm.config import block_config
 
 
@@ -42,7 +43,9 @@ def _rms_bwd(DY, X, W, RSTD, DX, DWP, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
     cols = tl.arange(0, BLOCK_N)
     cmask = cols < N
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-    dw = tl.zeros([BLOCK_N], dtype=tl.float32)
+    # dw accumulates per (row slot, column) in registers; rows are summed once after the loop (a cross-row
+    # reduction per iteration went through shared memory each time)
+    dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(pid * BLOCK_M, M, step):
         rows = start + tl.arange(0, BLOCK_M)
         rmask = rows < M
@@ -56,8 +59,8 @@ def _rms_bwd(DY, X, W, RSTD, DX, DWP, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
         c = tl.sum(gw * xhat, axis=1) / N
         dx = (gw - xhat * c[:, None]) * rstd[:, None]
         tl.store(DX + offs, dx.to(DX.dtype.element_ty), mask=mask)
-        dw += tl.sum(dy * xhat, axis=0)
-    tl.store(DWP + pid * N + cols, dw, mask=cmask)
+        dw += dy * xhat
+    tl.store(DWP + pid * N + cols, tl.sum(dw, axis=0), mask=cmask)
 
 
 _launch_fwd = Launcher(_rms_fwd)
@@ -79,8 +82,8 @@ def forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, save_rstd: bool)
 def backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
     """Returns (dx, dw) for the (M, N) forward input x2."""
     m, n = x2.shape
-    block_m, num_warps = block_config(n)
-    programs = max(1, min(triton.cdiv(m, block_m), 4 * sm_count(x2.device.index)))
+    block_m, num_warps = config.triton_bwd_block_config(n)
+    programs = config.persistent_programs(m, block_m, sm_count(x2.device.index), config.TRITON_BWD_PROGRAMS_PER_SM)
     dx = torch.empty_like(x2)
     partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
     args = (dy, x2, weight, rstd, dx, partial, m, n, block_m, next_pow2(n))
