@@ -50,11 +50,16 @@ def get_launcher(key: tuple, build: Callable[[], object], device: torch.device |
     full_key = (*key, arch)
     launch = _LAUNCHERS.get(full_key)
     if launch is None:
-        kernel = get_kernel(key, build, device)
-        adapter = getattr(kernel, "adapter", None)
-        launch = adapter.get_exportable_executable() if hasattr(adapter, "get_exportable_executable") else kernel
-        _LAUNCHERS[full_key] = launch
+        launch = _LAUNCHERS[full_key] = executable(get_kernel(key, build, device))
     return launch
+
+
+def executable(kernel) -> Callable:
+    """The TVM-FFI executable of a compiled JITKernel (every parameter passed, outputs preallocated), or the
+    JITKernel itself when its adapter does not expose one. Saves the wrapper's per-call Python work
+    (H200 run 2: 7.5 us per call against 11.2 us through JITKernel.__call__)."""
+    adapter = getattr(kernel, "adapter", None)
+    return adapter.get_exportable_executable() if hasattr(adapter, "get_exportable_executable") else kernel
 
 
 def get_kernel(key: tuple, build: Callable[[], object], device: torch.device | None = None):

@@ -11,6 +11,10 @@ of processes turns the suites' own compilations into disk-cache hits. Each varia
         "triton,tilelang:64:fp16,bf16:none,key_lengths:0:0,1,2" "tilelang:128:bf16:none:0:2"
 
 Each spec is backends:dims:dtypes:modes:dropout(0/1):buckets (bucket 0: Sq <= 128, 1: <= 512, 2: longer).
+
+`--arch sm_90a` compiles the TileLang variants of the specs without a GPU (for that architecture, into
+TileLang's disk cache, TILELANG_CACHE_DIR): a CPU machine can fill the cache that a GPU session then
+carries and loads in seconds instead of compiling for minutes. Also `--tune` adds tune.py's candidates.
 """
 
 import argparse
@@ -72,6 +76,56 @@ def warm(variant) -> tuple:
         return variant, time.perf_counter() - t0, f"{type(exc).__name__}: {lines[-1] if lines else ''}"
 
 
+def compile_tilelang_for(job) -> tuple:
+    """Compile one TileLang kernel for an architecture without running it: job = (arch, which, D, dtype name,
+    mode code, has key lengths, dropout, config). Returns (job, seconds, error or None)."""
+    from . import tilelang_impl as ti
+
+    arch, *key = job
+    t0 = time.perf_counter()
+    try:
+        ti.compiled(*key, target={"kind": "cuda", "arch": arch})
+        return job, time.perf_counter() - t0, None
+    except Exception as exc:  # noqa: BLE001 - reported and counted
+        lines = str(exc).strip().splitlines()
+        return job, time.perf_counter() - t0, f"{type(exc).__name__}: {lines[-1] if lines else ''}"
+
+
+def tilelang_jobs(variants, arch: str, tune: bool) -> list[tuple]:
+    """The (arch, kernel key) jobs of the TileLang variants (and of tune.py's candidates when `tune`)."""
+    from . import tilelang_impl as ti
+    from .masks import mode_name
+
+    jobs = set()
+    for backend, D, dtype_name, mode, dropout, bucket in variants:
+        if backend != "tilelang":
+            continue
+        kw = MODE_KWARGS[mode]
+        name = mode_name(True if kw["kl"] else None, kw["causal"], kw["causal_valid"])
+        variant = (D, _DTYPES[dtype_name], ti._MODE_CODE[name], kw["kl"], dropout)
+        jobs.add((arch, "fwd", *variant, ti.FWD_CONFIGS[(D, bucket)]))
+        jobs.update((arch, which, *variant, ti.BWD_CONFIGS[(D, bucket)]) for which in ("dq", "dkdv"))
+    if tune:
+        from .tune import TILELANG_BWD, TILELANG_FWD
+
+        for D in TILELANG_FWD:  # tune.py's default dtype (bf16), no mask
+            jobs.update((arch, "fwd", D, "bfloat16", 1, False, False, c) for c in TILELANG_FWD[D])
+            jobs.update((arch, w, D, "bfloat16", 1, False, False, c) for c in TILELANG_BWD[D] for w in ("dq", "dkdv"))
+    return sorted(jobs, key=str)
+
+
+def precompile_for_arch(jobs, workers: int) -> int:
+    """Compile TileLang `jobs` (tilelang_jobs) in `workers` processes, no GPU needed; returns failures."""
+    t0 = time.perf_counter()
+    failures = 0
+    with mp.get_context("spawn").Pool(workers) as pool:
+        for job, seconds, error in pool.imap_unordered(compile_tilelang_for, jobs):
+            failures += bool(error)
+            print(f"compile {job[1:]} for {job[0]}: {seconds:.1f}s {error or ''}", flush=True)
+    print(f"compile: {len(jobs)} TileLang kernels in {time.perf_counter() - t0:.1f}s, {failures} failed", flush=True)
+    return failures
+
+
 def precompile(variants, workers: int) -> int:
     """Warm `variants` with `workers` spawned processes; returns the number of failures."""
     t0 = time.perf_counter()
@@ -91,8 +145,13 @@ def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("specs", nargs="+", help="backends:dims:dtypes:modes:dropout:buckets")
     parser.add_argument("--workers", type=int, default=8)
+    parser.add_argument("--arch", help="compile the TileLang variants for this architecture (e.g. sm_90a) "
+                        "without a GPU, instead of warming everything on the local GPU")
+    parser.add_argument("--tune", action="store_true", help="with --arch: also tune.py's TileLang candidates")
     args = parser.parse_args(argv)
     variants = sorted({v for spec in args.specs for v in parse_spec(spec)}, key=str)
+    if args.arch:
+        return 1 if precompile_for_arch(tilelang_jobs(variants, args.arch, args.tune), args.workers) else 0
     return 1 if precompile(variants, args.workers) else 0
 
 

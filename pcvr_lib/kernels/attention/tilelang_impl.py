@@ -395,6 +395,14 @@ def compile_only(arch: str = "sm_90a", D: int = 64, dtype: str = "bfloat16", mod
     return {"fwd": sources[0], "dq": sources[1], "dkdv": sources[2], "cubin_bytes": size}
 
 
+@functools.cache
+def launcher(which: str, D: int, dtype: str, mode: int, has_kl: bool, dropout: bool, config: tuple):
+    """The direct-call executable of `compiled(...)` on the local GPU (no JITKernel wrapper per call)."""
+    from .._tilelang import executable
+
+    return executable(compiled(which, D, dtype, mode, has_kl, dropout, config))
+
+
 _dummy_kl: dict = {}
 
 
@@ -422,7 +430,7 @@ def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p:
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     B, H, Sq, D = q.shape
     cfg = config or FWD_CONFIGS[(D, _bucket(Sq))]
-    kernel = compiled("fwd", D, _dtype_name(q.dtype), _MODE_CODE[mode], key_lengths is not None,
+    kernel = launcher("fwd", D, _dtype_name(q.dtype), _MODE_CODE[mode], key_lengths is not None,
                       dropout_p > 0.0, cfg)
     o = torch.empty_like(q)
     lse = torch.empty((B, H, _padded(Sq)), dtype=torch.float32, device=q.device)
@@ -445,6 +453,6 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
     delta = torch.empty((B, H, _padded(Sq)), dtype=torch.float32, device=q.device)
     kl = _kl_arg(key_lengths, q.device)
     scalars = (scale * _LOG2E, scale, seed, int(round(dropout_p * (1 << 24))), 1.0 / (1.0 - dropout_p))
-    compiled("dq", *variant)(q, k, v, o, do, dq, lse, delta, kl, *scalars)
-    compiled("dkdv", *variant)(q, k, v, do, dk, dv, lse, delta, kl, *scalars)
+    launcher("dq", *variant)(q, k, v, o, do, dq, lse, delta, kl, *scalars)
+    launcher("dkdv", *variant)(q, k, v, do, dk, dv, lse, delta, kl, *scalars)
     return dq, dk, dv
