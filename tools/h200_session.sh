@@ -1,0 +1,74 @@
+#!/usr/bin/env bash
+# One H200 `run` (device tool; carry .gpu-site and .cache/tlpack): the steps named as arguments, in order,
+# each with its own time limit so a slow step cannot starve the rest (`timeout -s INT` lets pytest-benchmark
+# still write its JSON). Logs and JSON go to $OUT; a short summary is printed last.
+#
+#   bash tools/h200_session.sh warm accuracy sweep     # run 1: every accuracy case, tile sweeps
+#   bash tools/h200_session.sh warm perf               # run 2: the kernel benchmark snapshot
+#
+# .cache/tlpack/tl.tar.xz is TileLang's disk cache built on a CPU machine for sm_90/sm_90a:
+#   TILELANG_CACHE_DIR=$PWD/.cache/tilelang python -m pcvr_lib.kernels.rms_norm.prewarm
+#   TILELANG_CACHE_DIR=$PWD/.cache/tilelang python -m pcvr_lib.kernels.attention.precompile --arch sm_90a --tune SPECS
+#   tar -C .cache -cJf .cache/tlpack/tl.tar.xz tilelang
+set -u
+. .gpu-site/activate.sh
+export PYTHONUNBUFFERED=1 PCVR_ATTENTION_PRECOMPILED=1 TILELANG_CACHE_DIR=$PWD/.cache/tilelang
+T0=$(date +%s)
+mkdir -p .cache
+[ -f .cache/tlpack/tl.tar.xz ] && tar -C .cache -xJf .cache/tlpack/tl.tar.xz
+nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
+PYTEST="python3 -m pytest -q -p no:cacheprovider --tb=short"
+ATTN_SPECS=(
+  "tilelang:64:bf16:none,key_lengths,causal,causal_kl,causal_valid:0:0" "tilelang:64:fp16:key_lengths:0:0"
+  "tilelang:32:bf16:key_lengths:0:0" "tilelang:64:fp16,bf16:none:0:2" "tilelang:128:fp16,bf16:none:0:2"
+  "tilelang:64:bf16:causal_valid:1:0" "tilelang:64:bf16:key_lengths:0:0"
+  "triton:64:fp16,bf16:none,key_lengths,causal,causal_kl,causal_valid:0:0"
+  "triton:64:bf16:none,key_lengths,causal,causal_kl,causal_valid:0:1" "triton:64:fp16:none,key_lengths,causal_valid:0:1"
+  "triton:32,128:bf16:key_lengths:0:0" "triton:128:fp16,bf16:none:0:2" "triton:64:fp16,bf16:none:0:2"
+  "triton:64:fp16,bf16:key_lengths,causal_valid:1:0" "triton:64:bf16:none:0:1"
+)
+
+BUDGET=${BUDGET:-585}  # seconds for the whole command (the run tool's limit is 600)
+step() {  # step NAME SECONDS COMMAND...: run with a limit (cut to what is left of BUDGET), log to $OUT/NAME.log
+  local name=$1 limit=$2; shift 2
+  local t=$(date +%s) left=$(( BUDGET - ($(date +%s) - T0) ))
+  if (( left < 15 )); then echo "$name: skipped, no time left"; return; fi
+  (( limit > left )) && limit=$left
+  timeout -s INT "$limit" "$@" > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "[$(( $(date +%s) - T0 ))s] $name rc=$rc ($(( $(date +%s) - t ))s): $(grep -E '(passed|failed|error|ready|variants)' "$OUT/$name.log" | tail -1)"
+}
+
+for s in "$@"; do
+  case $s in
+    warm)
+      step prewarm_norms 60 python3 -m pcvr_lib.kernels.rms_norm.prewarm --workers 16
+      step precompile_attention 120 python3 -m pcvr_lib.kernels.attention.precompile --workers 16 "${ATTN_SPECS[@]}" ;;
+    accuracy)
+      step accuracy 330 $PYTEST accuracy_tests --durations=15 ;;
+    sweep)
+      step norm_sweep 150 $PYTEST perf_tests/test_kernels.py -k exploration --benchmark-only \
+        --benchmark-json="$OUT/norm_sweep.json"
+      step attention_tune 150 python3 -m pcvr_lib.kernels.attention.tune --workers 16 ;;
+    host)
+      step host_parts 60 $PYTEST perf_tests/test_kernels.py -k host_part --benchmark-only \
+        --benchmark-json="$OUT/host_parts.json" ;;
+    perf_norms)
+      step perf_norms 240 $PYTEST perf_tests/test_kernels.py -k "not exploration" --benchmark-only \
+        --benchmark-json="$OUT/kernels_norms.json" ;;
+    perf_embedding)
+      step perf_embedding 150 $PYTEST perf_tests/test_kernels_embedding.py --benchmark-only \
+        --benchmark-json="$OUT/kernels_embedding.json" ;;
+    perf_attention)
+      step perf_attention 150 $PYTEST perf_tests/test_kernels_attention.py --benchmark-only \
+        --benchmark-json="$OUT/attention.json" ;;
+    *) echo "unknown step $s" ;;
+  esac
+done
+echo "--- summary"
+[ -f "$OUT/accuracy.log" ] && tail -20 "$OUT/accuracy.log" | grep -E "passed|failed|FAILED|Error" | tail -8
+[ -f "$OUT/norm_sweep.json" ] && python3 -m perf_tests.kernel_bench "$OUT/norm_sweep.json" | cut -c1-100
+[ -f "$OUT/attention_tune.log" ] && tail -45 "$OUT/attention_tune.log"
+[ -f "$OUT/kernels_norms.json" ] && python3 -m perf_tests.kernel_bench "$OUT/kernels_norms.json" | cut -c1-100 | head -80
+[ -f "$OUT/attention.json" ] && python3 perf_tests/test_kernels_attention.py "$OUT/attention.json"
+exit 0
