@@ -10,6 +10,7 @@ buffers that never pass through `torch.empty`.
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 import subprocess
 import sys
@@ -104,3 +105,33 @@ def run_pytest_child(test_file, select: str, env: dict[str, str], cwd, *extra_ar
          "--benchmark-disable", *extra_args],
         cwd=cwd, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout,
     )
+
+
+_LOOP_BOUND_PROBE = """
+import torch, triton, triton.language as tl
+@triton.jit
+def probe(X, n, B: tl.constexpr):
+    acc = 0
+    for i in range(0, n, B):
+        acc += 1
+    tl.store(X, acc)
+x = torch.zeros(1, dtype=torch.int32)
+probe[(1,)](x, 40, 16)
+assert int(x) == 3, int(x)
+"""
+
+
+@functools.cache
+def triton_interpreter_problem() -> str | None:
+    """Why this triton's interpreter cannot run our kernels, or None. Probed in a child process (the
+    interpreter is chosen when triton is imported): triton 3.6's interpreter passes scalar arguments as
+    1-element arrays, so a loop bounded by a runtime argument fails ("only 0-dimensional arrays can be
+    converted to Python scalars"); triton 3.9's works."""
+    proc = subprocess.run([sys.executable, "-c", _LOOP_BOUND_PROBE], env={**os.environ, "TRITON_INTERPRET": "1"},
+                          capture_output=True, text=True, timeout=300)
+    if proc.returncode == 0:
+        return None
+    import triton
+
+    last = (proc.stderr.strip().splitlines() or ["?"])[-1]
+    return f"triton {triton.__version__}'s interpreter cannot run a loop with a runtime bound ({last[:160]})"
