@@ -409,24 +409,29 @@ def _bucket(s: int) -> int:
     return 0 if s <= 128 else (1 if s <= 512 else 2)
 
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per (head dim, bucket of Sq)
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per (head dim, bucket of Sq). Buckets 1 and 2: the winners of
+# `python -m pcvr_lib.kernels.attention.tune` on the H200 (2026-12-01, bf16, device time; notes/attention.md):
+# forward B16 H8 S1024 D64 (128, 64, 4, 4) 140 us against 164 us for the earlier (128, 64, 4, 3); at
+# B4 H16 S4096 D128 the earlier (128, 64, 8, 3) stayed best. Bucket 1 takes bucket 2's configs (not tuned).
 FWD_CONFIGS = {
     (32, 0): (64, 64, 4, 2), (64, 0): (64, 64, 4, 2), (128, 0): (64, 64, 4, 2),
-    (32, 1): (128, 64, 4, 3), (64, 1): (128, 64, 4, 3), (128, 1): (128, 64, 8, 3),
-    (32, 2): (128, 64, 4, 3), (64, 2): (128, 64, 4, 3), (128, 2): (128, 64, 8, 3),
+    (32, 1): (128, 64, 4, 4), (64, 1): (128, 64, 4, 4), (128, 1): (128, 64, 8, 3),
+    (32, 2): (128, 64, 4, 4), (64, 2): (128, 64, 4, 4), (128, 2): (128, 64, 8, 3),
 }
 # dq kernel (rows x keys) and dkdv kernel (queries x keys): (BLOCK_M, BLOCK_N, num_warps, num_stages).
-# D128 backward: chosen from ptxas's spill report (sm_90a, compiled on a CPU host with triton 3.9): dq
-# 64x64 spills 112 B with 4 warps, 16 B with 8; dK/dV 64x64/4 warps spills 300 B, 32x64/4 warps 4 B.
+# Tuned on the H200 (whole backward, device time): S1024 D64 dq (64, 64, 4, 2) + dK/dV (32, 64, 4, 3) against
+# (128, 64, 8, 2) + (64, 128, 8, 2): 479 -> 438 and 450 -> 431 us; S4096 D128 dq (64, 64, 4, 2) against
+# (64, 64, 8, 2): 6241 -> 4236 us (the 8-warp config had been picked from ptxas spill counts of triton 3.9,
+# not timed), dK/dV (64, 128, 8, 2) against (32, 64, 4, 2): 6241 -> 5928 us.
 BWD_DQ_CONFIGS = {
     (32, 0): (64, 64, 4, 2), (64, 0): (64, 64, 4, 2), (128, 0): (64, 64, 8, 2),
-    (32, 1): (128, 64, 8, 2), (64, 1): (128, 64, 8, 2), (128, 1): (64, 64, 8, 2),
-    (32, 2): (128, 64, 8, 2), (64, 2): (128, 64, 8, 2), (128, 2): (64, 64, 8, 2),
+    (32, 1): (64, 64, 4, 2), (64, 1): (64, 64, 4, 2), (128, 1): (64, 64, 4, 2),
+    (32, 2): (64, 64, 4, 2), (64, 2): (64, 64, 4, 2), (128, 2): (64, 64, 4, 2),
 }
 BWD_KV_CONFIGS = {
     (32, 0): (64, 64, 4, 2), (64, 0): (64, 64, 4, 2), (128, 0): (32, 64, 4, 2),
-    (32, 1): (64, 128, 8, 2), (64, 1): (64, 128, 8, 2), (128, 1): (32, 64, 4, 2),
-    (32, 2): (64, 128, 8, 2), (64, 2): (64, 128, 8, 2), (128, 2): (32, 64, 4, 2),
+    (32, 1): (32, 64, 4, 3), (64, 1): (32, 64, 4, 3), (128, 1): (64, 128, 8, 2),
+    (32, 2): (32, 64, 4, 3), (64, 2): (32, 64, 4, 3), (128, 2): (64, 128, 8, 2),
 }
 
 

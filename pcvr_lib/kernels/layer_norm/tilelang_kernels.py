@@ -143,7 +143,7 @@ def forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: flo
 def backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor):
     m, n = x2.shape
     block_m, _ = block_config(n)
-    programs = persistent_programs(m, block_m, sm_count(x2.device.index), 4)
+    programs = persistent_programs(m, block_m, sm_count(x2.device.index))
     dx = torch.empty_like(x2)
     partial = paired_rows(programs * n, x2.device).view(2, programs, n)
     _launcher("bwd", n, x2.dtype, x2.device)(dy, x2, weight, mean, rstd, dx, partial[0], partial[1])

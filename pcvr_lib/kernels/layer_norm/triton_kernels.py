@@ -9,8 +9,7 @@ import triton
 import triton.language as tl
 
 from pcvr_lib.kernels._triton import Launcher, align_key, kernel, next_pow2, sm_count
-from pcvr_lib.kernels.rms_norm import config
-from pcvr_lib.kernels.rms_norm.config import block_config, paired_rows
+from pcvr_lib.kernels.rms_norm.config import block_config, paired_rows, persistent_programs
 
 
 @kernel(do_not_specialize=["M"])
@@ -90,8 +89,8 @@ def forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: flo
 def backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor):
     """Returns (dx, dw, db) for the (M, N) forward input x2."""
     m, n = x2.shape
-    block_m, num_warps = config.triton_bwd_block_config(n)
-    programs = config.persistent_programs(m, block_m, sm_count(x2.device.index), config.TRITON_BWD_PROGRAMS_PER_SM)
+    block_m, num_warps = block_config(n)
+    programs = persistent_programs(m, block_m, sm_count(x2.device.index))
     dx = torch.empty_like(x2)
     partial = paired_rows(programs * n, x2.device).view(2, programs, n)
     args = (dy, x2, weight, mean, rstd, dx, partial[0], partial[1], m, n, block_m, next_pow2(n))

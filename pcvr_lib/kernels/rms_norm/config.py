@@ -14,12 +14,12 @@ import torch
 from pcvr_lib.kernels._triton import next_pow2
 
 MAX_WIDTH = 16384  # one row must fit in registers; wider rows are rejected with a clear error
-TILE_ELEMENTS = 4096
-# The Triton backward's own tile and persistent-grid size (programs per SM), kept apart so the H200 sweep
-# (perf_tests/test_kernels.py::test_triton_tile_exploration) can move them without touching the forward
-# or TileLang (whose in-process compile cache is keyed by width, not tile).
-TRITON_BWD_TILE_ELEMENTS = 4096
-TRITON_BWD_PROGRAMS_PER_SM = 4
+# Elements per program, from the H200 sweep (perf_tests/test_kernels.py::test_triton_tile_exploration,
+# notes/kernels.md): 2048 against 4096 cut the Triton LayerNorm forward at 65536x1024 from 77.1 to 70.3 us
+# and the backward kernels by 0-24% (LayerNorm 65536x1024: 185.3 -> 141.0 us); 1024 and 8192 were slower.
+TILE_ELEMENTS = 2048
+# Programs per SM of the persistent backward grid (2 and 8 were within a few percent of 4 in the sweep).
+BWD_PROGRAMS_PER_SM = 4
 
 
 def block_config(width: int) -> tuple[int, int]:
@@ -27,14 +27,9 @@ def block_config(width: int) -> tuple[int, int]:
     return _block_config(width, TILE_ELEMENTS)
 
 
-def triton_bwd_block_config(width: int) -> tuple[int, int]:
-    """(rows per program, warps per program) of the Triton backward kernels."""
-    return _block_config(width, TRITON_BWD_TILE_ELEMENTS)
-
-
-def persistent_programs(rows: int, block_m: int, sms: int, per_sm: int) -> int:
-    """Programs of a persistent backward grid: `per_sm` per SM, no more than there are row blocks."""
-    return max(1, min(-(-rows // block_m), per_sm * sms))
+def persistent_programs(rows: int, block_m: int, sms: int) -> int:
+    """Programs of a persistent backward grid: BWD_PROGRAMS_PER_SM per SM, no more than there are row blocks."""
+    return max(1, min(-(-rows // block_m), BWD_PROGRAMS_PER_SM * sms))
 
 
 @functools.cache

@@ -128,7 +128,7 @@ def forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, save_rstd: bool)
 def backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
     m, n = x2.shape
     block_m, _ = block_config(n)
-    programs = persistent_programs(m, block_m, sm_count(x2.device.index), 4)
+    programs = persistent_programs(m, block_m, sm_count(x2.device.index))
     dx = torch.empty_like(x2)
     partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
     _launcher("bwd", n, x2.dtype, x2.device)(dy, x2, weight, rstd, dx, partial)

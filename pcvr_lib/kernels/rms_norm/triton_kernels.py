@@ -13,8 +13,7 @@ import triton
 import triton.language as tl
 
 from pcvr_lib.kernels._triton import Launcher, align_key, kernel, next_pow2, sm_count
-from pcvr_lib.kernels.rms_norm import config
-from pcvr_lib.kernels.rms_norm.config import block_config
+from pcvr_lib.kernels.rms_norm.config import block_config, persistent_programs
 
 
 @kernel(do_not_specialize=["M"])
@@ -82,8 +81,8 @@ def forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, save_rstd: bool)
 def backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
     """Returns (dx, dw) for the (M, N) forward input x2."""
     m, n = x2.shape
-    block_m, num_warps = config.triton_bwd_block_config(n)
-    programs = config.persistent_programs(m, block_m, sm_count(x2.device.index), config.TRITON_BWD_PROGRAMS_PER_SM)
+    block_m, num_warps = block_config(n)
+    programs = persistent_programs(m, block_m, sm_count(x2.device.index))
     dx = torch.empty_like(x2)
     partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
     args = (dy, x2, weight, rstd, dx, partial, m, n, block_m, next_pow2(n))
