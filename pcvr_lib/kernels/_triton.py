@@ -116,16 +116,18 @@ def _triton_runtime():
     from triton import knobs
     from triton.runtime.driver import driver
 
-    return knobs.runtime, driver.active.get_current_stream
+    # torch's raw current-stream handle: triton's own getter builds a torch.cuda.Stream object per call
+    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or driver.active.get_current_stream
+    return knobs.runtime, raw_stream
 
 
 def _direct_launch(compiled, grid, args, device):
     runtime, current_stream = _triton_runtime()
     stream = current_stream(device.index)
-    meta = compiled.launch_metadata(grid, stream, *args)
+    enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
+    meta = compiled.launch_metadata(grid, stream, *args) if enter is not None or exit_ is not None else None
     compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                 compiled.function, compiled.packed_metadata, meta, runtime.launch_enter_hook,
-                 runtime.launch_exit_hook, *args)
+                 compiled.function, compiled.packed_metadata, meta, enter, exit_, *args)
     return compiled
 
 
