@@ -22,7 +22,7 @@ from pcvr_lib.kernels.layer_norm import layer_norm_reference
 from pcvr_lib.kernels.rms_norm import common as norm_common
 from pcvr_lib.kernels.rms_norm import prewarm, rms_norm_reference
 from pcvr_lib.kernels.testing import grad_input_term_scale, grad_param_term_scale, poisoned_outputs, randn
-from pcvr_lib.kernels.tolerance import DTYPE_NAMES, assert_close
+from pcvr_lib.kernels.tolerance import DTYPE_NAMES, assert_close, tolerance
 
 CUDA = torch.cuda.is_available()
 BACKENDS = ["torch", "triton", "tilelang"]
@@ -110,6 +110,28 @@ def check_backward(op, backend, shape, dtype, device, seed=0):
         assert got.dtype == dtype
         assert_close(got, want, dtype, what=f"{op}[{backend}] {name} {_id(shape)}",
                      scale=dx_scale if name == "dx" else grad_param_term_scale(grad_out))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=_id)
+@pytest.mark.parametrize("backend", BACKENDS, ids=lambda b: f"backend={b}")
+def test_layer_norm_rows_far_from_zero(backend, dtype, device_for):
+    """Rows with |mean| ~ 1000 std (first element an outlier): a variance from sums must not cancel.
+
+    The input itself limits accuracy here (x - mean carries ulp(1000) of error), so the bound is the flash
+    rule: at most 2x the error of torch's own layer_norm in the same dtype, plus the table's tolerance.
+    """
+    device = device_for(backend)
+    x = randn((37, 385), dtype, device, 5, shift=1000.0)
+    x[:, 0] += 40.0  # the first element, which the one-pass Triton kernel shifts by, is an outlier
+    w, b = randn((385,), dtype, device, 6, shift=1.0), randn((385,), dtype, device, 7)
+    with poisoned_outputs(device):
+        y = layer_norm(x, w, b, 1e-5, backend=backend)
+    expected = layer_norm_reference(x, w, b, 1e-5)
+    torch_err = float((layer_norm(x, w, b, 1e-5, backend="torch").double() - expected).abs().max())
+    err = float((y.double() - expected).abs().max())
+    tol = tolerance(dtype)
+    bound = 2 * torch_err + tol.atol * float(expected.pow(2).mean().sqrt())
+    assert err <= bound, f"layer_norm[{backend}] mean 1000 ({_id(dtype)}): max error {err:.3g} > {bound:.3g}"
 
 
 def _skip_degenerate(op, shape):
