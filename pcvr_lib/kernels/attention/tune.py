@@ -3,8 +3,9 @@
 
     python -m pcvr_lib.kernels.attention.tune --shapes 16x8x1024x64,4x16x4096x128 --dtype bf16
 
-Times device time (CUDA events, median, no L2 flush) of each candidate for the forward kernel and each
-backward kernel of both backends, after checking the candidate's output against the current default's.
+Times device time (CUDA events, median, no L2 flush, after 0.1 s of warm-up calls) of each candidate for
+the forward kernel and each backward kernel of both backends, after checking the candidate's output against
+the current default's.
 TileLang candidates are compiled in parallel processes first. The winners are copied by hand into the
 config tables (FWD_CONFIGS / BWD_*_CONFIGS), with the table in notes/attention.md.
 """
@@ -32,9 +33,14 @@ TILELANG_BWD = {64: [(64, 64, 128, 2), (128, 64, 256, 2), (64, 128, 256, 2)],
                 128: [(64, 64, 128, 2), (128, 64, 256, 2), (64, 32, 128, 2)]}
 
 
-def _time(fn, reps=20) -> float:
-    fn()
+def _time(fn, reps=20, warm_s=0.1) -> float:
+    # Keep the GPU busy for warm_s first: after the compile phase it idles at a low clock (345 MHz on the
+    # H200 host), and the first 2026-12-01 sweep timed its first candidates before the clock had ramped.
     torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < warm_s:
+        fn()
+        torch.cuda.synchronize()
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
