@@ -46,9 +46,13 @@ for s in "$@"; do
       step precompile_attention 120 python3 -m pcvr_lib.kernels.attention.precompile --workers 16 "${ATTN_SPECS[@]}" ;;
     accuracy)
       step accuracy 330 $PYTEST accuracy_tests --durations=15 ;;
+    accuracy_norms)
+      step accuracy 120 $PYTEST accuracy_tests/test_norms.py ;;
     sweep)
       step norm_sweep 150 $PYTEST perf_tests/test_kernels.py -k exploration --benchmark-only \
         --benchmark-json="$OUT/norm_sweep.json"
+      step attention_tune 150 python3 -m pcvr_lib.kernels.attention.tune --workers 16 ;;
+    tune)
       step attention_tune 150 python3 -m pcvr_lib.kernels.attention.tune --workers 16 ;;
     host)
       step host_parts 60 $PYTEST perf_tests/test_kernels.py -k host_part --benchmark-only \
@@ -70,5 +74,5 @@ echo "--- summary"
 [ -f "$OUT/norm_sweep.json" ] && python3 -m perf_tests.kernel_bench "$OUT/norm_sweep.json" | cut -c1-100
 [ -f "$OUT/attention_tune.log" ] && tail -45 "$OUT/attention_tune.log"
 [ -f "$OUT/kernels_norms.json" ] && python3 -m perf_tests.kernel_bench "$OUT/kernels_norms.json" | cut -c1-100 | head -80
-[ -f "$OUT/attention.json" ] && python3 perf_tests/test_kernels_attention.py "$OUT/attention.json"
+[ -f "$OUT/attention.json" ] && PYTHONPATH=. python3 perf_tests/test_kernels_attention.py "$OUT/attention.json"
 exit 0
