@@ -48,6 +48,8 @@ for s in "$@"; do
       step accuracy 330 $PYTEST accuracy_tests --durations=15 ;;
     accuracy_norms)
       step accuracy 120 $PYTEST accuracy_tests/test_norms.py ;;
+    accuracy_attention)
+      step accuracy 120 $PYTEST accuracy_tests/test_attention.py ;;
     sweep)
       step norm_sweep 150 $PYTEST perf_tests/test_kernels.py -k exploration --benchmark-only \
         --benchmark-json="$OUT/norm_sweep.json"
