@@ -194,6 +194,45 @@ def format_table(rows: list[dict]) -> str:
     return "\n".join(lines)
 
 
-if __name__ == "__main__":  # python -m perf_tests.kernel_bench results.json
+OURS = ("triton", "tilelang", "cuembed")
+
+
+def case_table(data: dict) -> str:
+    """Markdown, one row per (direction, op, shape, dtype): every backend's per-call us [device us], the best
+    of ours as a fraction of the copy ceiling and against torch and the best peer, Triton/TileLang device."""
+    cases: dict = {}
+    for bench in data.get("benchmarks", []):
+        e = bench.get("extra_info", {})
+        if "op" not in e or "[" in e["op"]:  # tile-sweep variants have their own labels
+            continue
+        shape = e["shape"] + (f",dist={e['dist']}" if "dist" in e else "")
+        cases.setdefault((e["dir"], e["op"], shape, e["dtype"]), {})[e["backend"]] = (
+            bench["stats"]["median"] * 1e6, e.get("device_us"), e.get("fraction_of_copy_ceiling"))
+    backends = [b for b in (*PEERS, *OURS) if any(b in by for by in cases.values())]
+    lines = []
+    for direction in sorted({k[0] for k in cases}, key=("fwd", "fwd+bwd").index):
+        lines += [f"\n{direction}: per-call us [device us]\n",
+                  "| op | shape | dtype | " + " | ".join(backends) + " | best ours % copy | vs torch | vs best peer | "
+                  "triton/tilelang device |", "|---" * (len(backends) + 7) + "|"]
+        for (dr, op, shape, dtype), by in cases.items():
+            if dr != direction:
+                continue
+            cells = [f"{by[b][0]:.1f} [{by[b][1]:.1f}]" if b in by and by[b][1] is not None else "-" for b in backends]
+            ours = {b: by[b] for b in OURS if b in by}
+            peers = {b: by[b] for b in PEERS if b in by}
+            best = min(ours, key=lambda b: ours[b][0]) if ours else None
+            peer = min(peers, key=lambda b: peers[b][0]) if peers else None
+            frac = f"{100 * ours[best][2]:.1f}% ({best})" if best and ours[best][2] is not None else "-"
+            vs_torch = f"{by['torch'][0] / ours[best][0]:.2f}x" if best and "torch" in by else "-"
+            vs_peer = f"{peers[peer][0] / ours[best][0]:.2f}x ({peer})" if best and peer else "-"
+            ratio = (f"{ours['triton'][1] / ours['tilelang'][1]:.2f}" if {"triton", "tilelang"} <= ours.keys()
+                     and ours["tilelang"][1] else "-")
+            lines.append(f"| {op} | {shape} | {dtype} | " + " | ".join(cells) + f" | {frac} | {vs_torch} | {vs_peer} "
+                         f"| {ratio} |")
+    return "\n".join(lines)
+
+
+if __name__ == "__main__":  # python -m perf_tests.kernel_bench results.json [--by-case]
     with open(sys.argv[1]) as fh:
-        print(format_table(summary_rows(json.load(fh))))
+        loaded = json.load(fh)
+    print(case_table(loaded) if "--by-case" in sys.argv[2:] else format_table(summary_rows(loaded)))
