@@ -195,6 +195,18 @@ def test_hypothesis_shapes_and_dtypes(op, backend, device_for):
     check()
 
 
+@pytest.mark.parametrize("per_sm", [1, 3], ids=lambda k: f"programs_per_sm={k}")
+@pytest.mark.parametrize("op", OPS)
+def test_triton_persistent_forward_grid(op, per_sm, device_for, monkeypatch):
+    """The Triton forward with a persistent grid (each program loops over several row blocks, ragged end)."""
+    from pcvr_lib.kernels.rms_norm import config
+
+    device = device_for("triton")
+    monkeypatch.setattr(config, "FWD_PROGRAMS_PER_SM", per_sm)
+    rows = 20011 if CUDA else 301  # many more 16-row blocks than programs (132 SMs on the H200, 4 on CPU)
+    check_forward(op, "triton", (rows, 128), torch.float16, device, seed=3)
+
+
 @pytest.mark.parametrize("backend", ["triton", "tilelang"], ids=lambda b: f"backend={b}")
 @pytest.mark.parametrize("op", OPS)
 def test_nan_input_rows_stay_local(op, backend, device_for):

@@ -44,6 +44,11 @@ for s in "$@"; do
     warm)
       step prewarm_norms 60 python3 -m pcvr_lib.kernels.rms_norm.prewarm --workers 16
       step precompile_attention 120 python3 -m pcvr_lib.kernels.attention.precompile --workers 16 "${ATTN_SPECS[@]}" ;;
+    warm_norms)
+      step prewarm_norms 60 python3 -m pcvr_lib.kernels.rms_norm.prewarm --workers 16 ;;
+    norm_sweep)
+      step norm_sweep 150 $PYTEST perf_tests/test_kernels.py -k "exploration or copy_rate" --benchmark-only \
+        --benchmark-json="$OUT/norm_sweep.json" ;;
     accuracy)
       step accuracy 330 $PYTEST accuracy_tests --durations=15 ;;
     accuracy_norms)
