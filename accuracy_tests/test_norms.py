@@ -135,9 +135,10 @@ def test_layer_norm_rows_far_from_zero(backend, dtype, device_for):
 
 
 def _skip_degenerate(op, shape):
-    if op == "layer_norm" and shape[-1] == 1:
-        pytest.skip("layer_norm of one element: y = bias, and the gradients are fp32 rounding noise "
-                    "amplified by 1/sqrt(eps); LayerNorm is checked from width 2")
+    if op == "layer_norm" and shape[-1] <= 2:
+        pytest.skip("layer_norm of one or two elements: the normalised row is (0) or (+-1) whatever x is, so "
+                    "the exact input gradient is ~0 and any computed one is rounding noise amplified by 1/std; "
+                    "LayerNorm is checked from width 3")
 
 
 @pytest.mark.parametrize("shape", SHAPES, ids=_id)
@@ -179,7 +180,7 @@ def test_hypothesis_shapes_and_dtypes(op, backend, device_for):
     TileLang compiles per exact width (5-10 s each), so its widths come from the precompiled set;
     torch and Triton (one compile per width class) draw any width."""
     device = device_for(backend)
-    min_width = 2 if op == "layer_norm" else 1  # see _skip_degenerate
+    min_width = 3 if op == "layer_norm" else 1  # see _skip_degenerate (a stored width-2 example failed)
     widths = (st.sampled_from([w for w in prewarm.ACCURACY_WIDTHS if w >= min_width]) if backend == "tilelang"
               else st.integers(min_width, 2500 if CUDA else 520))
 
@@ -193,18 +194,6 @@ def test_hypothesis_shapes_and_dtypes(op, backend, device_for):
         (check_backward if backward else check_forward)(op, backend, shape, dtype, device, seed)
 
     check()
-
-
-@pytest.mark.parametrize("per_sm", [1, 3], ids=lambda k: f"programs_per_sm={k}")
-@pytest.mark.parametrize("op", OPS)
-def test_triton_persistent_forward_grid(op, per_sm, device_for, monkeypatch):
-    """The Triton forward with a persistent grid (each program loops over several row blocks, ragged end)."""
-    from pcvr_lib.kernels.rms_norm import config
-
-    device = device_for("triton")
-    monkeypatch.setattr(config, "FWD_PROGRAMS_PER_SM", per_sm)
-    rows = 20011 if CUDA else 301  # many more 16-row blocks than programs (132 SMs on the H200, 4 on CPU)
-    check_forward(op, "triton", (rows, 128), torch.float16, device, seed=3)
 
 
 @pytest.mark.parametrize("backend", ["triton", "tilelang"], ids=lambda b: f"backend={b}")

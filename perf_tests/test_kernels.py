@@ -247,9 +247,9 @@ def test_copy_rate_at_norm_sizes(benchmark, shape):
 # ------------------------------------------------------------------ Triton tile-size exploration
 
 EXPLORE_SHAPES = [(65536, 1024), (262144, 128), (16384, 4096)]
-# (elements per program, programs per SM): forward 0 = one program per row block, k = a persistent grid;
-# backward: its persistent grid. The defaults first.
-EXPLORE_FWD = [(2048, 0), (4096, 0), (2048, 4), (2048, 8), (2048, 16)]
+# forward: elements per program; backward: (elements per program, persistent programs per SM). Defaults first.
+# (A persistent forward grid was swept on 2026-12-01 and lost at 5 of 6 cases: notes/kernels.md.)
+EXPLORE_FWD = [2048, 4096, 8192]
 EXPLORE_BWD = [(2048, 4), (4096, 4), (1024, 4), (2048, 2), (2048, 8)]
 
 
@@ -258,9 +258,9 @@ def _explore_cases():
     for op in ("rms_norm", "layer_norm"):
         for shape in EXPLORE_SHAPES:
             sid = f"{shape[0]}x{shape[1]}"
-            for tile, per_sm in EXPLORE_FWD:
-                cases.append(pytest.param(op, shape, "fwd", tile, per_sm,
-                                          id=f"op={op},shape={sid},kernel=fwd,tile={tile},per_sm={per_sm}"))
+            for tile in EXPLORE_FWD:
+                cases.append(pytest.param(op, shape, "fwd", tile, None,
+                                          id=f"op={op},shape={sid},kernel=fwd,tile={tile}"))
             for tile, per_sm in EXPLORE_BWD:
                 cases.append(pytest.param(op, shape, "bwd", tile, per_sm,
                                           id=f"op={op},shape={sid},kernel=bwd,tile={tile},per_sm={per_sm}"))
@@ -272,9 +272,8 @@ def _explore_cases():
 def test_triton_tile_exploration(benchmark, monkeypatch, op, shape, kernel, tile, per_sm):
     """The Triton norm kernels alone (fp16) at other tiles than the defaults: device time decides.
 
-    TILE_ELEMENTS (elements per program) and programs per SM (forward: 0 = one program per row block, else
-    a persistent grid; backward: its persistent grid). Each variant is checked against the fp64 reference
-    (poisoned outputs) first.
+    TILE_ELEMENTS (elements per program) and, for the backward, its persistent grid's programs per SM.
+    Each variant is checked against the fp64 reference (poisoned outputs) first.
     """
     from pcvr_lib.kernels.layer_norm import triton_kernels as ln_tr
     from pcvr_lib.kernels.rms_norm import config
@@ -284,7 +283,8 @@ def test_triton_tile_exploration(benchmark, monkeypatch, op, shape, kernel, tile
     dtype = torch.float16
     mod = rms_tr if op == "rms_norm" else ln_tr
     monkeypatch.setattr(config, "TILE_ELEMENTS", tile)
-    monkeypatch.setattr(config, "FWD_PROGRAMS_PER_SM" if kernel == "fwd" else "BWD_PROGRAMS_PER_SM", per_sm)
+    if kernel == "bwd":
+        monkeypatch.setattr(config, "BWD_PROGRAMS_PER_SM", per_sm)
     blocks = config.block_config(shape[1])
     tensors, dy = _inputs(op, shape, dtype, grad=kernel == "bwd")
     x, *params = (t.detach() for t in tensors)
@@ -313,7 +313,7 @@ def test_triton_tile_exploration(benchmark, monkeypatch, op, shape, kernel, tile
             worst = tuple(max(a, b) for a, b in zip(worst, max_errors(g, want), strict=True))
         return worst
 
-    label = f"{op}[{kernel},tile={tile},per_sm={per_sm}]"
+    label = f"{op}[{kernel},tile={tile}" + (f",per_sm={per_sm}]" if per_sm else "]")
     key = kb.CaseKey(label, f"{shape[0]}x{shape[1]}", "fp16", kernel)
     benchmark.extra_info.update({"block_config": list(blocks), "tile": tile, "programs_per_sm": per_sm,
                                  "kernel": kernel})

@@ -20,20 +20,11 @@ MAX_WIDTH = 16384  # one row must fit in registers; wider rows are rejected with
 TILE_ELEMENTS = 2048
 # Programs per SM of the persistent backward grid (2 and 8 were within a few percent of 4 in the sweep).
 BWD_PROGRAMS_PER_SM = 4
-# Triton forward grid: 0 = one program per row block; k > 0 = a persistent grid of k programs per SM, each
-# looping over row blocks with the weight (and bias) loaded once (swept on the H200, see notes/kernels.md).
-FWD_PROGRAMS_PER_SM = 0
 
 
 def block_config(width: int) -> tuple[int, int]:
     """(rows per program, warps per program) for a row width (TILE_ELEMENTS per program)."""
     return _block_config(width, TILE_ELEMENTS)
-
-
-def forward_programs(rows: int, block_m: int, sms: int) -> int:
-    """Programs of the Triton forward grid (see FWD_PROGRAMS_PER_SM)."""
-    blocks = max(1, -(-rows // block_m))
-    return blocks if FWD_PROGRAMS_PER_SM == 0 else min(blocks, FWD_PROGRAMS_PER_SM * sms)
 
 
 def persistent_programs(rows: int, block_m: int, sms: int) -> int:

@@ -9,33 +9,30 @@ so one compile serves a whole width class (BLOCK_N = next power of two).
 from __future__ import annotations
 
 import torch
+import triton
 import triton.language as tl
 
 from pcvr_lib.kernels._triton import Launcher, align_key, kernel, next_pow2, sm_count
-from pcvr_lib.kernels.rms_norm.config import block_config, forward_programs, persistent_programs
+from pcvr_lib.kernels.rms_norm.config import block_config, persistent_programs
 
 
 @kernel(do_not_specialize=["M"])
 def _rms_fwd(X, W, Y, RSTD, M, N, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
              SAVE_RSTD: tl.constexpr):
-    # one row block per program, or (a persistent grid, config.FWD_PROGRAMS_PER_SM) a strided loop over
-    # row blocks with the weight loaded once per program
     pid = tl.program_id(0)
-    step = tl.num_programs(0) * BLOCK_M
+    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
+    rmask = rows < M
     cmask = cols < N
+    mask = rmask[:, None] & cmask[None, :]
+    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
-    for start in range(pid * BLOCK_M, M, step):
-        rows = start + tl.arange(0, BLOCK_M)
-        rmask = rows < M
-        mask = rmask[:, None] & cmask[None, :]
-        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
-        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
-        y = x * rstd[:, None] * w[None, :]
-        tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
-        if SAVE_RSTD:
-            tl.store(RSTD + rows, rstd, mask=rmask)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
+    y = x * rstd[:, None] * w[None, :]
+    tl.store(Y + offs, y.to(Y.dtype.element_ty), mask=mask)
+    if SAVE_RSTD:
+        tl.store(RSTD + rows, rstd, mask=rmask)
 
 
 @kernel(do_not_specialize=["M"])
@@ -77,7 +74,7 @@ def forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, save_rstd: bool)
     rstd = torch.empty(m, dtype=torch.float32, device=x2.device) if save_rstd else y
     args = (x2, weight, y, rstd, m, n, eps, block_m, next_pow2(n), save_rstd)
     key = (next_pow2(n), block_m, num_warps, align_key(x2, weight, y, rstd, n), save_rstd)
-    _launch_fwd(key, (forward_programs(m, block_m, sm_count(x2.device.index)),), args, num_warps, x2.device)
+    _launch_fwd(key, (triton.cdiv(m, block_m),), args, num_warps, x2.device)
     return y, (rstd if save_rstd else None)
 
 
