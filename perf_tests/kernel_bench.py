@@ -25,9 +25,10 @@ import torch
 
 from pcvr_lib import timing
 from pcvr_lib.kernels import registry
+from pcvr_lib.kernels.tolerance import DTYPE_NAMES
 
 PEERS = ("torch", "torch_compile", "liger")
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}
+DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items() if dtype != torch.float64}  # "fp16" -> torch.float16
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ except ImportError:  # run as a script from perf_tests/
     import kernel_bench as kb
 
 CUDA = torch.cuda.is_available()
-DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+DTYPES = {name: kb.DTYPES[name] for name in ("fp16", "bf16")}
 ULP = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 SDPA = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
 # baselines first (the speedups need their times); without a GPU only the torch backend's case code runs

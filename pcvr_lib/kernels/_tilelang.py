@@ -17,7 +17,8 @@ import torch
 COMPILE_SECONDS: dict[tuple, float] = {}
 _KERNELS: dict[tuple, object] = {}
 _LAUNCHERS: dict[tuple, Callable] = {}
-_TORCH_TO_TL = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32"}
+_TORCH_TO_TL = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
+                torch.int32: "int32", torch.int64: "int64"}
 
 
 def tl_dtype(dtype: torch.dtype) -> str:

@@ -20,6 +20,14 @@ from __future__ import annotations
 import torch
 
 MODES = ("none", "key_lengths", "causal", "causal_valid")
+# the kernels' compile-time mask code (key lengths are a separate flag, so "none" and "key_lengths" share 1)
+MODE_CODE = {"none": 1, "key_lengths": 1, "causal": 2, "causal_valid": 3}
+
+
+def length_bucket(s: int) -> int:
+    """Sequence-length bucket of the tile configs (Sq <= 128, <= 512, longer): lengths inside one bucket
+    share a compiled kernel, so they never recompile."""
+    return 0 if s <= 128 else (1 if s <= 512 else 2)
 
 # constants of the 32-bit mixer (all below 2**31 so that Triton keeps the arithmetic in uint32)
 _STREAM = 0x61C88647

@@ -94,7 +94,7 @@ def compile_tilelang_for(job) -> tuple:
 def tilelang_jobs(variants, arch: str, tune: bool) -> list[tuple]:
     """The (arch, kernel key) jobs of the TileLang variants (and of tune.py's candidates when `tune`)."""
     from . import tilelang_impl as ti
-    from .masks import mode_name
+    from .masks import MODE_CODE, mode_name
 
     jobs = set()
     for backend, D, dtype_name, mode, dropout, bucket in variants:
@@ -102,7 +102,7 @@ def tilelang_jobs(variants, arch: str, tune: bool) -> list[tuple]:
             continue
         kw = MODE_KWARGS[mode]
         name = mode_name(True if kw["kl"] else None, kw["causal"], kw["causal_valid"])
-        variant = (D, _DTYPES[dtype_name], ti._MODE_CODE[name], kw["kl"], dropout)
+        variant = (D, _DTYPES[dtype_name], MODE_CODE[name], kw["kl"], dropout)
         jobs.add((arch, "fwd", *variant, ti.FWD_CONFIGS[(D, bucket)]))
         jobs.update((arch, which, *variant, ti.BWD_CONFIGS[(D, bucket)]) for which in ("dq", "dkdv"))
     if tune:

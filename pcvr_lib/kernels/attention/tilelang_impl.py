@@ -15,9 +15,10 @@ import functools
 import tilelang
 import tilelang.language as T
 
+from .._tilelang import tl_dtype
+from .masks import MODE_CODE, length_bucket
+
 _LOG2E = 1.4426950408889634
-_DT = {"float16": "float16", "bfloat16": "bfloat16"}
-_MODE_CODE = {"none": 1, "key_lengths": 1, "causal": 2, "causal_valid": 3}
 
 
 def _keep(row, col, skv, stream, thr):
@@ -75,10 +76,6 @@ def _pass_configs(config: tuple) -> dict:
         return {tilelang.PassConfigKey.TL_DISABLE_TMA_LOWER: True,
                 tilelang.PassConfigKey.TL_DISABLE_WARP_SPECIALIZED: True}
     return {}
-
-
-def _bucket(s: int) -> int:
-    return 0 if s <= 128 else (1 if s <= 512 else 2)
 
 
 def fwd_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
@@ -417,10 +414,6 @@ def _kl_arg(key_lengths, device):
     return t
 
 
-def _dtype_name(dtype) -> str:
-    return str(dtype).replace("torch.", "")
-
-
 def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p: float, store_lse: bool,
             interpret: bool = False, config=None):
     import torch
@@ -429,8 +422,8 @@ def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p:
         raise RuntimeError("flash_attention: the tilelang backend has no interpreter; it needs CUDA tensors")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     B, H, Sq, D = q.shape
-    cfg = config or FWD_CONFIGS[(D, _bucket(Sq))]
-    kernel = launcher("fwd", D, _dtype_name(q.dtype), _MODE_CODE[mode], key_lengths is not None,
+    cfg = config or FWD_CONFIGS[(D, length_bucket(Sq))]
+    kernel = launcher("fwd", D, tl_dtype(q.dtype), MODE_CODE[mode], key_lengths is not None,
                       dropout_p > 0.0, cfg)
     o = torch.empty_like(q)
     lse = torch.empty((B, H, _padded(Sq)), dtype=torch.float32, device=q.device)
@@ -445,8 +438,8 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
 
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     B, H, Sq, D = q.shape
-    cfg = config or BWD_CONFIGS[(D, _bucket(Sq))]
-    variant = (D, _dtype_name(q.dtype), _MODE_CODE[mode], key_lengths is not None, dropout_p > 0.0, cfg)
+    cfg = config or BWD_CONFIGS[(D, length_bucket(Sq))]
+    variant = (D, tl_dtype(q.dtype), MODE_CODE[mode], key_lengths is not None, dropout_p > 0.0, cfg)
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)

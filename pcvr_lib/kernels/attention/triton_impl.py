@@ -26,6 +26,8 @@ import torch
 import triton
 import triton.language as tl
 
+from .masks import MODE_CODE, length_bucket
+
 _RUNTIME_INTS = ["H", "Sq", "Skv", "seed", "drop_threshold"]
 
 
@@ -401,14 +403,6 @@ def kernels(interpret: bool):
 # ---------------------------------------------------------------------------------------------------------
 # launch wrappers
 
-_MODE_CODE = {"none": 1, "key_lengths": 1, "causal": 2, "causal_valid": 3}
-
-
-def _bucket(s: int) -> int:
-    """Sequence-length bucket: configs are chosen per bucket, so lengths inside one never recompile."""
-    return 0 if s <= 128 else (1 if s <= 512 else 2)
-
-
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per (head dim, bucket of Sq). Buckets 1 and 2: the winners of
 # `python -m pcvr_lib.kernels.attention.tune` on the H200 (2026-12-01, bf16, device time; notes/attention.md):
 # forward B16 H8 S1024 D64 (128, 64, 8, 3) 126 us against 137 us for the earlier (128, 64, 4, 3) (second sweep,
@@ -479,12 +473,12 @@ def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p:
     Skv = k.shape[2]
     o = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B * H, Sq), dtype=torch.float32, device=q.device) if store_lse else o
-    bm, bn, warps, stages = config or FWD_CONFIGS[(D, _bucket(Sq))]
+    bm, bn, warps, stages = config or FWD_CONFIGS[(D, length_bucket(Sq))]
     has_kl = key_lengths is not None
     dropout = dropout_p > 0.0
     qs, ks, vs = q.stride(), k.stride(), v.stride()
     strides = (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], H * Sq * D, Sq * D, D)
-    code = _MODE_CODE[mode]
+    code = MODE_CODE[mode]
     args = (q, k, v, o, lse, key_lengths if has_kl else o, *strides,
             H, Sq, Skv, scale * 1.4426950408889634, seed, _threshold(dropout_p), 1.0 / (1.0 - dropout_p),
             code, has_kl, dropout, store_lse, bm, bn, D)
@@ -510,7 +504,7 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
     has_kl = key_lengths is not None
     kl = key_lengths if has_kl else delta
     dropout = dropout_p > 0.0
-    code = _MODE_CODE[mode]
+    code = MODE_CODE[mode]
     qs, ks, vs, dos = q.stride(), k.stride(), v.stride(), do.stride()
     s_qkv = (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
     s_o = (H * Sq * D, Sq * D, D)
@@ -520,12 +514,12 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
     fast = not interpret and _fast_ok((q, k, v, do, kl), s_qkv + s_do)
     dev = torch._C._cuda_getDevice() if fast else -1
 
-    bm, bn, warps, stages = dq_config or BWD_DQ_CONFIGS[(D, _bucket(Sq))]
+    bm, bn, warps, stages = dq_config or BWD_DQ_CONFIGS[(D, length_bucket(Sq))]
     args = (q, k, v, o, do, dq, lse, delta, kl, *s_qkv, *s_o, *s_do, *common, bm, bn, D)
     key = (dev, 1, q.dtype, code, has_kl, dropout, bm, bn, D, warps, stages)
     _launch(k_dq, (_cdiv(Sq, bm), B * H), args, key, fast, warps, stages)
 
-    bm, bn, warps, stages = kv_config or BWD_KV_CONFIGS[(D, _bucket(Sq))]
+    bm, bn, warps, stages = kv_config or BWD_KV_CONFIGS[(D, length_bucket(Sq))]
     args = (q, k, v, do, dk, dv, lse, delta, kl, *s_qkv, *s_do, *common, bm, bn, D)
     key = (dev, 2, q.dtype, code, has_kl, dropout, bm, bn, D, warps, stages)
     _launch(k_kv, (_cdiv(Skv, bn), B * H), args, key, fast, warps, stages)
@@ -546,7 +540,7 @@ def compile_for(arch: int, which: str, D: int, dtype: str = "bf16", mode: str = 
     fn = dict(zip(("fwd", "dq", "dkdv"), kernels(False), strict=True))[which]
     tables = {"fwd": FWD_CONFIGS, "dq": BWD_DQ_CONFIGS, "dkdv": BWD_KV_CONFIGS}
     bm, bn, warps, stages = config or tables[which][(D, 0)]
-    constexprs = {"MODE": _MODE_CODE[mode], "HAS_KL": has_kl, "DROPOUT": dropout, "BLOCK_M": bm, "BLOCK_N": bn,
+    constexprs = {"MODE": MODE_CODE[mode], "HAS_KL": has_kl, "DROPOUT": dropout, "BLOCK_M": bm, "BLOCK_N": bn,
                   "HEAD_DIM": D}
     if which == "fwd":
         constexprs["STORE_LSE"] = store_lse

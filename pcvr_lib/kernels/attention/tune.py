@@ -17,6 +17,7 @@ import time
 
 import torch
 
+from .._tilelang import tl_dtype
 from . import tilelang_impl as ti
 from . import triton_impl as tr
 
@@ -70,7 +71,7 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-tilelang", action="store_true")
     args = parser.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    dname = ti._dtype_name(dtype)
+    dname = tl_dtype(dtype)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
 
     if not args.skip_tilelang:

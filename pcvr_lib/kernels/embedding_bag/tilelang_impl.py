@@ -16,10 +16,9 @@ import time
 
 import torch
 
+from .._tilelang import tl_dtype
 from .common import compile_seconds
 
-_TORCH_TO_TL = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
-                torch.int32: "int32", torch.int64: "int64"}
 THREADS = 128
 UNROLL = 4
 _CACHE: dict[tuple, object] = {}
@@ -212,7 +211,7 @@ def precompile(specs, workers: int = 16) -> float:
 
 def _spec(wdt, idt, dim, vec, kind):
     """(cache key, builder) of one kernel variant; the same keys the launch functions use."""
-    w, i = _TORCH_TO_TL[wdt], _TORCH_TO_TL[idt]
+    w, i = tl_dtype(wdt), tl_dtype(idt)
     if kind in ("fwd", "fwd_train"):
         train = kind == "fwd_train"
         return ("fwd", dim, wdt, idt, vec, train), lambda: build_forward(dim, w, i, vec, train)
@@ -270,7 +269,7 @@ def backward_dense(ids, counts, grad_out, num_rows: int, weight_dtype):
     dim = grad_out.shape[1]
     grad = torch.zeros((num_rows, dim), dtype=torch.float32, device=ids.device)
     key = ("bwd_dense", dim, grad_out.dtype, ids.dtype)
-    exe = _executable("bwd_dense", key, lambda: build_backward_dense(dim, _TORCH_TO_TL[grad_out.dtype],
-                                                                     _TORCH_TO_TL[ids.dtype]))
+    exe = _executable("bwd_dense", key, lambda: build_backward_dense(dim, tl_dtype(grad_out.dtype),
+                                                                     tl_dtype(ids.dtype)))
     exe(ids, counts, grad_out, grad)
     return grad if weight_dtype == torch.float32 else grad.to(weight_dtype)

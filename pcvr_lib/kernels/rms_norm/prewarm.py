@@ -49,7 +49,7 @@ def compile_one(spec: tuple[str, str, int, str]) -> float:
     from pcvr_lib.kernels.rms_norm import tilelang_kernels as rms
 
     op, kind, width, dtype_name = spec
-    dtype = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}[dtype_name]
+    dtype = getattr(torch, dtype_name)
     mod = rms if op == "rms_norm" else ln
     t0 = time.perf_counter()
     if kind == "bwd":
