@@ -3,10 +3,10 @@
 - `mlp`: the reference's synthetic task: an MLP Linear(2F -> H), (depth - 1) x Linear(H -> H), GELU
   between them, Linear(H -> 1), on a fixed random batch with a binary target that depends on the inputs.
   Reference defaults: batch 512, F 128, H 512, depth 4.
-- `pcvr_dense`: the dense parameter shapes of a representative PCVR ranking model (d_model 64, 2 blocks,
-  4 heads, HyFormer-like: token projections, per-domain sequence encoders, attention, RankMixer per-token
-  FFNs stored as 3-D stacks, a head MLP), trained on a quadratic bowl towards a fixed random target so the
-  step sees dense gradients of exactly these shapes.
+- `pcvr_dense`: the dense parameter shapes of the `baseline` model (HyFormer, its default config, on the
+  demo schema fixtures/sample_1000_raw.schema.json: token projections, per-domain sequence encoders,
+  attention, RankMixer per-token FFNs stored as 3-D stacks, a head MLP, their norms), trained on a quadratic
+  bowl towards a fixed random target so the step sees dense gradients of exactly these shapes.
 """
 
 from __future__ import annotations
@@ -16,42 +16,19 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-D_MODEL = 64
+from pcvr_lib.models import build_model
+from pcvr_lib.schema import load_schema
+from pcvr_lib.smoke import DEFAULT_SCHEMA
 
 
-def pcvr_dense_shapes(d: int = D_MODEL, blocks: int = 2, domains: int = 4, ns_tokens: int = 7,
-                      queries: int = 8, ffn_mult: int = 4) -> list[tuple[int, ...]]:
-    """Dense parameter shapes of a representative PCVR model (weights, biases and norm scales)."""
-    shapes: list[tuple[int, ...]] = []
-
-    def linear(out_f, in_f):
-        shapes.extend([(out_f, in_f), (out_f,)])
-
-    for _ in range(ns_tokens):  # non-sequence tokens from grouped sparse-feature embeddings
-        linear(d, 4 * d)
-    linear(d, 48)  # user dense token
-    linear(d, 16)  # item dense token
-    for _ in range(domains):  # per-domain sequence encoder: side features -> d, then a 1-block encoder
-        linear(d, 3 * d)
-        linear(3 * d, d)  # fused qkv
-        linear(d, d)
-        linear(ffn_mult * d, d)
-        linear(d, ffn_mult * d)
-        shapes.extend([(d,), (d,)])
-    tokens = queries + ns_tokens
-    for _ in range(blocks):
-        linear(3 * d, d)  # sequence self-attention qkv
-        linear(d, d)
-        linear(d, d)  # query -> sequence cross-attention q
-        linear(2 * d, d)  # kv
-        linear(d, d)
-        shapes.extend([(d,)] * 4)  # norms
-        # RankMixer: per-token FFNs, one weight matrix per token, stored stacked
-        shapes.extend([(tokens, ffn_mult * d, d), (tokens, ffn_mult * d), (tokens, d, ffn_mult * d), (tokens, d)])
-    linear(4 * d, queries * d)  # head MLP on the flattened queries
-    linear(2 * d, 4 * d)
-    linear(1, 2 * d)
-    return shapes
+def pcvr_dense_shapes(d: int | None = None, model: str = "baseline") -> list[tuple[int, ...]]:
+    """Shapes of `model`'s dense parameters (weights, biases and norm scales), built on the demo schema;
+    `d` overrides its d_model."""
+    overrides = {"vocab_cap": 1}  # the embedding tables are sparse parameters, not part of this workload
+    if d is not None:
+        overrides["d_model"] = d
+    built = build_model(model, load_schema(DEFAULT_SCHEMA), overrides)
+    return [tuple(p.shape) for p in built.dense_parameters()]
 
 
 @dataclass
