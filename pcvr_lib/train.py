@@ -490,12 +490,14 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress) -
 
 
 def _positive_rate(data: Path, rows: np.ndarray) -> float:
-    """Share of label_type == 2 among the given rows (the converter's label rule; null counts as 0)."""
+    """Share of positive labels (the converter's label rule) among the given rows."""
     import pyarrow.parquet as pq
 
-    labels = pq.read_table(data, columns=["label_type"]).column("label_type").to_numpy(zero_copy_only=False)
-    positive = np.nan_to_num(labels.astype(np.float64), nan=0.0) == 2
-    return float(positive[rows].mean()) if rows.any() else 0.5
+    from pcvr_lib.data.convert import labels_from_label_type
+
+    label_type = pq.read_table(data, columns=["label_type"]).column("label_type").combine_chunks()
+    labels = labels_from_label_type(label_type)
+    return float(labels[rows].mean(dtype=np.float64)) if rows.any() else 0.5
 
 
 def _holdout(model, data, schema, config: TrainConfig, split, device) -> dict:

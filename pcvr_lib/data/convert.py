@@ -89,6 +89,15 @@ def _nulls(array: pa.Array) -> np.ndarray | None:
     return np.unpackbits(bits, count=off + n, bitorder="little")[off:] == 0
 
 
+def labels_from_label_type(label_type: pa.Array) -> np.ndarray:
+    """The label rule: float32 1.0 where the int32 label_type is 2, else 0.0 (null included)."""
+    label = (_buffer(label_type, np.int32) == 2).astype(np.float32)
+    null = _nulls(label_type)
+    if null is not None:
+        label[null] = 0.0
+    return label
+
+
 @dataclass
 class _Lists:
     """A list column as numpy: absolute start offsets into `values`, lengths (null rows 0), flat values."""
@@ -731,11 +740,7 @@ class Converter:
         request_ts = _buffer(ts_arr, np.int64).copy()
 
         if self.training:
-            lt = cols["label_type"]
-            label = (_buffer(lt, np.int32) == 2).astype(np.float32)
-            null = _nulls(lt)
-            if null is not None:
-                label[null] = 0.0
+            label = labels_from_label_type(cols["label_type"])
         else:
             label = np.zeros(rows, dtype=np.float32)
 
