@@ -31,7 +31,7 @@ import torch
 from .adamw import BETAS, EPS, WEIGHT_DECAY, dense_grads, foreach_adamw_
 from .errors import OptimizerError, check_common
 from .newton_schulz import muon_scale, orthogonalize, resolve_coefficients
-from .stacking import Bucket, GraphRunner, StackPlan
+from .stacking import Bucket, GraphRunner, StackPlan, uses_cuda_graph
 
 
 @dataclass
@@ -137,13 +137,6 @@ class Muon(torch.optim.Optimizer):
 
     # -- the matrix part ---------------------------------------------------------------------------
 
-    def _uses_graph(self, device: torch.device) -> bool:
-        if device.type != "cuda":
-            if self._cuda_graph:
-                raise OptimizerError(f"muon: cuda_graph=True needs CUDA parameters, got device {device}")
-            return False
-        return True if self._cuda_graph is None else bool(self._cuda_graph)
-
     def _compute_dtype(self, device: torch.device, dtype: torch.dtype) -> torch.dtype:
         if self._ns_dtype is not None:
             return self._ns_dtype
@@ -201,7 +194,7 @@ class Muon(torch.optim.Optimizer):
             params, updates = self._partial_group(plan, group)
         else:
             torch._foreach_copy_(plan.in_views, grads)
-            if self._uses_graph(params[0].device):
+            if uses_cuda_graph("muon", self._cuda_graph, params[0].device):
                 if plan.runner is None:
                     plan.runner = GraphRunner(lambda: self._math_all(plan, group), state=[plan.momentum])
                 out = plan.runner()

@@ -18,7 +18,7 @@ from .adamw import BETAS, EPS, WEIGHT_DECAY, check_fused_supported, dense_grads
 from .errors import OptimizerError, check_common
 from .muon import MERGE_FLOPS_CUDA
 from .newton_schulz import CUBIC, newton_schulz_, safe_inverse_norm
-from .stacking import Bucket, GraphRunner, StackPlan
+from .stacking import Bucket, GraphRunner, StackPlan, uses_cuda_graph
 
 
 def orthogonal_transform(g: torch.Tensor, steps: int = 2, compute_dtype: torch.dtype | None = None
@@ -96,13 +96,6 @@ class OrthogonalAdamW(torch.optim.AdamW):
         super().add_param_group(param_group)
         self._plan = None
 
-    def _uses_graph(self, device: torch.device) -> bool:
-        if device.type != "cuda":
-            if self._cuda_graph:
-                raise OptimizerError(f"orthogonal_adamw: cuda_graph=True needs CUDA parameters, got {device}")
-            return False
-        return True if self._cuda_graph is None else bool(self._cuda_graph)
-
     def _transform_all(self, plan: _Plan) -> torch.Tensor:
         plan.layout.scatter_to_classes(plan.grads, plan.class_in)
         outs = [orthogonal_transform(x, self._ns_steps, self._ns_dtype) for x in plan.class_in]
@@ -144,7 +137,7 @@ class OrthogonalAdamW(torch.optim.AdamW):
                         p.grad = v
             return
         torch._foreach_copy_(plan.in_views, grads)
-        if self._uses_graph(params[0].device):
+        if uses_cuda_graph("orthogonal_adamw", self._cuda_graph, params[0].device):
             if plan.runner is None:
                 plan.runner = GraphRunner(lambda: self._transform_all(plan), state=[])
             out = plan.runner()

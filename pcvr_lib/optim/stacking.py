@@ -13,6 +13,8 @@ from dataclasses import dataclass, field
 
 import torch
 
+from .errors import OptimizerError
+
 
 @dataclass
 class Bucket:
@@ -73,6 +75,16 @@ def make_buckets(params: Sequence[torch.Tensor], mode: str, extra_key: tuple = (
         m, n = key[-4], key[-3]
         buckets.append(Bucket(key, [p for p, _ in members], m, n, [c for _, c in members]))
     return buckets
+
+
+def uses_cuda_graph(name: str, cuda_graph: bool | None, device: torch.device) -> bool:
+    """Whether optimizer `name` runs its stacked math in a GraphRunner: by default on CUDA, never elsewhere
+    (there cuda_graph=True is an error)."""
+    if device.type != "cuda":
+        if cuda_graph:
+            raise OptimizerError(f"{name}: cuda_graph=True needs CUDA parameters, got device {device}")
+        return False
+    return True if cuda_graph is None else bool(cuda_graph)
 
 
 class GraphRunner:
