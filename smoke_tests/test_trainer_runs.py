@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import pickle
 import re
 
 import numpy as np
 import pytest
 import torch
+from safetensors.torch import load_file
 
 import pcvr_lib.train as trainer
 from pcvr_lib.cli import main as cli_main
@@ -119,12 +121,22 @@ def test_clipping_clips(data, tmp_path):
     assert abs(tight["losses"][1] - tight["losses"][0]) <= abs(loose["losses"][1] - loose["losses"][0]) + 1e-6
 
 
-def test_checkpoint_loads_without_pickles(finished_run):
+def test_checkpoint_loads_without_pickles(finished_run, monkeypatch):
     run_dir, *_ = finished_run
-    model, _, config, folder = trainer.load_checkpoint(run_dir)
-    assert config.model == "onetrans" and folder.parent == run_dir
     assert not any(p.suffix in (".pt", ".pth", ".pkl", ".bin") for p in run_dir.rglob("*"))
-    assert isinstance(model, torch.nn.Module)
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("loading a checkpoint unpickled something")
+
+    for module, name in ((pickle, "load"), (pickle, "loads"), (torch, "load")):
+        monkeypatch.setattr(module, name, refuse)
+    model, _, config, folder = trainer.load_checkpoint(run_dir)
+    monkeypatch.undo()
+    assert config.model == "onetrans" and folder.parent == run_dir
+    saved = load_file(str(folder / trainer.MODEL_FILE))
+    state = model.state_dict()
+    assert saved.keys() == state.keys()
+    assert all(torch.equal(state[name], tensor) for name, tensor in saved.items())
 
 
 def test_clear_errors_for_bad_paths_and_options(data, tmp_path, capsys):
