@@ -22,7 +22,7 @@ from hypothesis import strategies as st
 from pcvr_lib.kernels import embedding_bag as eb
 from pcvr_lib.kernels import registry
 from pcvr_lib.kernels.testing import poisoned_outputs, run_pytest_child
-from pcvr_lib.kernels.tolerance import DTYPE_NAMES, Tolerance, assert_close, max_errors, tolerance
+from pcvr_lib.kernels.tolerance import DTYPE_NAMES, TOLERANCES, Tolerance, assert_close, max_errors, tolerance
 
 CUDA = torch.cuda.is_available()
 INTERPRETER_CHILD = os.environ.get("TRITON_INTERPRET", "0") == "1"  # set before any import: see above
@@ -393,6 +393,25 @@ def test_tilelang_kernels_compile_for_sm90():
     assert "uint4" in sources["fwd_fp16_i32_vec8"], "16-byte vector loads expected"
 
 
-def test_tolerance_table_is_what_the_checks_use():
-    assert tolerance(torch.float16).atol > tolerance(torch.float32).atol
+@pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: DTYPE_NAMES[d])
+def test_tolerance_table_is_what_the_checks_use(dtype, monkeypatch):
+    """check_forward allows exactly the table's error for the dtype: an output off by 0.9x
+    (atol * rms + rtol * |ref|) passes, one off by 1.1x fails (another dtype's row would not give both)."""
+    weight = make_weight(16, 8, dtype, seed=3, device="cpu")
+    ids = make_ids(4, 5, 16, pad=0.2, seed=3)
+    expected = eb.reference_forward(weight, ids)
+    tol = TOLERANCES[dtype]
+    bound = tol.atol * float(expected.pow(2).mean().sqrt()) + tol.rtol * expected.abs()
+
+    def off_by(factor):
+        return lambda weight, ids, backend: expected + factor * bound
+
+    monkeypatch.setattr(eb, "embedding_bag_mean", off_by(0.9))
+    check_forward(weight, ids, "torch")
+    monkeypatch.setattr(eb, "embedding_bag_mean", off_by(1.1))
+    with pytest.raises(AssertionError, match="outside"):
+        check_forward(weight, ids, "torch")
+
+
+def test_max_errors_reports_a_nan_output():
     assert max_errors(torch.tensor([1.0, float("nan")]), torch.tensor([1.0, 2.0]))[0] != 0.0
