@@ -6,7 +6,8 @@
   `ratio_to_pyarrow_read` is the median over rounds of the loader's rows/s over the floor read around
   that round (robust to the machine's load changing between rounds); `ratio_best_to_best` also kept.
 - mode=convert: Arrow batches preloaded in memory, only the converter timed (the preset decides the
-  converter's strict_time_filter); floor: copying one converted batch's bytes once.
+  converter's strict_time_filter); floor: copying one converted batch's bytes once (wall clock, best of 5;
+  test_converter_micro's copy_floor_seconds).
 
 Rows per second count source rows (the augment presets' second views are extra output, not extra input).
 Sizes come from the `data_scale` fixture: ci (seconds), default (stable numbers in a few minutes on two
@@ -28,6 +29,7 @@ from pcvr_lib.data.convert import Converter
 from pcvr_lib.data.generate import generate_dataset
 from pcvr_lib.data.loader import PRESETS, PcvrLoader
 from pcvr_lib.schema import load_schema
+from perf_tests.test_converter_micro import copy_floor_seconds
 
 MODES = ("loader", "convert")
 CASES = [pytest.param(p, m, id=f"preset={p},mode={m}") for p in PRESETS for m in MODES]
@@ -81,19 +83,6 @@ def _loader(cfg, schema, path, preset) -> PcvrLoader:
         seed=0,
         cache_capacity=capacity,
     )
-
-
-def copy_floor_seconds(batch, reps: int = 5) -> float:
-    """Time to copy one converted batch's bytes once (single thread, into preallocated buffers)."""
-    sources = [t.numpy() for t in batch.tensors()]
-    targets = [np.empty_like(a) for a in sources]
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        for dst, src in zip(targets, sources, strict=True):
-            np.copyto(dst, src)
-        best = min(best, time.perf_counter() - start)
-    return best
 
 
 def policy_hit_rates(trace, capacity) -> dict[str, float]:
@@ -236,7 +225,7 @@ def run_convert_case(benchmark, cfg, schema, path, preset):
     try:
         rows, last = benchmark.pedantic(run, rounds=cfg["rounds"], iterations=1, warmup_rounds=0)
         first = converter(batches[0])
-        copy_sec = copy_floor_seconds(first)
+        copy_sec, _ = copy_floor_seconds([first], repeats=5)  # wall clock; one batch, so a cache-warm source
     finally:
         torch.set_num_threads(previous)
     assert rows == sum(b.num_rows for b in batches)
