@@ -123,6 +123,7 @@ def _report(benchmark, group: str, variant: str, device: str, workload: str, tas
     dense = opts.dense
     info = benchmark.extra_info
     info["parameters"] = sum(p.numel() for p in task.parameters())
+    info["tensors"] = sum(1 for _ in task.parameters())  # the workload's shape list (pcvr_dense follows the model)
     info["optimizer_state_bytes"] = _state_bytes(dense)
     info["optimizer_step_us"] = round(step_alone * 1e6, 3)
     with torch.no_grad():
