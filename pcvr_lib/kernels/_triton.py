@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import contextlib
 import functools
-import time
 
 import torch
 
@@ -93,14 +92,10 @@ class Launcher:
     path and `fast_path_error` says why.
     """
 
-    def __init__(self, dual: DualKernel, compile_log: dict | None = None, name: str = ""):
+    def __init__(self, dual: DualKernel):
         self.dual = dual
         self.compiled_by_key: dict = {}
         self.fast_path_error: str | None = None
-        # when given, the first (compiling) launch of each key is timed to the end of the kernel and recorded
-        # as compile_log[("triton", name, *key)] = seconds
-        self.compile_log = compile_log
-        self.name = name
 
     def __call__(self, key, grid: tuple[int, ...], args: tuple, num_warps: int, device: torch.device):
         if device.type != "cuda":
@@ -111,12 +106,7 @@ class Launcher:
                 return _direct_launch(compiled, grid, args, device)
             except TypeError as exc:  # launcher signature differs in this triton version
                 self.fast_path_error = f"{type(exc).__name__}: {exc}"
-        first = key not in self.compiled_by_key and self.compile_log is not None
-        t0 = time.perf_counter()
         compiled = self.dual.compiled[grid](*args, num_warps=num_warps)
-        if first:
-            torch.cuda.synchronize(device)
-            self.compile_log[("triton", self.name, *key)] = time.perf_counter() - t0
         self.compiled_by_key[key] = compiled
         return compiled
 

@@ -8,11 +8,13 @@ Design (see notes/kernels-embedding.md):
   not recompile); D is a compile-time constant so row offsets are provably multiples of D and the row
   loads become 16-byte vector loads.
 - Ids are read in their own dtype (int32 or int64): no conversion pass on the host or the device.
-- After the first launch the compiled kernel's launcher is called directly (`_triton.Launcher`, as the
-  norms do), which skips Triton's per-call argument binding and cache-key hashing.
+- After the first launch the compiled kernel is called directly (`CompiledKernel[grid](...)`), which
+  skips Triton's per-call argument binding and cache-key hashing (several microseconds per call).
 """
 
 from __future__ import annotations
+
+import time
 
 import torch
 
@@ -21,7 +23,6 @@ try:  # the package is optional: the registry reports it missing
 except ImportError:  # pragma: no cover - exercised only where triton is absent
     tl = None
 
-from .._triton import Launcher
 from .._triton import kernel as dual_kernel
 from .common import compile_seconds, launch_config
 
@@ -151,6 +152,10 @@ if tl is not None:
                           mask=valid[:, :, None] & dmask[None, None, :], sem="relaxed")
 
 
+# (kernel name, constexprs, dtypes, 16-byte alignment of the pointers) -> CompiledKernel
+_COMPILED: dict[tuple, object] = {}
+
+
 def _align_key(a: torch.Tensor, b: torch.Tensor) -> tuple:
     """Device index and the 16-byte alignment of both pointers (Triton specialises on it)."""
     return a.get_device(), a.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0
@@ -166,6 +171,10 @@ def _config(batch, bag, dim, elem_bytes):
     if cfg is None:
         cfg = _CONFIGS[key] = launch_config(batch, bag, dim, elem_bytes)
     return cfg
+
+
+def _stream(device_index: int) -> int:
+    return torch._C._cuda_getCurrentRawStream(device_index)
 
 
 def forward(weight: torch.Tensor, ids: torch.Tensor, save_counts: bool, cfg=None):
@@ -185,17 +194,33 @@ def forward(weight: torch.Tensor, ids: torch.Tensor, save_counts: bool, cfg=None
     return out, (counts if save_counts else None)
 
 
-_LAUNCHERS: dict = {}
+_RAW_RUN = [True]  # False once CompiledKernel.run's positional layout turned out different
 
 
 def _launch_with_warps(name, kernel, grid, args, key, num_warps):
-    """Launch through `_triton.Launcher` (one per kernel): the first launch per key compiles through Triton's
-    JIT (its seconds recorded in compile_seconds), later ones call the compiled launcher directly; CPU
-    tensors (only under TRITON_INTERPRET=1) go through the interpreter."""
-    launcher = _LAUNCHERS.get(name)
-    if launcher is None:
-        launcher = _LAUNCHERS[name] = Launcher(kernel, compile_log=compile_seconds, name=name)
-    launcher(key, (grid,), args, num_warps, args[0].device)
+    """Launch with all arguments positional. On CUDA the first launch per key compiles through Triton's
+    JIT and keeps the CompiledKernel; later launches call its launcher directly with torch's current
+    stream (no per-call binding, hashing, device or stream lookups through Triton's driver).
+    CPU tensors (only under TRITON_INTERPRET=1) go through the interpreter."""
+    ck = _COMPILED.get(key)
+    if ck is not None:
+        if _RAW_RUN[0]:
+            try:
+                ck.run(grid, 1, 1, _stream(args[0].get_device()), ck.function, ck.packed_metadata, None, None,
+                       None, *args)
+                return
+            except TypeError:  # another Triton's launcher layout: use its public runner from now on
+                _RAW_RUN[0] = False
+        ck[(grid, 1, 1)](*args)
+        return
+    if not args[0].is_cuda:
+        kernel.interpreted[(grid,)](*args, num_warps=num_warps)
+        return
+    t0 = time.perf_counter()
+    ck = kernel.compiled[(grid,)](*args, num_warps=num_warps)
+    torch.cuda.synchronize()
+    compile_seconds[("triton", name) + key] = time.perf_counter() - t0
+    _COMPILED[key] = ck
 
 
 def backward_sparse(ids, counts, grad_out, num_rows: int, weight_dtype):
