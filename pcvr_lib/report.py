@@ -99,8 +99,11 @@ def machine_summary(data: dict) -> str:
     parts = [info.get("node", "?"), info.get("cpu", {}).get("brand_raw", "?"), f"{info.get('cpu_count', '?')} cpus"]
     parts.append(gpu.get("name", "no GPU") if gpu else "no GPU")
     parts += [f"{k} {v}" for k, v in libs.items() if v]
-    commit = data.get("commit_info", {}).get("id")
-    return " | ".join(str(p) for p in parts) + (f" | commit {commit[:10]}" if commit else "")
+    info = data.get("commit_info", {})
+    # measured_tree: set on snapshots whose git metadata is not the code that ran (.benchmarks/README.md)
+    measured = info.get("measured_tree")
+    commit = measured.split()[0].rstrip(":") if measured else (info.get("id") or "")[:10]
+    return " | ".join(str(p) for p in parts) + (f" | commit {commit}" if commit else "")
 
 
 def add_report_arguments(parser) -> None:

@@ -67,3 +67,10 @@ def test_compare_picks_the_newest_stored_run_or_the_one_asked_for(tmp_path):
     assert report.resolve_baseline(tmp_path, "0001").name == "0001_aaa_2026.json"
     with pytest.raises(report.ReportError, match="no stored run matches"):
         report.resolve_baseline(tmp_path, "0007")
+
+
+def test_summary_names_the_measured_tree_over_the_git_metadata():
+    data = {"machine_info": {}, "commit_info": {"id": "156d42173729a750", "dirty": True}}
+    assert report.machine_summary(data).endswith("| commit 156d421737")
+    data["commit_info"]["measured_tree"] = "740bbe9: the device copies the working tree ..."
+    assert report.machine_summary(data).endswith("| commit 740bbe9")
