@@ -3,8 +3,10 @@
 # each with its own time limit so a slow step cannot starve the rest (`timeout -s INT` lets pytest-benchmark
 # still write its JSON). Logs and JSON go to $OUT; a short summary is printed last.
 #
-#   bash tools/h200_session.sh warm accuracy sweep     # run 1: every accuracy case, tile sweeps
-#   bash tools/h200_session.sh warm perf               # run 2: the kernel benchmark snapshot
+#   bash tools/h200_session.sh warm accuracy sweep                            # accuracy, tile sweeps + tune
+#   bash tools/h200_session.sh warm perf_norms perf_embedding perf_attention  # the kernel snapshots
+# (BUDGET=seconds caps the whole command; steps: warm warm_norms accuracy accuracy_norms accuracy_attention
+#  sweep norm_sweep tune host perf_norms perf_embedding perf_attention)
 #
 # .cache/tlpack/tl.tar.xz is TileLang's disk cache built on a CPU machine for sm_90/sm_90a:
 #   TILELANG_CACHE_DIR=$PWD/.cache/tilelang python -m pcvr_lib.kernels.rms_norm.prewarm
@@ -56,7 +58,7 @@ for s in "$@"; do
     accuracy_attention)
       step accuracy 120 $PYTEST accuracy_tests/test_attention.py ;;
     sweep)
-      step norm_sweep 150 $PYTEST perf_tests/test_kernels.py -k exploration --benchmark-only \
+      step norm_sweep 150 $PYTEST perf_tests/test_kernels.py -k "exploration or copy_rate" --benchmark-only \
         --benchmark-json="$OUT/norm_sweep.json"
       step attention_tune 150 python3 -m pcvr_lib.kernels.attention.tune --workers 16 ;;
     tune)
