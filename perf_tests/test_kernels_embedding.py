@@ -15,13 +15,10 @@ uniform in [1, V); "zipf" = bag lengths uniform in [1, L] (the rest padding), id
 neighbours. Bytes counted: valid gathered rows + ids + output (fwd); plus grad_out read, ids read and
 the COO values + indices written (fwd+bwd, B*L entries: our layout).
 
-Print the summary table of a saved run: python perf_tests/test_kernels_embedding.py RUN.json
+Print the table of a saved run: python -m perf_tests.kernel_bench RUN.json --by-case
 """
 
 from __future__ import annotations
-
-import json
-import sys
 
 import pytest
 import torch
@@ -31,11 +28,7 @@ from pcvr_lib.kernels import embedding_bag as eb
 from pcvr_lib.kernels.embedding_bag import common
 from pcvr_lib.kernels.testing import poisoned_outputs
 from pcvr_lib.kernels.tolerance import Tolerance, assert_close, max_errors, tolerance
-
-try:
-    from perf_tests import kernel_bench as kb
-except ImportError:  # run as a script from perf_tests/
-    import kernel_bench as kb
+from perf_tests import kernel_bench as kb
 
 OP = eb.OP
 CUDA = torch.cuda.is_available()
@@ -220,25 +213,3 @@ def cpu_case(benchmark, shape, dtype, dist, direction):
         grad_check(result[1], weight, ids, grad_out)
     benchmark.extra_info.update({"op": OP, "backend": "torch", "shape": shape[0], "dtype": dtype, "dist": dist,
                                  "dir": direction, "note": "CPU smoke run, not a GPU timing"})
-
-
-def summary(path: str) -> str:
-    """A short table of a pytest-benchmark JSON of this file."""
-    data = json.load(open(path))
-    rows = []
-    for bench in data["benchmarks"]:
-        x = bench.get("extra_info", {})
-        if x.get("op") != OP or "per_call_us" not in x:
-            continue
-        rows.append((x["shape"], x["dtype"], x["dist"], x["dir"], x["backend"], x["per_call_us"], x["device_us"],
-                     x.get("speedup_vs_torch"), x.get("fraction_of_copy_ceiling"), x.get("compile_s")))
-    lines = ["shape | dtype | dist | dir | backend | per-call us | device us | x torch | % copy | compile s",
-             "---|---|---|---|---|---|---|---|---|---"]
-    for r in sorted(rows, key=lambda r: r[:4]):
-        frac = f"{100 * r[8]:.1f}" if r[8] is not None else "-"
-        lines.append(f"{r[0]} | {r[1]} | {r[2]} | {r[3]} | {r[4]} | {r[5]:.1f} | {r[6]:.1f} | {r[7]} | {frac} | {r[9]}")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    print(summary(sys.argv[1]))
