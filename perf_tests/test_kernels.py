@@ -241,7 +241,7 @@ def test_copy_rate_at_norm_sizes(benchmark, shape):
         return 0.0, 0.0
 
     kb.run_case(benchmark, key=key, backend="torch", call=lambda: y.copy_(x), check=check,
-                bytes_moved=_bytes("rms_norm", shape, torch.float16, "fwd") - 2 * shape[1], rounds=ROUNDS)
+                bytes_moved=2 * x.numel() * x.element_size(), rounds=ROUNDS)
 
 
 # ------------------------------------------------------------------ Triton tile-size exploration
@@ -289,13 +289,13 @@ def test_triton_tile_exploration(benchmark, monkeypatch, op, shape, kernel, tile
     tensors, dy = _inputs(op, shape, dtype, grad=kernel == "bwd")
     x, *params = (t.detach() for t in tensors)
     eps = EPS[op]
-    y, stats = mod.forward(x, *params, eps, True)
-    stats = stats if isinstance(stats, tuple) else (stats,)
-
     if kernel == "fwd":
         def call():
             return mod.forward(x, *params, eps, False)[0]
     else:
+        stats = mod.forward(x, *params, eps, True)[1]  # rstd (RMSNorm) or (mean, rstd) (LayerNorm)
+        stats = stats if isinstance(stats, tuple) else (stats,)
+
         def call():
             return mod.backward(dy, x, params[0], *stats)
 
@@ -319,4 +319,4 @@ def test_triton_tile_exploration(benchmark, monkeypatch, op, shape, kernel, tile
                                  "kernel": kernel})
     passes = 2 if kernel == "fwd" else 3  # bwd kernel: reads x and dy, writes dx (stats and partials small)
     kb.run_case(benchmark, key=key, backend="triton", call=call, check=check,
-                bytes_moved=passes * shape[0] * shape[1] * 2, rounds=ROUNDS)
+                bytes_moved=passes * x.numel() * x.element_size(), rounds=ROUNDS)

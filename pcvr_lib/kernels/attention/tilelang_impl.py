@@ -15,7 +15,7 @@ import functools
 import tilelang
 import tilelang.language as T
 
-from .._tilelang import tl_dtype
+from .._tilelang import executable, tl_dtype
 from .masks import MODE_CODE, length_bucket
 
 _LOG2E = 1.4426950408889634
@@ -395,8 +395,6 @@ def compile_only(arch: str = "sm_90a", D: int = 64, dtype: str = "bfloat16", mod
 @functools.cache
 def launcher(which: str, D: int, dtype: str, mode: int, has_kl: bool, dropout: bool, config: tuple):
     """The direct-call executable of `compiled(...)` on the local GPU (no JITKernel wrapper per call)."""
-    from .._tilelang import executable
-
     return executable(compiled(which, D, dtype, mode, has_kl, dropout, config))
 
 

@@ -35,8 +35,9 @@ TILELANG_BWD = {64: [(64, 64, 128, 2), (128, 64, 256, 2), (64, 128, 256, 2)],
 
 
 def _time(fn, reps=20, warm_s=0.1) -> float:
-    # Keep the GPU busy for warm_s first: after the compile phase it idles at a low clock (345 MHz on the
-    # H200 host), and the first 2026-12-01 sweep timed its first candidates before the clock had ramped.
+    # Keep the GPU busy for warm_s first: after the compile phase it idles at a low clock (345 MHz reported on
+    # the H200 host). Without it, the first 2026-12-01 sweep timed the S1024 forward default at 164 us, the
+    # warmed second sweep at 137 us, and ranked the candidates differently.
     torch.cuda.synchronize()
     t0 = time.perf_counter()
     while time.perf_counter() - t0 < warm_s:
