@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from pcvr_lib import timing
 from pcvr_lib.data.cache import CACHE_POLICIES, belady_hit_count, make_cache
 from pcvr_lib.data.convert import Converter
 from pcvr_lib.data.generate import generate_dataset
@@ -136,7 +137,8 @@ def run_loader_case(benchmark, cfg, schema, path, preset):
         timings.append(time.perf_counter() - start)
         return rows, batches, nbytes
 
-    rows, batches, nbytes = benchmark.pedantic(run, setup=make, rounds=cfg["rounds"], iterations=1)
+    # gated on process CPU time (the loader's reader thread included), not on wall time
+    rows, batches, nbytes = timing.bench_cpu(benchmark, run, setup=make, rounds=cfg["rounds"], warmup_rounds=0)
     read_floor()
     loader = holder["loader"]
     stats = loader.stats()
@@ -223,7 +225,7 @@ def run_convert_case(benchmark, cfg, schema, path, preset):
         return rows, out
 
     try:
-        rows, last = benchmark.pedantic(run, rounds=cfg["rounds"], iterations=1, warmup_rounds=0)
+        rows, last = timing.bench_cpu(benchmark, run, rounds=cfg["rounds"], warmup_rounds=0, clock=time.thread_time)
         first = converter(batches[0])
         copy_sec, _ = copy_floor_seconds([first], repeats=5)  # wall clock; one batch, so a cache-warm source
     finally:
