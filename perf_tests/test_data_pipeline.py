@@ -30,6 +30,7 @@ from pcvr_lib.data.convert import Converter
 from pcvr_lib.data.generate import generate_dataset
 from pcvr_lib.data.loader import PRESETS, PcvrLoader
 from pcvr_lib.schema import load_schema
+from perf_tests.planted import planted
 from perf_tests.test_converter_micro import copy_floor_seconds
 
 MODES = ("loader", "convert")
@@ -138,7 +139,8 @@ def run_loader_case(benchmark, cfg, schema, path, preset):
         return rows, batches, nbytes
 
     # gated on process CPU time (the loader's reader thread included), not on wall time
-    rows, batches, nbytes = timing.bench_cpu(benchmark, run, setup=make, rounds=cfg["rounds"], warmup_rounds=0)
+    rows, batches, nbytes = timing.bench_cpu(benchmark, planted(run, time.process_time), setup=make,
+                                             rounds=cfg["rounds"], warmup_rounds=0)
     read_floor()
     loader = holder["loader"]
     stats = loader.stats()
@@ -225,7 +227,8 @@ def run_convert_case(benchmark, cfg, schema, path, preset):
         return rows, out
 
     try:
-        rows, last = timing.bench_cpu(benchmark, run, rounds=cfg["rounds"], warmup_rounds=0, clock=time.thread_time)
+        rows, last = timing.bench_cpu(benchmark, planted(run), rounds=cfg["rounds"], warmup_rounds=0,
+                                      clock=time.thread_time)
         first = converter(batches[0])
         copy_sec, _ = copy_floor_seconds([first], repeats=5)  # wall clock; one batch, so a cache-warm source
     finally:
