@@ -21,6 +21,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import re
 import shutil
 import statistics
@@ -345,8 +346,6 @@ def resolve_base(wanted: str, storage: Path) -> Path:
 
 def current_machine() -> dict:
     """This machine as a run's machine_info would describe it (checked before running a suite)."""
-    import os
-
     import cpuinfo
     import torch
 
@@ -401,8 +400,13 @@ def pytest_command(json_out: Path, tests: list[str]) -> list[str]:
 
 def run_suite(json_out: Path, tests: list[str], cwd: Path | None = None) -> None:
     """One pytest process of the benchmark suite, writing its JSON; a failure to write JSON is an error."""
+    from pcvr_lib.data.generate import default_cache_dir
+
     json_out.parent.mkdir(parents=True, exist_ok=True)
-    code = subprocess.call(pytest_command(json_out.resolve(), tests), cwd=cwd)
+    # both trees share one data cache: generated files are keyed by content, so a base worktree does not
+    # regenerate them (nor rebuild the converter's native code, keyed by its source)
+    env = {**os.environ, "PCVR_CACHE_DIR": str(default_cache_dir().resolve())}
+    code = subprocess.call(pytest_command(json_out.resolve(), tests), cwd=cwd, env=env)
     if not json_out.is_file():
         raise ReportError(f"pytest ({' '.join(tests)}) in {cwd or Path.cwd()} exited {code} without writing {json_out}")
     if code not in (0, 1):  # 1: a failed case is reported by the comparison (it goes missing)
