@@ -49,3 +49,18 @@ def planted(fn: Callable, clock: Callable[[], float] = time.thread_time) -> Call
         return result
 
     return slower
+
+
+# ---------------------------------------------------------------- GPU: a worse launch configuration
+
+KERNEL_ENV = "PCVR_PLANTED_NORM_TILE"
+
+
+def planted_norm_tile() -> int | None:
+    """Elements per program the norm kernels are forced to (instead of config.TILE_ELEMENTS), or None."""
+    raw = os.environ.get(KERNEL_ENV, "").strip()
+    if not raw:
+        return None
+    if not raw.isdigit() or int(raw) < 32 or int(raw) & (int(raw) - 1):
+        raise ValueError(f"{KERNEL_ENV}={raw!r}: expected a power of two >= 32 (elements per program)")
+    return int(raw)
