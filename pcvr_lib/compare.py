@@ -18,6 +18,7 @@ different machines, nothing comparable).
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
 import math
@@ -358,7 +359,8 @@ def add_diff_arguments(parser) -> None:
     parser.add_argument("base", help="base run: a pytest-benchmark JSON, 'latest' or a stored run number")
     parser.add_argument("new", nargs="?", help="pytest-benchmark JSON of the new run (or use --run)")
     parser.add_argument("--run", metavar="JSON", help="first run the suite here, writing this JSON, then compare it")
-    parser.add_argument("--tests", nargs="+", default=["perf_tests"], help="with --run: test paths / pytest args")
+    parser.add_argument("--tests", nargs=argparse.REMAINDER, default=["perf_tests"],
+                        help="with --run, last: test paths and pytest args (-k ...)")
     parser.add_argument("--storage", default=".benchmarks", help="where 'latest' and run numbers are looked up")
     parser.add_argument("--noise", help="noise file (default .benchmarks/<machine>/noise.json when it exists)")
     parser.add_argument("--json", dest="json_out", help="also write the comparison rows as JSON here")
@@ -419,7 +421,9 @@ def add_noise_arguments(parser) -> None:
                         help="build the noise file from these stored runs instead of running anything")
     parser.add_argument("--out", help="noise file (default .benchmarks/<machine>/noise.json)")
     parser.add_argument("--work", default="results/noise", help="where the runs' JSON goes")
-    parser.add_argument("tests", nargs="*", default=["perf_tests"], help="test paths / pytest args (-k ...)")
+    parser.add_argument("tests", nargs=argparse.REMAINDER,
+                        help="last: test paths and pytest args, e.g. perf_tests -k x "
+                        "(default perf_tests)")
 
 
 def noise_summary(noise: dict) -> str:
@@ -438,6 +442,7 @@ def run_noise(args) -> int:
             if args.runs < 2:
                 raise ReportError(f"--runs {args.runs}: a noise floor needs at least 2 runs")
             sources = []
+            args.tests = args.tests or ["perf_tests"]
             for i in range(args.runs):
                 out = Path(args.work) / f"run{i + 1}.json"
                 print(f"pcvr noise: run {i + 1}/{args.runs} -> {out}", flush=True)
@@ -574,7 +579,9 @@ def add_compare_arguments(parser) -> None:
     parser.add_argument("--noise", help="noise file (default .benchmarks/<machine>/noise.json of the candidate)")
     parser.add_argument("--work", default="results/compare", help="where the runs' JSON and the report go")
     parser.add_argument("--all", action="store_true", help="list every case, not only those outside threshold")
-    parser.add_argument("tests", nargs="*", default=["perf_tests"], help="test paths / pytest args (-k ...)")
+    parser.add_argument("tests", nargs=argparse.REMAINDER,
+                        help="last: test paths and pytest args, e.g. perf_tests -k x "
+                        "(default perf_tests)")
 
 
 def run_compare(args) -> int:
@@ -584,6 +591,7 @@ def run_compare(args) -> int:
     try:
         if args.rounds < 1:
             raise ReportError(f"--rounds {args.rounds}: at least one A-B-B-A round")
+        args.tests = args.tests or ["perf_tests"]
         base_dir, made_worktree = base_checkout(args.base, Path(tempfile.gettempdir()) / "pcvr-compare")
         new_dir = Path(args.new).resolve()
         dirs = {"base": base_dir, "new": new_dir}

@@ -71,21 +71,6 @@ def update_machine_info(machine_info: dict) -> None:
         machine_info["gpu"] = None
 
 
-def assert_comparable(machine_info_a: dict, machine_info_b: dict) -> None:
-    """Refuse (ValueError) to compare two runs measured on different accelerators.
-
-    Only the device name counts: clocks and driver drift between runs of one machine type are noise the
-    comparison threshold must absorb, not a reason to refuse.
-    """
-    def name(info: dict) -> str:
-        gpu = (info or {}).get("gpu") or {}
-        return gpu.get("name") or "no GPU"
-
-    a, b = name(machine_info_a), name(machine_info_b)
-    if a != b:
-        raise ValueError(f"refusing to compare benchmark runs from different accelerators: {a!r} vs {b!r}")
-
-
 # ---------------------------------------------------------------- bytes, FLOPs, rates
 
 
@@ -199,19 +184,14 @@ class CeilingExceeded(AssertionError):
 def check_ceiling(what: str, bytes_moved: float, seconds: float, ceiling_gbps: float) -> float:
     """GB/s of the case; raises CeilingExceeded when it exceeds the copy ceiling (warm L2, a wrong byte
     count, or a clock that misses work)."""
+    if not seconds > 0:
+        raise CeilingExceeded(f"{what}: device time {seconds!r} s is not positive: the timer missed the work")
     rate = gbps(bytes_moved, seconds)
     if ceiling_gbps and rate > ceiling_gbps * CEILING_SLACK:
         raise CeilingExceeded(
             f"{what}: {rate:,.0f} GB/s from {bytes_moved:,} bytes in {seconds * 1e6:.2f} us exceeds the measured "
             f"copy ceiling {ceiling_gbps:,.0f} GB/s: the case runs from L2 or its byte count is wrong")
     return rate
-
-
-def l2_bytes(device=None) -> int:
-    import torch
-
-    props = torch.cuda.get_device_properties(device if device is not None else torch.cuda.current_device())
-    return int(getattr(props, "L2_cache_size", 0) or DEFAULT_L2_BYTES)
 
 
 def resolve_l2_mode(l2: str | None, flush_l2_cache: bool, rotations: int) -> str:
@@ -343,20 +323,6 @@ def _capture(run: Callable[[], None]):
     graph.replay()
     torch.cuda.synchronize()
     return graph
-
-
-def device_time_profiler(fn: Callable[[], object], calls: int = 10,
-                         exclude: frozenset[str] = frozenset()) -> float:
-    """Seconds per call of GPU kernel time summed from the torch profiler (for uncapturable calls)."""
-    import torch
-
-    clock = ProfilerClock(calls, exclude)
-    fn()
-    torch.cuda.synchronize()
-    t0 = clock()
-    for _ in range(calls):
-        fn()
-    return clock() - t0
 
 
 def _flush_kernel_names() -> frozenset[str]:
@@ -500,7 +466,7 @@ def bench_gpu(benchmark, fn: Callable[[], object] | Sequence[Callable[[], object
         return info
     device_s = benchmark.stats.stats.median
 
-    host_s, wall_s = host_time(fns[0], max(min(n, 20), 5))
+    host_s, wall_s = host_time(fns[0], max(min(n, 20), 3))
     per_call_s = per_call_seconds(fns[0], choose_calls(estimate), flush=mode != "warm")
     info.update({
         "timer": f"{method}: {n} calls per {'graph' if method == 'cuda_graph' else 'round'}",
