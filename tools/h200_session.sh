@@ -7,7 +7,7 @@
 #   bash tools/h200_session.sh warm perf_norms perf_embedding perf_attention  # the kernel snapshots
 #   REPS=3 bash tools/h200_session.sh warm noise planted                      # noise floor + planted slowdown
 # (BUDGET=seconds caps the whole command; steps: warm warm_norms accuracy accuracy_norms accuracy_attention
-#  sweep norm_sweep tune host perf_norms perf_embedding perf_attention noise planted)
+#  sweep norm_sweep tune host perf_norms perf_embedding perf_attention noise planted optim)
 #
 # noise: the gated kernel suite (torch.compile peers, sweeps and host parts left out) REPS times, one JSON
 #   per repetition ($OUT/noise_repN.json), then `pcvr noise --from` them into $OUT/noise_h200.json.
@@ -92,6 +92,8 @@ for s in "$@"; do
       PCVR_PLANTED_NORM_TILE=256 step planted 90 $PYTEST perf_tests/test_kernels.py \
         -k "op=rms_norm and backend=triton and not exploration" --benchmark-only \
         --benchmark-json="$OUT/planted_tile256.json" ;;
+    optim)
+      step optim 150 $PYTEST perf_tests/test_optimizers.py -k cuda --benchmark-only --benchmark-json="$OUT/optim.json" ;;
     perf_attention)
       step perf_attention 150 $PYTEST perf_tests/test_kernels_attention.py --benchmark-only \
         --benchmark-json="$OUT/attention.json" ;;
@@ -104,6 +106,7 @@ echo "--- summary"
 [ -f "$OUT/attention_tune.log" ] && tail -45 "$OUT/attention_tune.log"
 [ -f "$OUT/kernels_norms.json" ] && python3 -m pcvr_lib report "$OUT/kernels_norms.json" --view cases | cut -c1-160 | head -80
 [ -f "$OUT/noise.log" ] && cat "$OUT/noise.log"
+[ -f "$OUT/optim.json" ] && python3 -m pcvr_lib report "$OUT/optim.json" --view optim
 [ -f "$OUT/planted_tile256.json" ] && [ -f "$OUT/noise_rep1.json" ] && python3 -m pcvr_lib diff \
   "$OUT/noise_rep1.json" "$OUT/planted_tile256.json" --noise "$OUT/noise_h200.json" --all 2>&1 | grep -v MISSING | tail -25
 [ -f "$OUT/attention.json" ] && PYTHONPATH=. python3 perf_tests/test_kernels_attention.py "$OUT/attention.json"
