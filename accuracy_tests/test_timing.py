@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -124,8 +126,9 @@ class _FakeBenchmark:
             args, kwargs = (setup() or ((), {})) if setup else ((), {})
             t0 = self._timer()
             result = target(*args, **kwargs)
+            elapsed = self._timer() - t0
             if i >= warmup_rounds:
-                self.samples.append(self._timer() - t0)
+                self.samples.append(elapsed)
         self.samples.sort()
         median = self.samples[len(self.samples) // 2]
         self.stats = type("S", (), {"stats": type("T", (), {"median": median})})
@@ -218,3 +221,88 @@ def test_gpu_timer_measures_a_known_duration():
     assert info["per_call_us"] == pytest.approx(target_us, rel=0.10)
     assert info["per_call_over_device"] >= 0.97
     assert 0 < info["host_us"] < target_us
+
+
+class _FakeGpu:
+    """A CUDA stand-in for bench_gpu on CPU: launches advance a device clock, or are recorded while a
+    graph is being captured and advance it again on every replay; events read the device clock."""
+
+    def __init__(self, monkeypatch):
+        self.clock = 0.0
+        self.capturing = None
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing=True):
+                self.t = None
+
+            def record(self):
+                self.t = gpu.clock
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, end):
+                return (end.t - self.t) * 1e3
+
+        class Graph:
+            def __init__(self):
+                self.ops = []
+
+            def replay(self):
+                for seconds in self.ops:
+                    gpu.clock += seconds
+
+        @contextlib.contextmanager
+        def graph(g):
+            gpu.capturing = g
+            yield
+            gpu.capturing = None
+
+        stream = type("Stream", (), {"wait_stream": lambda self, other: None})
+        for name, value in {"Event": Event, "CUDAGraph": Graph, "graph": graph, "Stream": stream,
+                            "stream": lambda s: contextlib.nullcontext(), "current_stream": lambda: stream(),
+                            "synchronize": lambda: None, "_sleep": lambda cycles: self.launch(0.5e-3)}.items():
+            monkeypatch.setattr(torch.cuda, name, value, raising=False)
+        monkeypatch.setattr(timing, "flush_l2", lambda device=None, size=0: self.launch(40e-6))
+
+    def launch(self, seconds):
+        if self.capturing is not None:
+            self.capturing.ops.append(seconds)
+        else:
+            self.clock += seconds
+
+
+def test_bench_gpu_device_time_from_a_graph_of_many_calls_with_the_flushes_subtracted(monkeypatch):
+    gpu = _FakeGpu(monkeypatch)
+    bench = _FakeBenchmark()
+    info = timing.bench_gpu(bench, lambda: gpu.launch(4e-6), rounds=5, warmup_rounds=1)
+    assert info["device_time_method"] == "cuda_graph" and info["l2"] == "flush" and info["stat"] == "device"
+    assert info["calls_per_graph"] == 23  # ceil(1 ms / (4 + 40) us)
+    assert info["device_us"] == pytest.approx(4.0)  # the 40 us flush before every call is subtracted
+    assert info["flush_us_subtracted"] == pytest.approx(40.0)
+    assert bench.stats.stats.median == pytest.approx(4e-6)  # pytest-benchmark's statistic is device time
+    assert info["per_call_us"] == pytest.approx(4.0) and info["per_call_over_device"] == pytest.approx(1.0)
+    assert info["host_us"] >= 0 and info["gated"] is True and bench.extra_info["device_us"] == info["device_us"]
+
+
+def test_bench_gpu_rotates_over_input_copies_and_marks_informational_cases(monkeypatch):
+    gpu = _FakeGpu(monkeypatch)
+    calls = []
+
+    def make(i):
+        return lambda: (calls.append(i), gpu.launch(10e-6))
+
+    info = timing.bench_gpu(_FakeBenchmark(), [make(i) for i in range(4)], rounds=3, gated=False)
+    assert info["l2"] == "rotate" and info["rotations"] == 4 and info["gated"] is False
+    assert info["calls_per_graph"] == 100 and info["flush_us_subtracted"] == 0.0
+    assert info["device_us"] == pytest.approx(10.0)
+    assert set(calls) == {0, 1, 2, 3}
+
+
+def test_bench_gpu_disabled_runs_once_untimed(monkeypatch):
+    gpu = _FakeGpu(monkeypatch)
+    bench = _FakeBenchmark(enabled=False)
+    bench.pedantic = lambda target, **kw: target()
+    info = timing.bench_gpu(bench, lambda: gpu.launch(4e-6), l2="warm")
+    assert info["l2"] == "warm" and "device_us" not in info

@@ -38,6 +38,47 @@ def alarms(rows) -> list:
     return [r for r in rows if r.verdict in ("REGRESSED", "MISSING")]
 
 
+def median_values(runs: list[dict]) -> dict[tuple[str, str], float]:
+    """Per (case, gated metric): the median over the A/A runs."""
+    import statistics
+
+    values: dict[tuple[str, str], list[float]] = {}
+    for run in runs:
+        for cid, case in cases_of(run).items():
+            if case.kind in case.values:
+                values.setdefault((cid, case.kind), []).append(case.values[case.kind])
+    return {k: statistics.median(v) for k, v in values.items()}
+
+
+def write_fixtures(out: Path, aa: dict[str, dict], planted_specs: list[str], noise: str, must: float) -> None:
+    """The first A/A pair (must pass) and each planted run against the first A/A run cut to its cases (must
+    fail; `planted_cases`: the gated cases slower than the A/A median by `must` or more, which must be flagged),
+    plus expected.json for smoke_tests/test_comparison_fixtures.py."""
+    out.mkdir(parents=True, exist_ok=True)
+    names = list(aa)
+    medians = median_values(list(aa.values()))
+    (out / "aa_base.json").write_text(json.dumps(aa[names[0]]))
+    (out / "aa_new.json").write_text(json.dumps(aa[names[1]]))
+    pairs = [{"base": "aa_base.json", "new": "aa_new.json", "expect": "pass"}]
+    for spec in planted_specs:
+        size_text, _, path = spec.partition("=")
+        planted = load_run(path)
+        tag = f"{round(100 * float(size_text)):02d}"
+        must_flag = sorted(cid for cid, case in cases_of(planted).items()
+                           if case.gated and (cid, case.kind) in medians
+                           and case.values[case.kind] >= (1 + must) * medians[(cid, case.kind)])
+        if not must_flag:
+            print(f"planted {size_text}: no case {must:.0%} over the A/A median: not a fixture")
+            continue
+        (out / f"planted{tag}_base.json").write_text(json.dumps(only_cases(aa[names[0]], set(cases_of(planted)))))
+        (out / f"planted{tag}_new.json").write_text(json.dumps(planted))
+        pairs.append({"base": f"planted{tag}_base.json", "new": f"planted{tag}_new.json", "expect": "fail",
+                      "planted": float(size_text), "planted_cases": must_flag})
+    manifest = {"noise": noise, "must_catch": must, "aa_runs": names, "pairs": pairs}
+    (out / "expected.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    print(f"fixtures written under {out}")
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--noise", required=True, help="noise file (measured on other runs than --aa)")
@@ -46,6 +87,8 @@ def main(argv: list[str] | None = None) -> int:
                         help="runs with a planted slowdown of SIZE (e.g. 0.10=p10.json)")
     parser.add_argument("--fixtures", help="write the A/A and planted pairs here")
     parser.add_argument("--json", dest="json_out", help="write the results as JSON here")
+    parser.add_argument("--must-catch", type=float, default=0.10,
+                        help="fixtures: a case slower than the A/A median by this much must be flagged (0.10)")
     args = parser.parse_args(argv)
 
     noise = load_noise(Path(args.noise))
@@ -95,18 +138,7 @@ def main(argv: list[str] | None = None) -> int:
             f"{g} {'-' if s is None else f'{s:.0%}'}" for g, s in limits.items()))
 
     if args.fixtures:
-        out = Path(args.fixtures)
-        out.mkdir(parents=True, exist_ok=True)
-        names = list(aa)
-        (out / "aa_base.json").write_text(json.dumps(aa[names[0]]))
-        (out / "aa_new.json").write_text(json.dumps(aa[names[1]]))
-        for spec in args.planted:
-            size_text, _, path = spec.partition("=")
-            planted = load_run(path)
-            tag = f"{round(100 * float(size_text)):02d}"
-            (out / f"planted{tag}_base.json").write_text(json.dumps(only_cases(aa[names[0]], set(cases_of(planted)))))
-            (out / f"planted{tag}_new.json").write_text(json.dumps(planted))
-        print(f"fixtures written under {out}")
+        write_fixtures(Path(args.fixtures), aa, args.planted, args.noise, args.must_catch)
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=1))
     return 0
