@@ -12,7 +12,7 @@ backend adds one masking pass for ids outside (0, V). Gradients are taken with t
 Distributions: "uniform" = fixed bag length, each position padding (id 0) with probability 0.25, ids
 uniform in [1, V); "zipf" = bag lengths uniform in [1, L] (the rest padding), ids log-uniform
 (P(id) ~ 1/id, Zipf s=1) scattered over the table by a multiplicative hash, so hot rows are not
-neighbours. Bytes counted: valid gathered rows + ids + output (fwd); plus grad_out read, ids read and
+neighbours. Bytes counted: distinct valid rows + ids + output (fwd); plus grad_out read, ids read and
 the COO values + indices written (fwd+bwd, B*L entries: our layout).
 
 Print the table of a saved run: python -m pcvr_lib report RUN.json --view cases
@@ -148,7 +148,8 @@ def grad_check(grad, weight, ids, grad_out):
 def count_bytes(weight, ids, direction):
     num_rows, dim = weight.shape
     esize = weight.element_size()
-    valid = int(((ids > 0) & (ids < num_rows)).sum())
+    # distinct rows: a row repeated within a call (Zipf ids) is read from DRAM once, then from L2
+    valid = int(ids[(ids > 0) & (ids < num_rows)].unique().numel())
     fwd = valid * dim * esize + ids.numel() * ids.element_size() + ids.shape[0] * dim * esize
     if direction == "fwd":
         return fwd
