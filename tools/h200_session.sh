@@ -90,7 +90,7 @@ for s in "$@"; do
       python3 -m pcvr_lib noise --from "$OUT"/noise_rep*.json --out "$OUT/noise_h200.json" > "$OUT/noise.log" 2>&1 ;;
     planted)
       PCVR_PLANTED_NORM_TILE=256 step planted 90 $PYTEST perf_tests/test_kernels.py \
-        -k "op=rms_norm and backend=triton and not exploration" --benchmark-only \
+        -k "test_norm and rms_norm and triton" --benchmark-only \
         --benchmark-json="$OUT/planted_tile256.json" ;;
     optim)
       step optim 150 $PYTEST perf_tests/test_optimizers.py -k cuda --benchmark-only --benchmark-json="$OUT/optim.json" ;;
