@@ -133,7 +133,7 @@ def test_converter_micro(benchmark, micro_batches, strict):
         for rb in micro_batches:
             converter(rb)
 
-    timing.bench_cpu(benchmark, planted(run), rounds=3, warmup_rounds=1, clock=time.thread_time)  # one thread
+    timing.bench_cpu(benchmark, planted(run), rounds=9, warmup_rounds=1, clock=time.thread_time)  # one thread
     # after the timed rounds, so the per-batch figures see the same warm state (the first pass over freshly
     # generated data pays page faults that made one cold pass read 3x slow)
     benchmark.extra_info.update(measure(converter, micro_batches, passes=3))

@@ -17,7 +17,7 @@ CPU = {"brand_raw": "AMD EPYC"}
 
 def _bench(name, median, *, stat="cpu", group="g", **extra):
     return {"group": group, "name": name, "fullname": f"perf_tests/test_x.py::{name}", "param": name.split("[")[1][:-1],
-            "stats": {"median": median}, "extra_info": {"stat": stat, **extra}}
+            "stats": {"median": median, "min": median * 0.98}, "extra_info": {"stat": stat, **extra}}
 
 
 def _run(path, benches, gpu=None, cpu=CPU, cpus=2):
@@ -246,3 +246,12 @@ def test_cli_lists_the_comparison_commands():
     out = subprocess.run([sys.executable, "-m", "pcvr_lib", "--help"], capture_output=True, text=True, cwd=ROOT).stdout
     for command in ("report", "diff", "noise", "compare"):
         assert command in out
+
+
+def test_cpu_cases_gate_on_the_least_disturbed_round(tmp_path):
+    base = _bench("test_x[a=1]", 1.0)
+    busy = _bench("test_x[a=1]", 1.3)  # other jobs slowed two of the rounds: the median moved, the min did not
+    busy["stats"]["min"] = base["stats"]["min"]
+    rows = compare.diff_runs(json.loads(_run(tmp_path / "a.json", [base]).read_text()),
+                             json.loads(_run(tmp_path / "b.json", [busy]).read_text()), None)
+    assert [(r.metric, r.verdict, r.change) for r in rows] == [("cpu", "ok", 0.0)]
