@@ -5,7 +5,7 @@
 #
 #   bash tools/h200_session.sh warm accuracy sweep                            # accuracy, tile sweeps + tune
 #   bash tools/h200_session.sh warm perf_norms perf_embedding perf_attention  # the kernel snapshots
-#   REPS=3 bash tools/h200_session.sh warm noise planted                      # noise floor + planted slowdown
+#   REPS=3 bash tools/h200_session.sh warm planted noise                      # planted slowdown + noise floor
 # (BUDGET=seconds caps the whole command; steps: warm warm_norms accuracy accuracy_norms accuracy_attention
 #  sweep norm_sweep tune host perf_norms perf_embedding perf_attention noise planted optim)
 #
@@ -13,6 +13,7 @@
 #   per repetition ($OUT/noise_repN.json), then `pcvr noise --from` them into $OUT/noise_h200.json.
 # planted: the Triton RMSNorm cases with PCVR_PLANTED_NORM_TILE=256 (256 elements per program instead of
 #   2048: perf_tests/conftest.py), $OUT/planted_tile256.json, and `pcvr diff` of it against noise_rep1.
+#   (First, so that a budget cut falls on the last noise repetition, not on the planted run.)
 # Afterwards, on any machine: notes/comparison.md "H200" lists the commands that turn these into the
 # committed noise file and fixtures.
 #
