@@ -138,10 +138,16 @@ class _FakeBenchmark:
 def test_bench_cpu_puts_cpu_time_into_the_statistics():
     cpu = iter([0.0, 0.5, 1.0, 1.2, 2.0, 2.3])  # 0.5, 0.2, 0.3 s of CPU time per round
     bench = _FakeBenchmark()
-    out = timing.bench_cpu(bench, lambda: "done", rounds=3, warmup_rounds=0, clock=lambda: next(cpu))
+    probes = iter([0.006] + [0.006, 0.006, 0.012, 0.012, 0.003, 0.003])  # warm-up, then before/after each round
+    out = timing.bench_cpu(bench, lambda: "done", rounds=3, warmup_rounds=0, clock=lambda: next(cpu),
+                           probe=lambda: next(probes))
     assert out == "done"
-    assert bench.stats.stats.median == pytest.approx(0.3)
+    # each round's CPU time scaled by nominal / probe: 0.5 x 1; 0.2 x 0.5 (the probe took twice as long: a
+    # busy machine); 0.3 x 2 (the probe ran twice as fast)
+    assert sorted(bench.samples) == pytest.approx([0.1, 0.5, 0.6])
+    assert bench.stats.stats.median == pytest.approx(0.5)
     assert bench.extra_info["stat"] == "cpu" and bench.extra_info["gated"] is True
+    assert bench.extra_info["cpu_raw_min_s"] == pytest.approx(0.2) and bench.extra_info["probe_median_s"] == 0.006
     assert bench.extra_info["wall_s"] >= 0
 
 
@@ -150,7 +156,7 @@ def test_bench_cpu_passes_setup_arguments():
     seen = []
     timing.bench_cpu(bench, lambda x: seen.append(x), setup=lambda: ((7,), {}), rounds=2, clock=timing.time.thread_time)
     assert seen == [7, 7, 7]  # one warm-up round and two timed
-    assert bench.extra_info["timer"] == "thread_time"
+    assert bench.extra_info["timer"].startswith("thread_time x 0.006 s / calibration probe")
 
 
 def test_tolerance_nan_never_passes():

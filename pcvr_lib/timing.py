@@ -482,13 +482,68 @@ def bench_gpu(benchmark, fn: Callable[[], object] | Sequence[Callable[[], object
 
 
 # ---------------------------------------------------------------- CPU cases
+#
+# On a shared machine CPU time is not immune to other jobs: a busy sibling hyperthread or a shared cache
+# makes the same work cost 10-20% more CPU time (notes/comparison.md). So every round is calibrated: a
+# fixed probe (sorting 1M float64, 8 MB) runs just before and just after it, and the round's CPU time is
+# scaled by PROBE_NOMINAL_S / (the probes' mean): what the round would cost on the machine's own footing.
+
+PROBE_NOMINAL_S = 0.006  # the probe's CPU time the statistics are scaled to (the 2-core Xeon's, warm)
+
+
+@functools.cache
+def _probe_data():
+    import numpy as np
+
+    data = np.random.default_rng(0).random(1 << 20)
+    return data, np.empty_like(data)
+
+
+def probe_seconds(clock: Callable[[], float] = time.thread_time) -> float:
+    """CPU seconds of the calibration probe: copy a fixed 1M-element float64 array into a preallocated
+    buffer and sort it there (no allocation, so no page faults in the measurement)."""
+    data, buf = _probe_data()
+    t0 = clock()
+    buf[:] = data
+    buf.sort()
+    return clock() - t0
+
+
+class CalibratedCpuClock:
+    """A pytest-benchmark timer advancing by the round's CPU time x PROBE_NOMINAL_S / the mean of the probes
+    run just before and just after the round (outside the timed interval). `raw` and `probes` keep what
+    was measured."""
+
+    def __init__(self, clock: Callable[[], float] = time.process_time,
+                 probe: Callable[[], float] = probe_seconds, nominal_s: float = PROBE_NOMINAL_S):
+        self.clock, self.probe, self.nominal_s = clock, probe, nominal_s
+        probe()  # first touch of the probe's buffers stays out of the calibration
+        self.now = 0.0
+        self.raw: list[float] = []
+        self.probes: list[float] = []
+        self._start = None
+        self._before = 0.0
+
+    def __call__(self) -> float:
+        if self._start is None:
+            self._before = self.probe()
+            self._start = self.clock()
+            return self.now
+        spent = self.clock() - self._start
+        after = self.probe()
+        self._start = None
+        self.raw.append(spent)
+        self.probes += [self._before, after]
+        self.now += spent * self.nominal_s / ((self._before + after) / 2)
+        return self.now
 
 
 def bench_cpu(benchmark, fn: Callable[[], object], *, setup=None, rounds: int = 5, warmup_rounds: int = 1,
-              clock: Callable[[], float] = time.process_time, gated: bool = True):
-    """pytest-benchmark with CPU time as the statistic (default: the process's, which covers reader
-    threads; `time.thread_time` for one-thread work): CPU time does not count the time other jobs on a
-    shared machine take from this one. Wall seconds go to extra_info `wall_s` (median). Returns fn's result."""
+              clock: Callable[[], float] = time.process_time, gated: bool = True,
+              probe: Callable[[], float] = probe_seconds):
+    """pytest-benchmark with calibrated CPU time as the statistic (`CalibratedCpuClock`; default clock: the
+    process's CPU time, which covers reader threads; `time.thread_time` for one-thread work). Raw CPU
+    seconds (`cpu_raw_min_s`), the probe's seconds and wall seconds go to extra_info. Returns fn's result."""
     walls: list[float] = []
 
     def timed(*args, **kwargs):
@@ -498,13 +553,20 @@ def bench_cpu(benchmark, fn: Callable[[], object], *, setup=None, rounds: int = 
         finally:
             walls.append(time.perf_counter() - t0)
 
+    timer = CalibratedCpuClock(clock, probe)
     if benchmark.enabled:
-        benchmark._timer = clock
+        benchmark._timer = timer
     result = benchmark.pedantic(timed, setup=setup, rounds=rounds, warmup_rounds=warmup_rounds, iterations=1)
+    clock_name = {time.process_time: "process_time", time.thread_time: "thread_time"}.get(clock, repr(clock))
     benchmark.extra_info.update({
         "stat": "cpu",
-        "timer": {time.process_time: "process_time", time.thread_time: "thread_time"}.get(clock, repr(clock)),
+        "timer": f"{clock_name} x {PROBE_NOMINAL_S} s / calibration probe",
         "gated": gated,
         "wall_s": statistics.median(walls[warmup_rounds:] or walls),
     })
+    if timer.raw:
+        benchmark.extra_info.update({
+            "cpu_raw_min_s": min(timer.raw[warmup_rounds:] or timer.raw),
+            "probe_median_s": statistics.median(timer.probes),
+        })
     return result
