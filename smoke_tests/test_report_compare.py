@@ -255,3 +255,10 @@ def test_cpu_cases_gate_on_the_least_disturbed_round(tmp_path):
     rows = compare.diff_runs(json.loads(_run(tmp_path / "a.json", [base]).read_text()),
                              json.loads(_run(tmp_path / "b.json", [busy]).read_text()), None)
     assert [(r.metric, r.verdict, r.change) for r in rows] == [("cpu", "ok", 0.0)]
+
+
+def test_calibrated_cpu_cases_gate_on_the_fastest_round_at_the_probes_median_speed():
+    stats = {"min": 0.05, "median": 0.2}
+    extra = {"cpu_raw_min_s": 0.24, "probe_median_s": 0.012}  # the machine ran the probe at half speed
+    assert compare.cpu_seconds(stats, extra) == pytest.approx(0.24 * 0.006 / 0.012)
+    assert compare.cpu_seconds(stats, {}) == 0.05  # runs without calibration: the least disturbed round
