@@ -328,7 +328,11 @@ def diff_files(base_path: str, new_path: str, noise_path: str | None) -> tuple[l
     if noise_path and noise is None:
         raise ReportError(f"{noise_path}: no such noise file")
     if noise is not None and noise.get("machine") != machine_of(base):
-        raise ReportError(f"{path}: noise measured on {noise.get('machine')}, the runs on {machine_of(base)}")
+        message = f"{path}: noise measured on {noise.get('machine')}, the runs on {machine_of(base)}"
+        if noise_path:
+            raise ReportError(message)
+        print(f"pcvr diff: not using {message}", file=sys.stderr)  # the default file is another machine's
+        noise = None
     return diff_runs(base, new, noise), noise
 
 
@@ -620,6 +624,10 @@ def run_compare(args) -> int:
         check_same_machine(runs["base"][0], runs["new"][0], "base", "candidate")
         noise_path = Path(args.noise) if args.noise else default_noise_path(runs["new"][0], new_dir / ".benchmarks")
         noise = load_noise(noise_path)
+        if noise is not None and noise.get("machine") != machine_of(runs["new"][0]):
+            if args.noise:
+                raise ReportError(f"{noise_path}: noise measured on {noise.get('machine')}, not on this machine")
+            noise = None  # the default noise file is another machine's: the floors only
         rows, missing = ab_compare(runs["base"], runs["new"], noise)
     except ReportError as exc:
         print(f"pcvr compare: {exc}", file=sys.stderr)

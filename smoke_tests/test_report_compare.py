@@ -262,3 +262,11 @@ def test_calibrated_cpu_cases_gate_on_the_fastest_round_at_the_probes_median_spe
     extra = {"cpu_raw_min_s": 0.24, "probe_median_s": 0.012}  # the machine ran the probe at half speed
     assert compare.cpu_seconds(stats, extra) == pytest.approx(0.24 * 0.006 / 0.012)
     assert compare.cpu_seconds(stats, {}) == 0.05  # runs without calibration: the least disturbed round
+
+
+def test_a_noise_file_of_another_machine_is_refused_when_asked_for(tmp_path, capsys):
+    base = _run(tmp_path / "a.json", [_bench("test_x[a=1]", 1.0)], cpu={"brand_raw": "Some Other CPU"})
+    new = _run(tmp_path / "b.json", [_bench("test_x[a=1]", 1.0)], cpu={"brand_raw": "Some Other CPU"})
+    noise = str(ROOT / ".benchmarks" / "cpu" / "noise.json")  # measured on the 2-core Xeon
+    assert main(["diff", str(base), str(new), "--noise", noise]) == compare.EXIT_REFUSED
+    assert "noise measured on" in capsys.readouterr().err
