@@ -5,17 +5,17 @@ Batch, heads and both sequence lengths are dynamic symbols (`T.dynamic`), so one
 every length; kernels are cached by (head dim, dtype, mask mode, key lengths, dropout, tile config).
 Inputs must be contiguous (B, H, S, D); the wrapper makes them so.
 
-`compile_only(target)` lowers and compiles every variant for a given target (CI compiles for sm_90 on a
-machine without a GPU).
+Compiled and cached by the shared `_tilelang` runtime, for the device's sm_90a on Hopper (wgmma and
+register reallocation need it). `compile_only(arch)` lowers the three kernels of one variant and compiles
+them with one nvcc call (CI compiles for sm_90a on a machine without a GPU).
 """
 
-
-import functools
 
 import tilelang
 import tilelang.language as T
 
-from .._tilelang import executable, tl_dtype
+from .._tilelang import LAUNCHERS, kernel, launcher, tl_dtype
+from .._tilelang import arch as _arch
 from .masks import MODE_CODE, length_bucket
 
 _LOG2E = 1.4426950408889634
@@ -335,22 +335,21 @@ def bwd_dkdv_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
 _PROGRAMS = {"fwd": fwd_program, "dq": bwd_dq_program, "dkdv": bwd_dkdv_program}
 
 
-@functools.cache
-def compiled(which: str, D: int, dtype: str, mode: int, has_kl: bool, dropout: bool, config: tuple,
-             target=None):
-    """The compiled kernel `which` ("fwd", "dq", "dkdv") for one variant (cached for the process)."""
-    program = _PROGRAMS[which](D, dtype, mode, has_kl, dropout, *config)
-    return tilelang.compile(program, target=target or _device_target(), execution_backend="tvm_ffi",
-                            pass_configs=_pass_configs(config))
+def compile_variant(which: str, D: int, dtype, mode: int, has_kl: bool, dropout: bool, config: tuple, arch: str):
+    """Compile kernel `which` ("fwd", "dq", "dkdv") of one variant for `arch` (its sm_90a form on Hopper)
+    without running it; dtype a torch dtype."""
+    key = (f"flash_attention.{which}", D, dtype, mode, has_kl, dropout, config)
+    return kernel(key, _build(key), _arch(base=arch, arch_specific=True), _pass_configs(config))
 
 
-@functools.cache
-def _device_target():
-    """The current GPU as a TileLang target; Hopper as sm_90a (wgmma and register reallocation need it)."""
-    import torch
+def _build(key: tuple):
+    name, D, dtype, mode, has_kl, dropout, config = key
+    return lambda: _PROGRAMS[name.split(".")[1]](D, tl_dtype(dtype), mode, has_kl, dropout, *config)
 
-    major, minor = torch.cuda.get_device_capability()
-    return {"kind": "cuda", "arch": f"sm_{major}{minor}{'a' if major == 9 else ''}"}
+
+def _first(key: tuple, device):
+    """A launch key's first call: (kernel name, D, dtype, mode, key lengths, dropout, config, device index)."""
+    return launcher(key[:-1], _build(key[:-1]), device, arch_specific=True, pass_configs=_pass_configs(key[6]))
 
 
 def lower_source(which: str, D: int, dtype: str, mode: int, has_kl: bool, dropout: bool, config: tuple,
@@ -392,12 +391,6 @@ def compile_only(arch: str = "sm_90a", D: int = 64, dtype: str = "bfloat16", mod
     return {"fwd": sources[0], "dq": sources[1], "dkdv": sources[2], "cubin_bytes": size}
 
 
-@functools.cache
-def launcher(which: str, D: int, dtype: str, mode: int, has_kl: bool, dropout: bool, config: tuple):
-    """The direct-call executable of `compiled(...)` on the local GPU (no JITKernel wrapper per call)."""
-    return executable(compiled(which, D, dtype, mode, has_kl, dropout, config))
-
-
 _dummy_kl: dict = {}
 
 
@@ -413,37 +406,38 @@ def _kl_arg(key_lengths, device):
 
 
 def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p: float, store_lse: bool,
-            interpret: bool = False, config=None):
+            config=None):
     import torch
 
-    if interpret:
-        raise RuntimeError("flash_attention: the tilelang backend has no interpreter; it needs CUDA tensors")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     B, H, Sq, D = q.shape
     cfg = config or FWD_CONFIGS[(D, length_bucket(Sq))]
-    kernel = launcher("fwd", D, tl_dtype(q.dtype), MODE_CODE[mode], key_lengths is not None,
-                      dropout_p > 0.0, cfg)
+    key = ("flash_attention.fwd", D, q.dtype, MODE_CODE[mode], key_lengths is not None, dropout_p > 0.0, cfg,
+           q.get_device())
+    exe = LAUNCHERS.get(key) or _first(key, q.device)
     o = torch.empty_like(q)
     lse = torch.empty((B, H, _padded(Sq)), dtype=torch.float32, device=q.device)
-    kernel(q, k, v, o, lse, _kl_arg(key_lengths, q.device), scale * _LOG2E, seed,
+    exe(q, k, v, o, lse, _kl_arg(key_lengths, q.device), scale * _LOG2E, seed,
            int(round(dropout_p * (1 << 24))), 1.0 / (1.0 - dropout_p))
     return o, lse
 
 
 def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: int, dropout_p: float,
-             interpret: bool = False, config=None):
+             config=None):
     import torch
 
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     B, H, Sq, D = q.shape
     cfg = config or BWD_CONFIGS[(D, length_bucket(Sq))]
-    variant = (D, tl_dtype(q.dtype), MODE_CODE[mode], key_lengths is not None, dropout_p > 0.0, cfg)
+    variant = (D, q.dtype, MODE_CODE[mode], key_lengths is not None, dropout_p > 0.0, cfg, q.get_device())
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     delta = torch.empty((B, H, _padded(Sq)), dtype=torch.float32, device=q.device)
     kl = _kl_arg(key_lengths, q.device)
     scalars = (scale * _LOG2E, scale, seed, int(round(dropout_p * (1 << 24))), 1.0 / (1.0 - dropout_p))
-    launcher("dq", *variant)(q, k, v, o, do, dq, lse, delta, kl, *scalars)
-    launcher("dkdv", *variant)(q, k, v, do, dk, dv, lse, delta, kl, *scalars)
+    key = ("flash_attention.dq", *variant)
+    (LAUNCHERS.get(key) or _first(key, q.device))(q, k, v, o, do, dq, lse, delta, kl, *scalars)
+    key = ("flash_attention.dkdv", *variant)
+    (LAUNCHERS.get(key) or _first(key, q.device))(q, k, v, do, dk, dv, lse, delta, kl, *scalars)
     return dq, dk, dv
