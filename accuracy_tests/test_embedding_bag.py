@@ -313,9 +313,7 @@ TILELANG_KERNELS = {
 
 def _compile_tilelang_for_sm90(name):
     """Compile one TileLang kernel kind for sm_90 in a worker process; returns (name, CUDA source)."""
-    from pcvr_lib.kernels.embedding_bag import tilelang_impl as ti
-
-    return name, ti.compile_variant(*TILELANG_KERNELS[name], "sm_90").get_kernel_source()
+    return name, precompile.compile_variant(eb.OP, TILELANG_KERNELS[name], "sm_90").get_kernel_source()
 
 
 def test_tilelang_kernels_compile_for_sm90():

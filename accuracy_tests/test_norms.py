@@ -266,13 +266,11 @@ def _compile_tilelang(spec):
     """Compile one TileLang kernel for sm_90 in a worker; returns (name, source length, seconds)."""
     import time
 
-    from pcvr_lib.kernels.layer_norm import tilelang_kernels as ln
-    from pcvr_lib.kernels.rms_norm import tilelang_kernels as rms
+    from pcvr_lib.kernels import precompile
 
     op, kind, width, dtype = spec
-    mod = rms if op == "rms_norm" else ln
     t0 = time.perf_counter()
-    kernel = mod.compile_variant(kind, width, dtype, "sm_90a")  # the norms take sm_90 of it
+    kernel = precompile.compile_variant(op, (kind, width, dtype), "sm_90a")  # the norms take sm_90 of it
     return f"{op}/{kind}", kernel.get_kernel_source(), time.perf_counter() - t0
 
 

@@ -74,3 +74,31 @@ def launcher(key: tuple, build: Callable[[], object], device: torch.device, arch
     launch = adapter.get_exportable_executable() if hasattr(adapter, "get_exportable_executable") else compiled
     LAUNCHERS[(*key, device.index)] = launch
     return launch
+
+
+class Kernels:
+    """One op's TileLang kernels: `builders` maps a kernel name ("rms_norm.bwd") to a function of the
+    variant (torch dtypes arrive as TileLang names) returning the prim_func.
+
+    `compile((name, *variant), arch)` compiles one without a device (precompile; `arch` normalised by the
+    rule above); `first((name, *variant, device index), device)` is a launch key's first call, returning
+    the executable it caches in LAUNCHERS. `pass_configs(key)` gives TileLang pass options per variant.
+    """
+
+    def __init__(self, builders: dict[str, Callable], arch_specific: bool = False,
+                 pass_configs: Callable[[tuple], dict | None] = lambda key: None):
+        self.builders = builders
+        self.arch_specific = arch_specific
+        self.pass_configs = pass_configs
+
+    def build(self, key: tuple) -> Callable[[], object]:
+        name, *variant = key
+        args = [tl_dtype(v) if isinstance(v, torch.dtype) else v for v in variant]
+        return lambda: self.builders[name](*args)
+
+    def compile(self, key: tuple, arch_name: str):
+        return kernel(key, self.build(key), arch(base=arch_name, arch_specific=self.arch_specific),
+                      self.pass_configs(key))
+
+    def first(self, key: tuple, device: torch.device) -> Callable:
+        return launcher(key[:-1], self.build(key[:-1]), device, self.arch_specific, self.pass_configs(key[:-1]))

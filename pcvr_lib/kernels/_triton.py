@@ -194,3 +194,8 @@ def next_pow2(n: int) -> int:
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)  # (triton.cdiv costs microseconds per call on the host)
+
+
+def launch_paths() -> dict[str, str]:
+    """Every launcher's path for cached keys: {kernel name: "direct" or why the JIT path is used}."""
+    return {launcher.name: launcher.path() for launcher in _LAUNCHERS}

@@ -47,13 +47,20 @@ def tilelang_jobs(ops, arch: str, tune: bool = False) -> list[tuple]:
     return jobs
 
 
+def compile_variant(op: str, variant: tuple, arch: str):
+    """Compile one TileLang kernel of `op` without running it: variant = (kind, ...) as in the op's manifest
+    (kind e.g. "fwd_train"; torch dtypes), for `arch` as the op takes it (sm_90a -> sm_90 but for attention).
+    Returns the JITKernel."""
+    impl = "tilelang_kernels" if op in ("rms_norm", "layer_norm") else "tilelang_impl"
+    kernels = importlib.import_module(f"pcvr_lib.kernels.{_PACKAGE[op]}.{impl}").KERNELS
+    return kernels.compile((f"{op}.{variant[0]}", *variant[1:]), arch)
+
+
 def compile_job(job) -> tuple:
     """Compile one TileLang kernel: job = (op, variant, arch). Returns (job, seconds, error or None)."""
-    op, variant, arch = job
-    impl = "tilelang_kernels" if op in ("rms_norm", "layer_norm") else "tilelang_impl"
     t0 = time.perf_counter()
     try:
-        importlib.import_module(f"pcvr_lib.kernels.{_PACKAGE[op]}.{impl}").compile_variant(*variant, arch)
+        compile_variant(*job)
         return job, time.perf_counter() - t0, None
     except Exception as exc:  # noqa: BLE001 - reported and counted; the suite then fails on that variant
         lines = str(exc).strip().splitlines()

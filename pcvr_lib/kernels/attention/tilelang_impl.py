@@ -14,8 +14,7 @@ them with one nvcc call (CI compiles for sm_90a on a machine without a GPU).
 import tilelang
 import tilelang.language as T
 
-from .._tilelang import LAUNCHERS, kernel, launcher, tl_dtype
-from .._tilelang import arch as _arch
+from .._tilelang import LAUNCHERS, Kernels
 from .masks import MODE_CODE, length_bucket
 
 _LOG2E = 1.4426950408889634
@@ -335,21 +334,14 @@ def bwd_dkdv_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
 _PROGRAMS = {"fwd": fwd_program, "dq": bwd_dq_program, "dkdv": bwd_dkdv_program}
 
 
-def compile_variant(which: str, D: int, dtype, mode: int, has_kl: bool, dropout: bool, config: tuple, arch: str):
-    """Compile kernel `which` ("fwd", "dq", "dkdv") of one variant for `arch` (its sm_90a form on Hopper)
-    without running it; dtype a torch dtype."""
-    key = (f"flash_attention.{which}", D, dtype, mode, has_kl, dropout, config)
-    return kernel(key, _build(key), _arch(base=arch, arch_specific=True), _pass_configs(config))
+def _program(which: str):
+    def build(D, dtype, mode, has_kl, dropout, config):
+        return _PROGRAMS[which](D, dtype, mode, has_kl, dropout, *config)
+    return build
 
 
-def _build(key: tuple):
-    name, D, dtype, mode, has_kl, dropout, config = key
-    return lambda: _PROGRAMS[name.split(".")[1]](D, tl_dtype(dtype), mode, has_kl, dropout, *config)
-
-
-def _first(key: tuple, device):
-    """A launch key's first call: (kernel name, D, dtype, mode, key lengths, dropout, config, device index)."""
-    return launcher(key[:-1], _build(key[:-1]), device, arch_specific=True, pass_configs=_pass_configs(key[6]))
+KERNELS = Kernels({f"flash_attention.{which}": _program(which) for which in _PROGRAMS}, arch_specific=True,
+                  pass_configs=lambda key: _pass_configs(key[6]))
 
 
 def lower_source(which: str, D: int, dtype: str, mode: int, has_kl: bool, dropout: bool, config: tuple,
@@ -414,7 +406,7 @@ def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p:
     cfg = config or FWD_CONFIGS[(D, length_bucket(Sq))]
     key = ("flash_attention.fwd", D, q.dtype, MODE_CODE[mode], key_lengths is not None, dropout_p > 0.0, cfg,
            q.get_device())
-    exe = LAUNCHERS.get(key) or _first(key, q.device)
+    exe = LAUNCHERS.get(key) or KERNELS.first(key, q.device)
     o = torch.empty_like(q)
     lse = torch.empty((B, H, _padded(Sq)), dtype=torch.float32, device=q.device)
     exe(q, k, v, o, lse, _kl_arg(key_lengths, q.device), scale * _LOG2E, seed,
@@ -437,7 +429,7 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
     kl = _kl_arg(key_lengths, q.device)
     scalars = (scale * _LOG2E, scale, seed, int(round(dropout_p * (1 << 24))), 1.0 / (1.0 - dropout_p))
     key = ("flash_attention.dq", *variant)
-    (LAUNCHERS.get(key) or _first(key, q.device))(q, k, v, o, do, dq, lse, delta, kl, *scalars)
+    (LAUNCHERS.get(key) or KERNELS.first(key, q.device))(q, k, v, o, do, dq, lse, delta, kl, *scalars)
     key = ("flash_attention.dkdv", *variant)
-    (LAUNCHERS.get(key) or _first(key, q.device))(q, k, v, do, dk, dv, lse, delta, kl, *scalars)
+    (LAUNCHERS.get(key) or KERNELS.first(key, q.device))(q, k, v, do, dk, dv, lse, delta, kl, *scalars)
     return dq, dk, dv

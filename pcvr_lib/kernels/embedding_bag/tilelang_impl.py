@@ -13,8 +13,7 @@ executable itself (one foreign call, on torch's current stream).
 
 import torch
 
-from .._tilelang import LAUNCHERS, kernel, launcher, tl_dtype
-from .._tilelang import arch as _arch
+from .._tilelang import LAUNCHERS, Kernels
 
 THREADS = 128
 UNROLL = 4
@@ -165,27 +164,12 @@ def build_backward_dense(dim: int, dtype: str, idx_dtype: str):
     return bwd_dense
 
 
-_BUILDERS = {
+KERNELS = Kernels({
     "embedding_bag_mean.fwd": lambda dim, w, i, vec: build_forward(dim, w, i, vec, False),
     "embedding_bag_mean.fwd_train": lambda dim, w, i, vec: build_forward(dim, w, i, vec, True),
     "embedding_bag_mean.bwd_sparse": build_backward_sparse,
     "embedding_bag_mean.bwd_dense": lambda dim, w, i, vec: build_backward_dense(dim, w, i),
-}
-
-
-def _build(name: str, dim: int, wdt: torch.dtype, idt: torch.dtype, vec: int):
-    return lambda: _BUILDERS[name](dim, tl_dtype(wdt), tl_dtype(idt), vec)
-
-
-def compile_variant(kind: str, dim: int, wdt: torch.dtype, idt: torch.dtype, vec: int, arch: str):
-    """Compile one kernel (fwd | fwd_train | bwd_sparse | bwd_dense) without running it (precompile)."""
-    name = f"embedding_bag_mean.{kind}"
-    return kernel((name, dim, wdt, idt, vec), _build(name, dim, wdt, idt, vec), _arch(base=arch))
-
-
-def _first(key: tuple, device: torch.device):
-    """A launch key's first call: (name, dim, weight dtype, ids dtype, vec, device index) -> executable."""
-    return launcher(key[:-1], _build(*key[:-1]), device)
+})
 
 
 def forward(weight: torch.Tensor, ids: torch.Tensor, save_counts: bool):
@@ -195,7 +179,7 @@ def forward(weight: torch.Tensor, ids: torch.Tensor, save_counts: bool):
     vec = vector_width(dim, weight.element_size(), weight.data_ptr())
     key = ("embedding_bag_mean.fwd_train" if save_counts else "embedding_bag_mean.fwd", dim, weight.dtype,
            ids.dtype, vec, ids.get_device())
-    exe = LAUNCHERS.get(key) or _first(key, ids.device)
+    exe = LAUNCHERS.get(key) or KERNELS.first(key, ids.device)
     if save_counts:
         counts = weight.new_empty((batch,), dtype=torch.int32)
         exe(weight, ids, out, counts)
@@ -212,7 +196,7 @@ def backward_sparse(ids, counts, grad_out, num_rows: int, weight_dtype):
     values = g.new_empty((batch * bag, dim))
     vec = vector_width(dim, g.element_size(), g.data_ptr())
     key = ("embedding_bag_mean.bwd_sparse", dim, weight_dtype, ids.dtype, vec, ids.get_device())
-    (LAUNCHERS.get(key) or _first(key, ids.device))(ids, counts, g, indices, values, num_rows)
+    (LAUNCHERS.get(key) or KERNELS.first(key, ids.device))(ids, counts, g, indices, values, num_rows)
     return indices, values
 
 
@@ -220,5 +204,5 @@ def backward_dense(ids, counts, grad_out, num_rows: int, weight_dtype):
     dim = grad_out.shape[1]
     grad = torch.zeros((num_rows, dim), dtype=torch.float32, device=ids.device)
     key = ("embedding_bag_mean.bwd_dense", dim, grad_out.dtype, ids.dtype, 1, ids.get_device())
-    (LAUNCHERS.get(key) or _first(key, ids.device))(ids, counts, grad_out, grad)
+    (LAUNCHERS.get(key) or KERNELS.first(key, ids.device))(ids, counts, grad_out, grad)
     return grad if weight_dtype == torch.float32 else grad.to(weight_dtype)

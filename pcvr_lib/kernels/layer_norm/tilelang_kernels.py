@@ -5,9 +5,9 @@ out of the variance; M and G are symbolic, so the row count never recompiles."""
 import tilelang.language as T
 import torch
 
-from pcvr_lib.kernels._tilelang import LAUNCHERS, kernel, launcher, tl_dtype
-from pcvr_lib.kernels._tilelang import arch as _arch
+from pcvr_lib.kernels._tilelang import LAUNCHERS
 from pcvr_lib.kernels._triton import sm_count
+from pcvr_lib.kernels.rms_norm.common import norm_kernels
 from pcvr_lib.kernels.rms_norm.config import block_config, next_pow2, paired_rows, persistent_programs
 
 
@@ -111,30 +111,14 @@ def build_backward(n: int, dtype: str):
     return ln_bwd
 
 
-_BUILDERS = {
-    "layer_norm.fwd_infer": lambda n, dtype: build_forward(n, dtype, False),
-    "layer_norm.fwd_train": lambda n, dtype: build_forward(n, dtype, True),
-    "layer_norm.bwd": lambda n, dtype: build_backward(n, dtype),
-}
-
-
-def compile_variant(kind: str, n: int, dtype: torch.dtype, arch: str):
-    """Compile one kernel ("fwd_infer", "fwd_train", "bwd") for width n without running it (precompile)."""
-    name = f"layer_norm.{kind}"
-    return kernel((name, n, dtype), lambda: _BUILDERS[name](n, tl_dtype(dtype)), _arch(base=arch))
-
-
-def _first(key: tuple, device: torch.device):
-    """A launch key's first call: (kernel name, width, dtype, device index) -> executable."""
-    name, n, dtype, _ = key
-    return launcher(key[:-1], lambda: _BUILDERS[name](n, tl_dtype(dtype)), device)
+KERNELS = norm_kernels("layer_norm", build_forward, build_backward)
 
 
 def forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, save_stats: bool):
     m, n = x2.shape
     y = torch.empty_like(x2)
     key = ("layer_norm.fwd_train" if save_stats else "layer_norm.fwd_infer", n, x2.dtype, x2.get_device())
-    exe = LAUNCHERS.get(key) or _first(key, x2.device)
+    exe = LAUNCHERS.get(key) or KERNELS.first(key, x2.device)
     if not save_stats:
         exe(x2, weight, bias, y, eps)
         return y, None
@@ -150,6 +134,6 @@ def backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, mean: tor
     dx = torch.empty_like(x2)
     partial = paired_rows(programs * n, x2.device).view(2, programs, n)
     key = ("layer_norm.bwd", n, x2.dtype, x2.get_device())
-    (LAUNCHERS.get(key) or _first(key, x2.device))(dy, x2, weight, mean, rstd, dx, partial[0], partial[1])
+    (LAUNCHERS.get(key) or KERNELS.first(key, x2.device))(dy, x2, weight, mean, rstd, dx, partial[0], partial[1])
     sums = partial.sum(1).to(weight.dtype)
     return dx, sums[0], sums[1]

@@ -57,3 +57,12 @@ def rows_view(x: torch.Tensor) -> torch.Tensor:
         return x
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.is_contiguous() else x2.contiguous()
+
+
+def norm_kernels(op: str, build_forward, build_backward):
+    """The TileLang kernels of one norm: inference forward, training forward (saves statistics), backward."""
+    from pcvr_lib.kernels._tilelang import Kernels
+
+    return Kernels({f"{op}.fwd_infer": lambda n, dtype: build_forward(n, dtype, False),
+                    f"{op}.fwd_train": lambda n, dtype: build_forward(n, dtype, True),
+                    f"{op}.bwd": build_backward})

@@ -11,9 +11,9 @@ of every row and emits vector loads (a symbolic width gives guarded scalar code)
 import tilelang.language as T
 import torch
 
-from pcvr_lib.kernels._tilelang import LAUNCHERS, kernel, launcher, tl_dtype
-from pcvr_lib.kernels._tilelang import arch as _arch
+from pcvr_lib.kernels._tilelang import LAUNCHERS
 from pcvr_lib.kernels._triton import sm_count
+from pcvr_lib.kernels.rms_norm.common import norm_kernels
 from pcvr_lib.kernels.rms_norm.config import block_config, next_pow2, persistent_programs
 
 
@@ -97,30 +97,14 @@ def build_backward(n: int, dtype: str):
     return rms_bwd
 
 
-_BUILDERS = {
-    "rms_norm.fwd_infer": lambda n, dtype: build_forward(n, dtype, False),
-    "rms_norm.fwd_train": lambda n, dtype: build_forward(n, dtype, True),
-    "rms_norm.bwd": lambda n, dtype: build_backward(n, dtype),
-}
-
-
-def compile_variant(kind: str, n: int, dtype: torch.dtype, arch: str):
-    """Compile one kernel ("fwd_infer", "fwd_train", "bwd") for width n without running it (precompile)."""
-    name = f"rms_norm.{kind}"
-    return kernel((name, n, dtype), lambda: _BUILDERS[name](n, tl_dtype(dtype)), _arch(base=arch))
-
-
-def _first(key: tuple, device: torch.device):
-    """A launch key's first call: (kernel name, width, dtype, device index) -> executable."""
-    name, n, dtype, _ = key
-    return launcher(key[:-1], lambda: _BUILDERS[name](n, tl_dtype(dtype)), device)
+KERNELS = norm_kernels("rms_norm", build_forward, build_backward)
 
 
 def forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, save_rstd: bool):
     m, n = x2.shape
     y = torch.empty_like(x2)
     key = ("rms_norm.fwd_train" if save_rstd else "rms_norm.fwd_infer", n, x2.dtype, x2.get_device())
-    exe = LAUNCHERS.get(key) or _first(key, x2.device)
+    exe = LAUNCHERS.get(key) or KERNELS.first(key, x2.device)
     if not save_rstd:
         exe(x2, weight, y, eps)
         return y, None
@@ -136,5 +120,5 @@ def backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: tor
     dx = torch.empty_like(x2)
     partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
     key = ("rms_norm.bwd", n, x2.dtype, x2.get_device())
-    (LAUNCHERS.get(key) or _first(key, x2.device))(dy, x2, weight, rstd, dx, partial)
+    (LAUNCHERS.get(key) or KERNELS.first(key, x2.device))(dy, x2, weight, rstd, dx, partial)
     return dx, partial.sum(0).to(weight.dtype)

@@ -28,14 +28,26 @@ def accuracy_widths() -> list[int]:
     return sorted({s[-1] for s in ACCURACY_SHAPES})
 
 
-def inputs(op: str, shape, dtype: torch.dtype, device, seed: int = 0, requires_grad: bool = False):
-    """[x, weight(, bias)]: x ~ 2 N(0,1) + 0.3, weight ~ 0.5 N(0,1) + 1, bias ~ 0.5 N(0,1); drawn on the CPU
-    from `seed` (the same values on every device)."""
+def inputs(op: str, shape, dtype: torch.dtype, device, seed: int = 0, requires_grad: bool = False,
+           draw_on_device: bool = False):
+    """[x, weight(, bias)]: x ~ 2 N(0,1) + 0.3, weight ~ 0.5 N(0,1) + 1, bias ~ 0.5 N(0,1), from `seed`:
+    drawn on the CPU (the same values on every device), or with `draw_on_device` by the device's generator
+    (the benchmarks' large shapes: seconds faster)."""
     width = shape[-1]
-    tensors = [randn(shape, dtype, device, seed, scale=2.0, shift=0.3),
-               randn((width,), dtype, device, seed + 1, scale=0.5, shift=1.0)]
+    if draw_on_device:
+        g = torch.Generator(device=device).manual_seed(seed)
+
+        def draw(size, scale, shift):
+            return (torch.randn(size, device=device, generator=g) * scale + shift).to(dtype)
+    else:
+        def draw(size, scale, shift):
+            seed_i = seed + len(tensors)
+            return randn(size, dtype, device, seed_i, scale=scale, shift=shift)
+    tensors = []
+    tensors.append(draw(tuple(shape), 2.0, 0.3))
+    tensors.append(draw((width,), 0.5, 1.0))
     if op == "layer_norm":
-        tensors.append(randn((width,), dtype, device, seed + 2, scale=0.5))
+        tensors.append(draw((width,), 0.5, 0.0))
     for t in tensors:
         t.requires_grad_(requires_grad)
     return tensors
