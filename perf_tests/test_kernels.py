@@ -145,8 +145,8 @@ def test_norm(benchmark, key, backend, shape, dtype):
 def _host_parts():
     from pcvr_lib.kernels import _tilelang
     from pcvr_lib.kernels.rms_norm import common
-    from pcvr_lib.kernels.rms_norm import tilelang_kernels as rms_tl
-    from pcvr_lib.kernels.rms_norm import triton_kernels as rms_tr
+    from pcvr_lib.kernels.rms_norm import tilelang_impl as rms_tl
+    from pcvr_lib.kernels.rms_norm import triton_impl as rms_tr
     from pcvr_lib.kernels.rms_norm.config import block_config, next_pow2
 
     x = torch.randn(8192, 128, device="cuda", dtype=torch.float16)
@@ -248,9 +248,9 @@ def test_triton_tile_exploration(benchmark, monkeypatch, op, shape, kernel, tile
     TILE_ELEMENTS (elements per program) and, for the backward, its persistent grid's programs per SM.
     Each variant is checked against the fp64 reference (poisoned outputs) first.
     """
-    from pcvr_lib.kernels.layer_norm import triton_kernels as ln_tr
+    from pcvr_lib.kernels.layer_norm import triton_impl as ln_tr
     from pcvr_lib.kernels.rms_norm import config
-    from pcvr_lib.kernels.rms_norm import triton_kernels as rms_tr
+    from pcvr_lib.kernels.rms_norm import triton_impl as rms_tr
 
     kb.require_gpu_backend(op, "triton")
     dtype = torch.float16

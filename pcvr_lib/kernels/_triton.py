@@ -199,3 +199,9 @@ def cdiv(a: int, b: int) -> int:
 def launch_paths() -> dict[str, str]:
     """Every launcher's path for cached keys: {kernel name: "direct" or why the JIT path is used}."""
     return {launcher.name: launcher.path() for launcher in _LAUNCHERS}
+
+
+def compiled_variants(prefix: str) -> int:
+    """Binaries triton's JIT holds for the launched kernels whose name starts with `prefix` (e.g. "rms_norm"):
+    a recompilation the launchers' keys missed would show here."""
+    return sum(launcher.dual.compiled_variants() for launcher in _LAUNCHERS if launcher.name.startswith(prefix))

@@ -51,8 +51,7 @@ def compile_variant(op: str, variant: tuple, arch: str):
     """Compile one TileLang kernel of `op` without running it: variant = (kind, ...) as in the op's manifest
     (kind e.g. "fwd_train"; torch dtypes), for `arch` as the op takes it (sm_90a -> sm_90 but for attention).
     Returns the JITKernel."""
-    impl = "tilelang_kernels" if op in ("rms_norm", "layer_norm") else "tilelang_impl"
-    kernels = importlib.import_module(f"pcvr_lib.kernels.{_PACKAGE[op]}.{impl}").KERNELS
+    kernels = importlib.import_module(f"pcvr_lib.kernels.{_PACKAGE[op]}.tilelang_impl").KERNELS
     return kernels.compile((f"{op}.{variant[0]}", *variant[1:]), arch)
 
 

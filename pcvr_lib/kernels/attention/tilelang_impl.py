@@ -15,6 +15,7 @@ import tilelang
 import tilelang.language as T
 
 from .._tilelang import LAUNCHERS, Kernels
+from .config import TILELANG_BWD_CONFIGS, TILELANG_FWD_CONFIGS
 from .masks import MODE_CODE, length_bucket
 
 _LOG2E = 1.4426950408889634
@@ -47,19 +48,6 @@ def _allowed(mode, row, col, qlen, kv_len, sq, skv):
     if mode == 2:
         return (col <= row) & (col < kv_len) & (row < sq)
     return (((col <= row) & (row < qlen)) | (col == row)) & (col < skv) & (row < sq)
-
-
-# (block_M, block_N, threads, num_stages) per (head dim, bucket of Sq)
-FWD_CONFIGS = {
-    (32, 0): (64, 64, 128, 1), (64, 0): (64, 64, 128, 1), (128, 0): (64, 64, 128, 1),
-    (32, 1): (128, 128, 256, 2), (64, 1): (128, 128, 256, 2), (128, 1): (128, 128, 256, 2),
-    (32, 2): (128, 128, 256, 2), (64, 2): (128, 128, 256, 2), (128, 2): (128, 128, 256, 2),
-}
-BWD_CONFIGS = {  # shared by the dQ kernel (rows x keys) and the dK/dV kernel (keys x rows)
-    (32, 0): (64, 64, 128, 1), (64, 0): (64, 64, 128, 1), (128, 0): (64, 64, 128, 1),
-    (32, 1): (64, 64, 128, 2), (64, 1): (64, 64, 128, 2), (128, 1): (64, 64, 128, 2),
-    (32, 2): (64, 64, 128, 2), (64, 2): (64, 64, 128, 2), (128, 2): (64, 64, 128, 2),
-}
 
 
 def _padded(sq: int) -> int:
@@ -365,7 +353,7 @@ def compile_only(arch: str = "sm_90a", D: int = 64, dtype: str = "bfloat16", mod
 
     target = {"kind": "cuda", "arch": arch}
     jobs = [(which, D, dtype, mode, has_kl, dropout,
-             FWD_CONFIGS[(D, bucket)] if which == "fwd" else BWD_CONFIGS[(D, bucket)], target)
+             TILELANG_FWD_CONFIGS[(D, bucket)] if which == "fwd" else TILELANG_BWD_CONFIGS[(D, bucket)], target)
             for which in ("fwd", "dq", "dkdv")]
     sources = [lower_source(*job) for job in jobs]
     root = os.path.dirname(tilelang.__file__)
@@ -403,7 +391,7 @@ def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p:
 
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     B, H, Sq, D = q.shape
-    cfg = config or FWD_CONFIGS[(D, length_bucket(Sq))]
+    cfg = config or TILELANG_FWD_CONFIGS[(D, length_bucket(Sq))]
     key = ("flash_attention.fwd", D, q.dtype, MODE_CODE[mode], key_lengths is not None, dropout_p > 0.0, cfg,
            q.get_device())
     exe = LAUNCHERS.get(key) or KERNELS.first(key, q.device)
@@ -420,7 +408,7 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
 
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     B, H, Sq, D = q.shape
-    cfg = config or BWD_CONFIGS[(D, length_bucket(Sq))]
+    cfg = config or TILELANG_BWD_CONFIGS[(D, length_bucket(Sq))]
     variant = (D, q.dtype, MODE_CODE[mode], key_lengths is not None, dropout_p > 0.0, cfg, q.get_device())
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)

@@ -24,6 +24,7 @@ import triton
 import triton.language as tl
 
 from .._triton import Launcher, aligned, cdiv, kernel
+from .config import TRITON_BWD_DQ_CONFIGS, TRITON_BWD_KV_CONFIGS, TRITON_FWD_CONFIGS
 from .masks import MODE_CODE, length_bucket
 
 _RUNTIME_INTS = ["H", "Sq", "Skv", "seed", "drop_threshold"]
@@ -383,33 +384,6 @@ def _attn_bwd_dkdv(
 # ---------------------------------------------------------------------------------------------------------
 # launch wrappers
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per (head dim, bucket of Sq). Buckets 1 and 2: the winners of
-# `python -m pcvr_lib.kernels.attention.tune` on the H200 (2026-12-01, bf16, device time; notes/attention.md):
-# forward B16 H8 S1024 D64 (128, 64, 8, 3) 126 us against 137 us for the earlier (128, 64, 4, 3) (second sweep,
-# with warm-up; the first, cold one had ranked (128, 64, 4, 4) first); at B4 H16 S4096 D128 the earlier
-# (128, 64, 8, 3) stayed best. Bucket 1 takes bucket 2's configs (not tuned).
-FWD_CONFIGS = {
-    (32, 0): (64, 64, 4, 2), (64, 0): (64, 64, 4, 2), (128, 0): (64, 64, 4, 2),
-    (32, 1): (128, 64, 8, 3), (64, 1): (128, 64, 8, 3), (128, 1): (128, 64, 8, 3),
-    (32, 2): (128, 64, 8, 3), (64, 2): (128, 64, 8, 3), (128, 2): (128, 64, 8, 3),
-}
-# dq kernel (rows x keys) and dkdv kernel (queries x keys): (BLOCK_M, BLOCK_N, num_warps, num_stages).
-# Tuned on the H200 (whole backward, device time): S1024 D64 dq (64, 64, 4, 2) + dK/dV (32, 64, 4, 3) against
-# (128, 64, 8, 2) + (64, 128, 8, 2): 479 -> 438 and 450 -> 431 us; S4096 D128 dq (64, 64, 4, 2) against
-# (64, 64, 8, 2): 6241 -> 4236 us (the 8-warp config had been picked from ptxas spill counts of triton 3.9,
-# not timed), dK/dV (64, 128, 8, 2) against (32, 64, 4, 2): 6241 -> 5928 us.
-BWD_DQ_CONFIGS = {
-    (32, 0): (64, 64, 4, 2), (64, 0): (64, 64, 4, 2), (128, 0): (64, 64, 8, 2),
-    (32, 1): (64, 64, 4, 2), (64, 1): (64, 64, 4, 2), (128, 1): (64, 64, 4, 2),
-    (32, 2): (64, 64, 4, 2), (64, 2): (64, 64, 4, 2), (128, 2): (64, 64, 4, 2),
-}
-BWD_KV_CONFIGS = {
-    (32, 0): (64, 64, 4, 2), (64, 0): (64, 64, 4, 2), (128, 0): (32, 64, 4, 2),
-    (32, 1): (32, 64, 4, 3), (64, 1): (32, 64, 4, 3), (128, 1): (64, 128, 8, 2),
-    (32, 2): (32, 64, 4, 3), (64, 2): (32, 64, 4, 3), (128, 2): (64, 128, 8, 2),
-}
-
-
 # The shared launcher's direct path serves calls whose every pointer is 16-byte aligned, every stride a
 # multiple of 16 and every index within int32: the one specialisation all such calls share, so the key below
 # need not spell out alignment. Other arguments take triton's JIT path at every call.
@@ -430,7 +404,7 @@ def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p:
     Skv = k.shape[2]
     o = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B * H, Sq), dtype=torch.float32, device=q.device) if store_lse else o
-    bm, bn, warps, stages = config or FWD_CONFIGS[(D, length_bucket(Sq))]
+    bm, bn, warps, stages = config or TRITON_FWD_CONFIGS[(D, length_bucket(Sq))]
     has_kl = key_lengths is not None
     dropout = dropout_p > 0.0
     qs, ks, vs = q.stride(), k.stride(), v.stride()
@@ -472,7 +446,7 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
     fast = _fast_ok((q, k, v, do, kl), s_qkv + s_do)
     dev = q.get_device()
 
-    bm, bn, warps, stages = dq_config or BWD_DQ_CONFIGS[(D, length_bucket(Sq))]
+    bm, bn, warps, stages = dq_config or TRITON_BWD_DQ_CONFIGS[(D, length_bucket(Sq))]
     args = (q, k, v, o, do, dq, lse, delta, kl, *s_qkv, *s_o, *s_do, *common, bm, bn, D)
     grid = (cdiv(Sq, bm), B * H, 1)
     if fast:
@@ -480,7 +454,7 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
     else:
         _launch_dq.jit(grid, args, warps, stages)
 
-    bm, bn, warps, stages = kv_config or BWD_KV_CONFIGS[(D, length_bucket(Sq))]
+    bm, bn, warps, stages = kv_config or TRITON_BWD_KV_CONFIGS[(D, length_bucket(Sq))]
     args = (q, k, v, do, dk, dv, lse, delta, kl, *s_qkv, *s_do, *common, bm, bn, D)
     grid = (cdiv(Skv, bn), B * H, 1)
     if fast:
@@ -502,7 +476,7 @@ def compile_for(arch: int, which: str, D: int, dtype: str = "bf16", mode: str = 
     from triton.compiler import ASTSource
 
     fn = {"fwd": _attn_fwd, "dq": _attn_bwd_dq, "dkdv": _attn_bwd_dkdv}[which].compiled
-    tables = {"fwd": FWD_CONFIGS, "dq": BWD_DQ_CONFIGS, "dkdv": BWD_KV_CONFIGS}
+    tables = {"fwd": TRITON_FWD_CONFIGS, "dq": TRITON_BWD_DQ_CONFIGS, "dkdv": TRITON_BWD_KV_CONFIGS}
     bm, bn, warps, stages = config or tables[which][(D, 0)]
     constexprs = {"MODE": MODE_CODE[mode], "HAS_KL": has_kl, "DROPOUT": dropout, "BLOCK_M": bm, "BLOCK_N": bn,
                   "HEAD_DIM": D}

@@ -8,7 +8,7 @@ the forward kernel and each backward kernel of both backends, after checking the
 the current default's.
 TileLang candidates are compiled in parallel processes first (`python -m pcvr_lib.kernels.precompile
 flash_attention --tune` builds them into the disk cache ahead, on any machine). The winners are copied by hand into the
-config tables (FWD_CONFIGS / BWD_*_CONFIGS), with the table in notes/attention.md.
+config tables of config.py, with the table in notes/attention.md.
 """
 
 import argparse

@@ -9,6 +9,7 @@ import math
 
 import torch
 
+from .config import TILELANG_BWD_CONFIGS, TILELANG_FWD_CONFIGS
 from .masks import MODE_CODE, allowed_mask, length_bucket, mode_name
 
 # mask name -> (uses key lengths, causal, causal_valid)
@@ -120,14 +121,12 @@ def variants(backend: str) -> list[tuple]:
 def tilelang_variants(tune: bool = False) -> list[tuple]:
     """(kernel, D, dtype, mode code, key lengths, dropout, tile config) of the TileLang kernels the suites
     use (and, with `tune`, tune.py's candidates: bf16, no mask)."""
-    from .tilelang_impl import BWD_CONFIGS, FWD_CONFIGS
-
     out = set()
     for D, dtype, mode, dropout, bucket in variants("tilelang"):
         use_kl, causal, causal_valid = MODES[mode]
         code = MODE_CODE[mode_name(True if use_kl else None, causal, causal_valid)]
-        out.add(("fwd", D, dtype, code, use_kl, dropout, FWD_CONFIGS[(D, bucket)]))
-        out.update((w, D, dtype, code, use_kl, dropout, BWD_CONFIGS[(D, bucket)]) for w in ("dq", "dkdv"))
+        out.add(("fwd", D, dtype, code, use_kl, dropout, TILELANG_FWD_CONFIGS[(D, bucket)]))
+        out.update((w, D, dtype, code, use_kl, dropout, TILELANG_BWD_CONFIGS[(D, bucket)]) for w in ("dq", "dkdv"))
     if tune:
         from .tune import TILELANG_BWD, TILELANG_FWD
 

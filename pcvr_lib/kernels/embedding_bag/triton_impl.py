@@ -23,7 +23,7 @@ except ImportError:  # pragma: no cover - exercised only where triton is absent
 
 from .._triton import Launcher
 from .._triton import kernel as dual_kernel
-from .common import launch_config
+from .config import launch_config
 
 if tl is not None:
 
@@ -192,7 +192,7 @@ def forward(weight: torch.Tensor, ids: torch.Tensor, save_counts: bool, cfg=None
 
 
 def backward_sparse(ids, counts, grad_out, num_rows: int, weight_dtype):
-    """Fixed-size COO pieces (indices int64 [B*L], values [B*L, D] in the weight dtype); see autograd.py."""
+    """Fixed-size COO pieces (indices int64 [B*L], values [B*L, D] in the weight dtype); layout in __init__."""
     batch, bag = ids.shape
     dim = grad_out.shape[1]
     indices = torch.empty((batch * bag,), dtype=torch.int64, device=ids.device)

@@ -45,10 +45,15 @@ def backend_module(op: str, backend: str, device: torch.device, package: str):
     mod = _LOADED.get(key)
     if mod is None:
         registry.require_backend(op, backend, device)
-        mod = importlib.import_module(f"{package}.{backend}_kernels")
+        mod = importlib.import_module(f"{package}.{backend}_impl")
         if device.type == "cuda":  # CPU (interpreter) availability depends on the environment: recheck
             _LOADED[key] = mod
     return mod
+
+
+def forget_backends() -> None:
+    """Drop the per-device record of checked backend modules: the next call checks availability again."""
+    _LOADED.clear()
 
 
 def rows_view(x: torch.Tensor) -> torch.Tensor:

@@ -1,5 +1,5 @@
 """LayerNorm in Triton: forward (optionally saving mean and 1/std) and backward (dx + per-program
-dw/db partials). Tiling and specialisation as RMSNorm's (see pcvr_lib.kernels.rms_norm.triton_kernels):
+dw/db partials). Tiling and specialisation as RMSNorm's (see pcvr_lib.kernels.rms_norm.triton_impl):
 one compile per width class, none per row count."""
 
 from __future__ import annotations
