@@ -272,7 +272,7 @@ def _compile_tilelang(spec):
     return f"{op}/{kind}", kernel.get_kernel_source(), time.perf_counter() - t0
 
 
-def test_tilelang_impl_compile_for_sm90():
+def test_tilelang_kernels_compile_for_sm90():
     """Every TileLang kernel (inference, training forward, backward) lowers and compiles for sm_90."""
     problem = registry.package_problem("tilelang") or (None if CUDA else registry.nvcc_problem(torch.device("cpu")))
     if problem:

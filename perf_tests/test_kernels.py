@@ -15,13 +15,13 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 from pcvr_lib.kernels import _triton, compile_log, layer_norm, rms_norm
-from pcvr_lib.kernels.rms_norm import rms_norm_torch, workload
+from pcvr_lib.kernels.rms_norm import workload
 from pcvr_lib.kernels.testing import grad_input_term_scale, grad_param_term_scale, poisoned_outputs
 from pcvr_lib.kernels.tolerance import DTYPE_NAMES, assert_close, max_errors
 from perf_tests import kernel_bench as kb
+from perf_tests.conftest import PEERS, norm_peer
 
 SHAPES = workload.PERF_SHAPES
 DTYPES = [torch.float16, torch.bfloat16]
@@ -45,26 +45,10 @@ def _cases():
 
 
 def _peer_fn(op: str, backend: str):
-    """The callable for a peer backend: (x, weight[, bias]) -> y."""
+    """The callable of a backend, ours or a peer: (x, weight[, bias]) -> y."""
     eps = EPS[op]
-    if backend == "torch":
-        if op == "rms_norm":
-            return lambda x, w: rms_norm_torch(x, w, eps)
-        return lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, eps)
-    if backend == "torch_compile":
-        torch._dynamo.reset()  # a fresh compile per case: no recompile limits, no dynamic-shape reuse
-        if op == "rms_norm":
-            return torch.compile(lambda x, w: rms_norm_torch(x, w, eps), dynamic=False)
-        return torch.compile(lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, eps), dynamic=False)
-    if backend == "liger":
-        if op == "rms_norm":
-            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-
-            # in_place=False: the benchmark reuses one grad tensor, which in-place would overwrite
-            return lambda x, w: LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", False)
-        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
-
-        return lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, eps)
+    if backend in PEERS[op]:
+        return norm_peer(op, backend, eps)
     if op == "rms_norm":
         return lambda x, w: rms_norm(x, w, eps, backend=backend)
     return lambda x, w, b: layer_norm(x, w, b, eps, backend=backend)

@@ -36,8 +36,11 @@ from pcvr_lib.kernels.tolerance import flash_rule, max_abs_error
 
 try:
     from perf_tests import kernel_bench as kb
+    from perf_tests.conftest import sdpa_only
 except ImportError:  # run as a script from perf_tests/
     import kernel_bench as kb
+
+    from conftest import sdpa_only
 
 CUDA = torch.cuda.is_available()
 DTYPES = {name: kb.DTYPES[name] for name in ("fp16", "bf16")}
@@ -120,33 +123,6 @@ def baseline(rkey, q, k, v, do, kl, attn_mask, mask, direction):
     return _REF[rkey]
 
 
-class _SdpaOnly:
-    """Enable exactly one SDPA implementation through the global switches (restored on exit)."""
-
-    SWITCHES = {"sdpa_flash": "flash", "sdpa_efficient": "mem_efficient", "sdpa_cudnn": "cudnn"}
-
-    def __init__(self, backend):
-        self.backend = backend
-
-    def __enter__(self):
-        cuda = torch.backends.cuda
-        self.saved = (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(),
-                      cuda.cudnn_sdp_enabled())
-        want = self.SWITCHES[self.backend]
-        cuda.enable_flash_sdp(want == "flash")
-        cuda.enable_mem_efficient_sdp(want == "mem_efficient")
-        cuda.enable_math_sdp(False)
-        cuda.enable_cudnn_sdp(want == "cudnn")
-        return self
-
-    def __exit__(self, *exc):
-        cuda = torch.backends.cuda
-        cuda.enable_flash_sdp(self.saved[0])
-        cuda.enable_mem_efficient_sdp(self.saved[1])
-        cuda.enable_math_sdp(self.saved[2])
-        cuda.enable_cudnn_sdp(self.saved[3])
-
-
 def make_call(backend, q, k, v, do, kl, attn_mask, mask, direction):
     _, causal, causal_valid = MODE_ARGS[mask]
     if direction == "fwd":
@@ -190,7 +166,7 @@ def test_attention_perf(benchmark, backend, shape, mask, dtype, direction):
     dt = DTYPES[dtype]
     ref, torch_err = baseline((shape, mask, dtype, direction), q, k, v, do, kl, attn_mask, mask, direction)
 
-    with _SdpaOnly(backend) if backend in SDPA else contextlib.nullcontext():
+    with sdpa_only(backend) if backend in SDPA else contextlib.nullcontext():
         try:
             first, first_s = kb.timed_first_call(call)
         except RuntimeError as exc:  # SDPA: "No available kernel" for this input
