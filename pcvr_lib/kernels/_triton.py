@@ -128,7 +128,8 @@ class Launcher:
             return self.jit(grid, args, num_warps, num_stages)
         t0 = time.perf_counter()
         compiled = self.jit(grid, args, num_warps, num_stages)
-        torch.cuda.synchronize()
+        if not torch.cuda.is_current_stream_capturing():  # (a CUDA graph capture forbids synchronising)
+            torch.cuda.synchronize()
         compile_log.record("triton", (self.name, *key), time.perf_counter() - t0)
         if self.fast_path_error is None and _raw_stream is not None and not _hooks_set():
             self.fast[key] = (compiled.run, compiled.function, compiled.packed_metadata, torch.cuda.current_device())
@@ -160,14 +161,6 @@ def forget_compiled() -> None:
     calls launch hooks set since)."""
     for launcher in _LAUNCHERS:
         launcher.fast.clear()
-
-
-def aligned(*values) -> bool:
-    """True when every tensor's pointer and every int is a multiple of 16 (one bit test for all)."""
-    bits = 0
-    for v in values:
-        bits |= v.data_ptr() if isinstance(v, torch.Tensor) else v
-    return not bits & 15
 
 
 def align_key(*values) -> tuple:
