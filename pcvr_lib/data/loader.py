@@ -401,6 +401,10 @@ class PcvrLoader:
         self._plan = plan
         return plan
 
+    def skip(self, count: int) -> None:
+        """Drop the first `count` items of the plan: a resumed training run continues where it stopped."""
+        self._plan = self.plan_items()[_check_int("count", count, 0):]
+
     def filter_rows(self, batch: Batch, key: BatchKey) -> Batch:
         """Keep the rows of the loader's split side (a no-op without a split or for a batch fully inside)."""
         if self._mask is None:
