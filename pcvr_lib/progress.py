@@ -7,12 +7,15 @@ import os
 import sys
 import time
 
+QUIET_ENV = "PCVR_NO_PROGRESS"  # set (to anything but "" or "0") to silence every bar, e.g. inside workers
+
 
 def interactive(stream=None) -> bool:
-    """True when progress bars make sense: stderr is a terminal and this is not CI."""
+    """True when progress bars make sense: stderr is a terminal, this is not CI, and PCVR_NO_PROGRESS is unset."""
     stream = sys.stderr if stream is None else stream
     isatty = getattr(stream, "isatty", None)
-    return bool(isatty and isatty()) and not os.environ.get("CI")
+    quiet = os.environ.get(QUIET_ENV, "") not in ("", "0") or bool(os.environ.get("CI"))
+    return bool(isatty and isatty()) and not quiet
 
 
 def bar(total: int | None, desc: str, unit: str = "it", **kwargs):
