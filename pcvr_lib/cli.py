@@ -54,6 +54,25 @@ class _Parser(argparse.ArgumentParser):
         self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
 
 
+def check_writable(folder, option: str) -> None:
+    """Create `folder` if needed and prove a file can be written there: commands call this before any long
+    work, so that a locked or impossible output path fails in the first second, not after the work."""
+    import tempfile
+    from pathlib import Path
+
+    folder = Path(folder)
+    for parent in (folder, *folder.parents):
+        if parent.exists() and not parent.is_dir():
+            raise CommandError(f"{option} {folder}: {parent} is a file, not a folder; choose another {option}")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".pcvr-write-check-"):
+            pass
+    except OSError as exc:
+        raise CommandError(f"{option} {folder} is not writable ({exc.strerror or exc}); choose another "
+                           f"{option}") from exc
+
+
 def _version() -> str:
     from importlib import metadata
 

@@ -552,6 +552,12 @@ def train(config: TrainConfig, progress=None, *, overwrite: bool = False, resume
         torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
 
+def check_writable(folder: Path, option: str) -> None:
+    from pcvr_lib.cli import check_writable as check
+
+    check(folder, option)
+
+
 def _check_names(config: TrainConfig) -> None:
     """Unknown model, optimizer or split names fail before any work, listing the valid ones."""
     from pcvr_lib.data.loader import PRESETS
@@ -567,18 +573,6 @@ def _check_names(config: TrainConfig) -> None:
         raise TrainError(f"unknown --split {config.split!r}; one of {', '.join(SPLIT_METHODS)}")
     if config.loader_preset not in PRESETS:
         raise TrainError(f"unknown --loader-preset {config.loader_preset!r}; one of {', '.join(PRESETS)}")
-
-
-def check_writable(folder: Path, option: str) -> None:
-    """Create `folder` if needed and prove a file can be written there, before any long work."""
-    import tempfile
-
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".pcvr-write-check-"):
-            pass
-    except OSError as exc:
-        raise TrainError(f"{option} {folder} is not writable ({exc.strerror or exc}); choose another {option}") from exc
 
 
 # where a resumed run must agree with the checkpoint it continues (the rest may change: steps, device, ...)
