@@ -690,7 +690,7 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, r
               f"holdout rows), steps {start + 1}..{config.steps} of {config.batch_size} rows, run dir {run_dir}",
               file=sys.stderr, flush=True)
     bar = StepProgress(config.steps, start, f"train {config.model}", every=config.log_every)
-    step = start
+    done = start  # the last step completed (what Ctrl-C reports)
     try:
         with telemetry:
             if config.eval_at_init and resume_from is None:
@@ -716,6 +716,7 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, r
                 telemetry.steps += 1
                 if progress is not None:
                     progress(step, config.steps, info["loss"])
+                done = step
                 bar.update(step, batch.batch_size, info["loss"], info["grad_norm"])
                 if step == config.steps or (config.eval_every and step % config.eval_every == 0):
                     t0 = time.perf_counter()
@@ -732,7 +733,7 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, r
     except KeyboardInterrupt:
         good = [f.name for _, f in complete_checkpoints(run_dir)]
         last = f"last good checkpoint {run_dir / good[-1]}" if good else "no checkpoint saved yet"
-        raise Interrupted(f"training stopped after step {step} of {config.steps}; {last}"
+        raise Interrupted(f"training stopped after step {done} of {config.steps}; {last}"
                           + ("; continue with the same command plus --resume" if good else "")) from None
     finally:
         bar.close()
