@@ -246,7 +246,10 @@ def _load_schema(schema_path: Path, max_lens):
     try:
         return load_schema(schema_path, max_lens=max_lens)
     except SchemaError as exc:
-        raise TrainError(f"{schema_path}: {exc}") from exc
+        text = str(exc)
+        if "max_len" in text:  # the option, not the file, is at fault
+            raise TrainError(f"--max-lens {max_lens}: {text.split(': ', 1)[-1]}") from exc
+        raise TrainError(text if str(schema_path) in text else f"{schema_path}: {text}") from exc
 
 
 def _data_path(path: str | Path) -> Path:
