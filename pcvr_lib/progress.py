@@ -33,13 +33,14 @@ def eta_text(seconds: float) -> str:
 
 
 class StepProgress:
-    """Training progress: a bar with rows/s, loss and ETA on a terminal; otherwise a plain line every
-    `every` steps (0: none) with the same numbers."""
+    """Training progress: a bar with rows/s, loss and ETA on a terminal; otherwise a plain line with the
+    same numbers after the first step, every `every` steps and whenever `quiet_sec` passed without one
+    (`every` 0: no lines)."""
 
-    def __init__(self, steps: int, start: int, desc: str, every: int = 0):
-        self.steps, self.start, self.every = steps, start, every
+    def __init__(self, steps: int, start: int, desc: str, every: int = 0, quiet_sec: float = 30.0):
+        self.steps, self.start, self.every, self.quiet_sec = steps, start, every, quiet_sec
         self.rows = 0
-        self.t0 = time.perf_counter()
+        self.t0 = self.last_line = time.perf_counter()
         self.bar = bar(steps, desc, unit="step", initial=start)
 
     def update(self, step: int, rows: int, loss: float, grad_norm: float) -> None:
@@ -50,7 +51,9 @@ class StepProgress:
         if not self.bar.disable:
             self.bar.set_postfix_str(f"loss {loss:.4f}, {rate:,.0f} rows/s", refresh=False)
             self.bar.update(1)
-        elif self.every and (step % self.every == 0 or step == self.steps):
+        elif self.every and (step % self.every == 0 or step in (self.start + 1, self.steps)
+                             or time.perf_counter() - self.last_line > self.quiet_sec):
+            self.last_line = time.perf_counter()
             print(f"step {step}/{self.steps} loss {loss:.4f} grad_norm {grad_norm:.3f} {rate:,.0f} rows/s "
                   f"ETA {eta_text(eta)}", file=sys.stderr, flush=True)
 

@@ -412,3 +412,16 @@ def test_batch_size_means_what_it_says_and_presets_reach_training(run, data, tmp
     saved = json.loads((_checkpoint(run_dir) / trainer.CONFIG_FILE).read_text())
     assert saved["loader_preset"] == "augment" and saved["strict_time_filter"] is False
     assert np.isfinite(json.loads((run_dir / "training_summary.json").read_text())["validation_metrics"]["auc"])
+
+
+# ------------------------------------------------------------------------------------------- progress
+def test_training_progress_off_a_terminal(data, tmp_path, capsys):
+    """Logs get plain lines (no bar): one before step 1, then per --log-every with rate and ETA."""
+    args = ["train", *TRAIN[:-2], "--log-every", "2", "--data", str(data), "--run-dir", str(tmp_path / "r"),
+            "--steps", "3"]
+    assert cli_main(args) == 0
+    lines = capsys.readouterr().err.strip().splitlines()
+    assert lines[0].startswith("train: baseline on ") and "steps 1..3 of 32 rows" in lines[0]
+    assert [line.split()[1] for line in lines[1:]] == ["1/3", "2/3", "3/3"]
+    assert all(" rows/s ETA " in line and "loss" in line for line in lines[1:])
+    assert not any("\r" in line or "%|" in line for line in lines)
