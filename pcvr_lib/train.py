@@ -635,7 +635,9 @@ def _reading(data: Path):
     try:
         yield
     except (OSError, pa.ArrowException) as exc:
-        if str(data) in str(exc):
+        # an errno means the operating system (disk full, permissions: the boundary names the path); the
+        # decoder's errors carry none. A message that names the file already is passed on as it is.
+        if str(data) in str(exc) or (isinstance(exc, OSError) and exc.errno is not None):
             raise
         raise TrainError(f"{data}: cannot be read ({' '.join(str(exc).split())}); the file is damaged: "
                          "regenerate or re-copy it") from exc

@@ -425,3 +425,13 @@ def test_training_progress_off_a_terminal(data, tmp_path, capsys):
     assert [line.split()[1] for line in lines[1:]] == ["1/3", "2/3", "3/3"]
     assert all(" rows/s ETA " in line and "loss" in line for line in lines[1:])
     assert not any("\r" in line or "%|" in line for line in lines)
+
+
+def test_disk_errors_are_not_blamed_on_the_data(data, tmp_path, capsys, monkeypatch):
+    def disk_full(*args, **kwargs):
+        raise OSError(28, "No space left on device", str(tmp_path / "r" / "x"))
+
+    monkeypatch.setattr(trainer, "save_checkpoint", disk_full)
+    assert cli_main(["train", *TRAIN, "--data", str(data), "--run-dir", str(tmp_path / "r"), "--steps", "1"]) == 2
+    line = one_error_line(capsys, "train", f"{tmp_path / 'r' / 'x'}: no space left on device")
+    assert str(data) not in line
