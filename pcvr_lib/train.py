@@ -841,7 +841,7 @@ def validate(
     model, schema, config, folder = load_checkpoint(checkpoint or run_dir, dev)
     out_dir = Path(run_dir) if run_dir is not None else folder.parent
     data_path = _data_path(data or config.data)
-    check_writable(out_dir, "--run-dir")
+    check_writable(out_dir, "--run-dir" if run_dir is not None else "the checkpoint's run dir")
     use_amp = config.amp if amp is None else amp
     telemetry = Telemetry("evaluation", dev)
     with telemetry:
@@ -907,7 +907,7 @@ def infer(
     model, schema, config, folder = load_checkpoint(checkpoint, dev)
     out_dir = Path(result_dir) if result_dir is not None else folder.parent
     data_path = _data_path(data or config.data)
-    check_writable(out_dir, "--result-dir")
+    check_writable(out_dir, "--result-dir" if result_dir is not None else "the checkpoint's run dir")
     use_amp = config.amp if amp is None else amp
     telemetry = Telemetry("inference", dev)
     with telemetry:
