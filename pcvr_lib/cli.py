@@ -63,14 +63,14 @@ def check_writable(folder, option: str) -> None:
     folder = Path(folder)
     for parent in (folder, *folder.parents):
         if parent.exists() and not parent.is_dir():
-            raise CommandError(f"{option} {folder}: {parent} is a file, not a folder; choose another {option}")
+            raise CommandError(f"{option} {folder}: {parent} is a file, not a folder; choose another path")
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=folder, prefix=".pcvr-write-check-"):
             pass
     except OSError as exc:
-        raise CommandError(f"{option} {folder} is not writable ({exc.strerror or exc}); choose another "
-                           f"{option}") from exc
+        raise CommandError(f"{option} {folder} is not writable ({exc.strerror or exc}); choose a writable "
+                           "path") from exc
 
 
 def _version() -> str:
