@@ -150,10 +150,16 @@ class Launcher:
         return self.fast_path_error or "direct"
 
 
+def _hook_active(hook) -> bool:
+    """A launch hook that would run: newer triton keeps an always-present HookChain, empty unless a tool
+    added a hook to it (`is not None` alone made every key uncacheable there: all launches took the JIT path)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
 def _hooks_set() -> bool:
     from triton import knobs
 
-    return knobs.runtime.launch_enter_hook is not None or knobs.runtime.launch_exit_hook is not None
+    return _hook_active(knobs.runtime.launch_enter_hook) or _hook_active(knobs.runtime.launch_exit_hook)
 
 
 def forget_compiled() -> None:
