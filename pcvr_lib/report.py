@@ -35,6 +35,9 @@ class ReportError(RuntimeError):
     """A benchmark file or comparison request that cannot be used; the message says why."""
 
 
+KNOWN_ERRORS = (ReportError,)  # the CLI boundary prints these as one line, exit 2
+
+
 def load_benchmark_json(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():

@@ -155,7 +155,7 @@ def measure_ceilings(device=None) -> dict:
 
 # ---------------------------------------------------------------- the timer
 #
-# Three numbers per GPU case, each measured so that it holds still (notes/timing.md has the A/A data):
+# Three numbers per GPU case, each measured so that it holds still (notes/comparison.md has the A/A data):
 #   device time   GPU work per call: one CUDA graph holding many calls, replayed with the GPU already busy
 #                 (a spin kernel first) so host latency stays out; pytest-benchmark's `stats` hold it, so
 #                 `--benchmark-compare-fail` and `pcvr diff` gate on it. Uncapturable calls: the profiler's
