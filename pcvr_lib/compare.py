@@ -396,7 +396,7 @@ def run_diff(args) -> int:
             args.new = args.run
         rows, noise = diff_files(args.base, args.new, args.noise)
     except ReportError as exc:
-        print(f"pcvr diff: {exc}", file=sys.stderr)
+        print(f"pcvr diff: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     print(f"pcvr diff: {args.base} -> {args.new}; thresholds from "
           + (f"the noise floor of {noise['runs']} runs" if noise else "the floors only (no noise file)"))
@@ -466,7 +466,7 @@ def run_noise(args) -> int:
                 sources.append(str(out))
         noise = build_noise([load_run(s) for s in sources], sources)
     except ReportError as exc:
-        print(f"pcvr noise: {exc}", file=sys.stderr)
+        print(f"pcvr noise: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     out = Path(args.out) if args.out else Path(".benchmarks") / noise["machine_name"] / "noise.json"
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -630,7 +630,7 @@ def run_compare(args) -> int:
             noise = None  # the default noise file is another machine's: the floors only
         rows, missing = ab_compare(runs["base"], runs["new"], noise)
     except ReportError as exc:
-        print(f"pcvr compare: {exc}", file=sys.stderr)
+        print(f"pcvr compare: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     finally:
         if made_worktree and base_dir is not None:

@@ -221,10 +221,10 @@ def run_report(args) -> int:
     try:
         data = load_benchmark_json(args.json_file)
     except ReportError as exc:
-        print(f"pcvr report: {exc}", file=sys.stderr)
+        print(f"pcvr report: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     if not data["benchmarks"]:
-        print(f"pcvr report: {args.json_file} holds no benchmark results", file=sys.stderr)
+        print(f"pcvr report: error: {args.json_file} holds no benchmark results", file=sys.stderr)
         return EXIT_REFUSED
     print(machine_summary(data))
     print(VIEWS[args.view](data))
