@@ -55,6 +55,13 @@ BACKENDS = ("auto", "native", "numpy")
 INT32_MAX = 2**31 - 1
 # Strict mode scans the last L + STRICT_SLACK events of a row first (enough unless many are invalid).
 STRICT_SLACK = 64
+# How a row's sequence lists are ordered in time. "auto" tells it per row from the event timestamps.
+LIST_ORDERS = ("auto", "newest-first", "newest-last")
+# What "auto" does with a row whose timestamps are neither non-decreasing nor non-increasing.
+NON_MONOTONIC_POLICIES = ("sort", "error")
+# Row classes of the order detection (pcvr_list_order in convert_native.c and _classify_numpy agree).
+TOO_SHORT, NEWEST_LAST, NEWEST_FIRST, NON_MONOTONIC = 0, 1, 2, 3
+ORDER_CLASSES = ("too_short", "newest_last", "newest_first", "non_monotonic")
 
 
 class OutOfVocabError(DataError):
@@ -224,6 +231,61 @@ class _Plan:
         return int(self.start[b] + (self.rel[b, j] if self.rel is not None else j))
 
 
+def _classify_numpy(ts: _Lists) -> np.ndarray:
+    """Each row's list order class (TOO_SHORT .. NON_MONOTONIC) from its event times, times <= 0 ignored."""
+    rows = len(ts.lengths)
+    row = np.repeat(np.arange(rows), ts.lengths)
+    within = np.arange(len(row)) - np.repeat(np.cumsum(ts.lengths) - ts.lengths, ts.lengths)
+    t = ts.values[ts.starts[row] + within] if len(row) else np.zeros(0, dtype=np.int64)
+    positive = t > 0
+    t, row = t[positive], row[positive]
+    step = np.diff(t)
+    same = row[1:] == row[:-1]
+    up = np.bincount(row[1:][same & (step > 0)], minlength=rows) > 0
+    down = np.bincount(row[1:][same & (step < 0)], minlength=rows) > 0
+    return (up.astype(np.uint8) | (down.astype(np.uint8) << 1)).astype(np.uint8)
+
+
+def classify_list_order(array: pa.Array) -> np.ndarray:
+    """The list order class of every row of an event-timestamp list column (uint8, see ORDER_CLASSES):
+    newest last (never decreasing), newest first (never increasing), not monotonic, or too short to tell
+    (fewer than two distinct positive times). Native kernel when it builds here, else numpy."""
+    rows = len(array)
+    try:
+        lib = native_library()
+    except NativeUnavailable:
+        lib = None
+    if lib is None or rows == 0:
+        return _classify_numpy(_lists(array, "timestamps", np.int64))
+    raw = _RawList(array, "timestamps", np.int64)
+    cls = np.empty(rows, dtype=np.uint8)
+    lib.pcvr_list_order(rows, raw.offsets, raw.valid, raw.bit, raw.values, _ptr(cls))
+    return cls
+
+
+def _canonical(lists: _Lists, ts: _Lists, order: np.ndarray, perm_start, perm, via_ts: np.ndarray) -> _Lists:
+    """The column with every row's events rearranged oldest first (numpy backend). Rows with via_ts take the
+    timestamp column's events by number (its length; 0 past this column's own end); the others reverse
+    their own list where order is -1."""
+    rows = len(order)
+    new_len = np.where(via_ts, ts.lengths, lists.lengths)
+    first = np.cumsum(new_len) - new_len
+    row = np.repeat(np.arange(rows), new_len)
+    w = np.arange(int(new_len.sum())) - np.repeat(first, new_len)
+    d = order[row]
+    e = w.copy()
+    rev = d == -1
+    e[rev] = new_len[row[rev]] - 1 - w[rev]
+    srt = d == 2
+    if srt.any():
+        e[srt] = perm[perm_start[row[srt]] + w[srt]]
+    inside = e < lists.lengths[row]
+    values = np.zeros(len(e), dtype=lists.values.dtype)
+    values[inside] = lists.values[lists.starts[row[inside]] + e[inside]]
+    offsets = np.concatenate([[0], np.cumsum(new_len)])
+    return _Lists(offsets, first.astype(np.int64), new_len.astype(np.int64), values, False)
+
+
 def _head_plan(lists: _Lists, width: int) -> _Plan:
     """The first `width` elements of each list (width>1 int and dense features)."""
     return _Plan(lists.starts, np.minimum(lists.lengths, width), width)
@@ -328,7 +390,9 @@ def _build_native():
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(path))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.pcvr_domain.argtypes = [i64, p, p, p, p, p, p, p, i64, p, p, i64, i64, i64, p, p, p, p, p]
+    lib.pcvr_domain.argtypes = [i64, p, p, p, p, p, p, p, i64, p, p, i64, p, p, p, i64, i64, p, p, p, p, p]
+    lib.pcvr_list_order.argtypes = [i64, p, p, i64, p, p]
+    lib.pcvr_list_order.restype = None
     lib.pcvr_domain.restype = None
     lib.pcvr_int_lists.argtypes = [i64, p, p, p, p, p, p, p, i64, p, p, i64, p]
     lib.pcvr_int_lists.restype = None
@@ -427,8 +491,18 @@ class Converter:
         strict_time_filter: bool = False,
         clip_oov: bool = True,
         backend: str = "auto",
+        list_order: str = "auto",
+        non_monotonic: str = "sort",
     ) -> None:
         self.schema = schema
+        if list_order not in LIST_ORDERS:
+            raise ValueError(f"list_order must be one of {', '.join(LIST_ORDERS)}, got {list_order!r}")
+        if non_monotonic not in NON_MONOTONIC_POLICIES:
+            raise ValueError(
+                f"non_monotonic must be one of {', '.join(NON_MONOTONIC_POLICIES)}, got {non_monotonic!r}"
+            )
+        self.list_order = list_order
+        self.non_monotonic = non_monotonic
         self.training = bool(training)
         self.strict_time_filter = bool(strict_time_filter)
         self.clip_oov = bool(clip_oov)
@@ -484,6 +558,12 @@ class Converter:
             "training": self.training,
             "clip_oov": self.clip_oov,
             "backend": self.backend,
+            "list_order": self.list_order,
+            "non_monotonic": self.non_monotonic,
+            # per domain: rows by detected order ("auto"), or rows taken in the given order ("given")
+            "list_order_rows": {
+                d.name: dict.fromkeys((*ORDER_CLASSES, "given"), 0) for d in self.schema.domains
+            },
         }
 
     def _count_oob(self, group: str, column: str, count: int) -> None:
@@ -535,7 +615,7 @@ class Converter:
         out = self._pool.views(self._shapes(rows))
         user = self._features("user", cols, rows, out)
         item = self._features("item", cols, rows, out)
-        sequences = {d.name: self._domain(d, cols, request_ts, rows, out) for d in self.schema.domains}
+        sequences = {d.name: self._domain(d, cols, request_ts, rows, out, row_offset) for d in self.schema.domains}
 
         self.stats["rows"] += rows
         self.stats["batches"] += 1
@@ -757,13 +837,56 @@ class Converter:
         limit = None if np.array_equal(lists.lengths, ts.lengths) else lists.lengths
         return base.with_start(lists.starts, limit)
 
-    def _domain(self, domain, cols: dict[str, pa.Array], request_ts: np.ndarray, rows: int, out: dict) -> SequenceBlock:
+    def _row_order(self, domain, cols, rows: int, row_offset: int, ts_raw: _RawList | None, count: bool = True):
+        """Each row's order for the kernels: None (every row newest last, the stored order) or int8 [rows]
+        of 1 (newest last), -1 (newest first, reversed) and 2 (sorted by time: perm_start, perm give each
+        such row's events oldest first). Counts the rows per class in stats["list_order_rows"]."""
+        counts = self.stats["list_order_rows"][domain.name] if count else dict.fromkeys((*ORDER_CLASSES, "given"), 0)
+        if self.list_order != "auto":
+            counts["given"] += rows
+            return (None, None, None) if self.list_order == "newest-last" else (np.full(rows, -1, np.int8), None, None)
+        column = domain.ts_feature.column
+        if ts_raw is not None and rows:
+            cls = np.empty(rows, dtype=np.uint8)
+            self._lib.pcvr_list_order(rows, ts_raw.offsets, ts_raw.valid, ts_raw.bit, ts_raw.values, _ptr(cls))
+        else:
+            cls = _classify_numpy(_lists(cols[column], column, np.int64))
+        per_class = np.bincount(cls, minlength=4)
+        for name, n in zip(ORDER_CLASSES, per_class.tolist(), strict=True):
+            counts[name] += n
+        if per_class[NEWEST_LAST] == rows:
+            return None, None, None
+        if per_class[NON_MONOTONIC] and self.non_monotonic == "error":
+            row = int(np.flatnonzero(cls == NON_MONOTONIC)[0])
+            raise DataError(
+                f"column {column!r}: row {row_offset + row}: event timestamps are neither non-decreasing nor "
+                f"non-increasing ({int(per_class[NON_MONOTONIC])} such row(s) in this batch); "
+                "non_monotonic='error' rejects them (non_monotonic='sort' sorts them by time)"
+            )
+        # rows too short to tell take the batch's majority order (newest last on a tie)
+        majority = -1 if per_class[NEWEST_FIRST] > per_class[NEWEST_LAST] else 1
+        order = np.choose(cls, [majority, 1, -1, 2]).astype(np.int8)
+        perm_start = perm = None
+        if per_class[NON_MONOTONIC]:
+            ts = _lists(cols[column], column, np.int64)
+            sorted_rows = np.flatnonzero(cls == NON_MONOTONIC)
+            perm_start = np.zeros(rows, dtype=np.int64)
+            perm_start[sorted_rows] = np.cumsum(ts.lengths[sorted_rows]) - ts.lengths[sorted_rows]
+            perm = np.concatenate(
+                [np.argsort(ts.values[ts.starts[b] : ts.starts[b] + ts.lengths[b]], kind="stable") for b in sorted_rows]
+            ).astype(np.int64)
+        return order, perm_start, perm
+
+    def _domain(
+        self, domain, cols: dict[str, pa.Array], request_ts: np.ndarray, rows: int, out: dict, row_offset: int = 0
+    ) -> SequenceBlock:
         if self._lib is None:
-            return self._domain_numpy(domain, cols, request_ts, rows, out)
+            return self._domain_numpy(domain, cols, request_ts, rows, out, row_offset)
         L = domain.max_len
         side = domain.side_features
         raw = [_RawList(cols[f.column], f.column, np.int64) for f in side]
         ts = _RawList(cols[domain.ts_feature.column], domain.ts_feature.column, np.int64)
+        order, perm_start, perm = self._row_order(domain, cols, rows, row_offset, ts)
         values, timestamps = out[f"{domain.name}.values"], out[f"{domain.name}.timestamps"]
         lengths = np.empty(rows, dtype=np.int32)
         rel = np.empty(2 * L, dtype=np.int64)  # strict-mode scratch
@@ -771,10 +894,11 @@ class Converter:
         self._lib.pcvr_domain(
             len(side), *_RawList.pointers(raw), _ptr(self._side_vocab[domain.name]),
             ts.offsets, ts.valid, ts.bit, ts.values, _ptr(request_ts), int(self.strict_time_filter),
-            rows, L, _ptr(values), _ptr(timestamps), _ptr(lengths), _ptr(rel), _ptr(oob),
+            _ptr(order), _ptr(perm_start), _ptr(perm), rows, L,
+            _ptr(values), _ptr(timestamps), _ptr(lengths), _ptr(rel), _ptr(oob),
         )  # fmt: skip
         if oob.any() and not self.clip_oov:  # the numpy path raises naming the column and value
-            self._domain_numpy(domain, cols, request_ts, rows, out)
+            self._domain_numpy(domain, cols, request_ts, rows, out, row_offset, count_order=False)
         for f, n_oob in enumerate(oob.tolist()):
             if n_oob:
                 self._count_oob(domain.name, side[f].column, n_oob)
@@ -782,10 +906,22 @@ class Converter:
             values=torch.from_numpy(values), timestamps=torch.from_numpy(timestamps), lengths=torch.from_numpy(lengths)
         )
 
-    def _domain_numpy(self, domain, cols, request_ts: np.ndarray, rows: int, out: dict) -> SequenceBlock:
+    def _domain_numpy(
+        self, domain, cols, request_ts: np.ndarray, rows: int, out: dict, row_offset: int = 0, count_order=True
+    ) -> SequenceBlock:
         L = domain.max_len
         side = domain.side_features
         ts = _lists(cols[domain.ts_feature.column], domain.ts_feature.column, np.int64)
+        # count_order False: the native pass counted this batch's rows already
+        order, perm_start, perm = self._row_order(domain, cols, rows, row_offset, None, count=count_order)
+        side_lists = [_lists(cols[f.column], f.column, np.int64, like=ts) for f in side]
+        if order is not None:
+            # every row's events oldest first; strict mode and sorted rows take side events by the
+            # timestamp column's event numbers, the others reverse each column's own list
+            via_ts = np.full(rows, True) if self.strict_time_filter else order == 2
+            canon_ts = _canonical(ts, ts, order, perm_start, perm, via_ts)
+            side_lists = [_canonical(x, ts, order, perm_start, perm, via_ts) for x in side_lists]
+            ts = canon_ts
         base = self._strict_plan(ts, request_ts, L) if self.strict_time_filter else _tail_plan(ts, L)
 
         timestamps = out[f"{domain.name}.timestamps"]
@@ -796,7 +932,7 @@ class Converter:
         values = out[f"{domain.name}.values"]
         lengths = base.count if (self.strict_time_filter or not side) else np.zeros(rows, dtype=np.int64)
         for f, feat in enumerate(side):
-            lists = _lists(cols[feat.column], feat.column, np.int64, like=ts)
+            lists = side_lists[f]
             plan = self._side_plan(lists, ts, base, L)
             if not self.strict_time_filter:
                 lengths = np.maximum(lengths, plan.count)

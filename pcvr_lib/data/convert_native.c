@@ -80,39 +80,111 @@ static inline int64_t put_tokens(const int64_t *x, int64_t k, int64_t L, int64_t
     return n;
 }
 
-/* Strict mode: the k kept events given as nr runs of consecutive event numbers; events at or past lim (the
-   column's own length) read as 0. */
+#if defined(__AVX512F__)
+/* put_tokens_avx512 reading x backwards: o[j] = rule(x[k - 1 - j]). Lanes before x[0] are masked out of
+   the load (masked lanes never fault). */
+static inline int64_t put_tokens_rev_avx512(const int64_t *x, int64_t k, int64_t L, int64_t voc, int32_t *o) {
+    const __m512i zero = _mm512_setzero_si512(), vv = _mm512_set1_epi64(voc);
+    const __m512i rev = _mm512_set_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+    int64_t n = 0;
+    for (int64_t j = 0; j < L; j += 8) {
+        int64_t rem = k - j;
+        __mmask8 in = rem >= 8 ? (__mmask8)0xFF : (rem > 0 ? (__mmask8)((1u << rem) - 1) : (__mmask8)0);
+        __mmask8 load = rem >= 8 ? (__mmask8)0xFF : (rem > 0 ? (__mmask8)(0xFFu << (8 - rem)) : (__mmask8)0);
+        __m512i v = _mm512_maskz_loadu_epi64(load, (const void *)(x + k - j - 8));
+        v = _mm512_permutexvar_epi64(rev, v); /* lane i = x[k - 1 - j - i] */
+        __mmask8 ok = in & _mm512_cmpgt_epi64_mask(v, zero) & _mm512_cmplt_epi64_mask(v, vv);
+        n += __builtin_popcount((unsigned)(in & _mm512_cmpge_epi64_mask(v, vv)));
+        _mm256_stream_si256((__m256i *)(o + j), _mm512_cvtepi64_epi32(_mm512_maskz_mov_epi64(ok, v)));
+    }
+    return n;
+}
+#endif
+
+/* Token rules on x[k-1], x[k-2], ..., x[0] into o[0..k) (a newest-first list, oldest kept first), zeros to L. */
+static inline int64_t put_tokens_rev(const int64_t *x, int64_t k, int64_t L, int64_t voc, int32_t *o) {
+    int64_t n = 0;
+    if (voc <= 0) k = 0;
+#if defined(__AVX512F__)
+    if (voc > 0 && ((uintptr_t)o & 31) == 0 && (L & 7) == 0) return put_tokens_rev_avx512(x, k, L, voc, o);
+#endif
+    for (int64_t j = 0; j < k; j++) {
+        int64_t v = x[k - 1 - j];
+        n += v >= voc;
+        o[j] = (v > 0 && v < voc) ? (int32_t)v : 0;
+    }
+    if (k < L) memset(o + k, 0, (size_t)(L - k) * sizeof(int32_t));
+    return n;
+}
+
+/* The kept events given as nr runs in output order: run r covers events run_src[r], run_src[r] + step, ...
+   (run_len[r] of them; step +1 or -1); events at or past lim (the column's own length) read as 0. */
 static inline int64_t put_runs(const int64_t *x, const int64_t *run_src, const int64_t *run_len, int64_t nr,
-                               int64_t lim, int64_t L, int64_t voc, int32_t *o) {
+                               int64_t step, int64_t lim, int64_t L, int64_t voc, int32_t *o) {
     int64_t n = 0, p = 0;
     if (voc > 0) {
         for (int64_t r = 0; r < nr; p += run_len[r++]) {
             const int64_t e = run_src[r], len = run_len[r];
-            int64_t inside = lim - e < len ? lim - e : len;
-            if (inside < 0) inside = 0;
-            const int64_t *xe = x + e;
             int32_t *d = o + p;
-            for (int64_t j = 0; j < inside; j++) {
-                int64_t v = xe[j];
-                n += v >= voc;
-                d[j] = (v > 0 && v < voc) ? (int32_t)v : 0;
+            if (step == 1) {
+                int64_t inside = lim - e < len ? lim - e : len;
+                if (inside < 0) inside = 0;
+                const int64_t *xe = x + e;
+                for (int64_t j = 0; j < inside; j++) {
+                    int64_t v = xe[j];
+                    n += v >= voc;
+                    d[j] = (v > 0 && v < voc) ? (int32_t)v : 0;
+                }
+                for (int64_t j = inside; j < len; j++) d[j] = 0;
+            } else {
+                for (int64_t j = 0; j < len; j++) {
+                    int64_t v = e - j < lim ? x[e - j] : 0;
+                    n += v >= voc;
+                    d[j] = (v > 0 && v < voc) ? (int32_t)v : 0;
+                }
             }
-            for (int64_t j = inside; j < len; j++) d[j] = 0;
         }
     }
     if (p < L) memset(o + p, 0, (size_t)(L - p) * sizeof(int32_t));
     return n;
 }
 
+/* List order of each row from its event timestamps, ignoring times <= 0: 1 newest last (never decreasing,
+   not all equal), 2 newest first (never increasing, not all equal), 3 neither (not monotonic), 0 fewer
+   than two distinct positive times (too short to tell). */
+void pcvr_list_order(int64_t rows, const int32_t *ts_off, const uint8_t *ts_valid, int64_t ts_bit,
+                     const int64_t *ts_src, uint8_t *cls) {
+    for (int64_t b = 0; b < rows; b++) {
+        int64_t n;
+        const int64_t *t = ts_src + row_range(ts_off, ts_valid, ts_bit, b, &n);
+        int64_t prev = 0;
+        int up = 0, down = 0;
+        for (int64_t j = 0; j < n; j++) {
+            const int64_t v = t[j];
+            if (v <= 0) continue;
+            up |= prev > 0 && v > prev;
+            down |= prev > 0 && v < prev;
+            prev = v;
+        }
+        cls[b] = (uint8_t)(up | (down << 1));
+    }
+}
+
 /* One sequence domain, row by row: timestamps [rows, L] (raw), values [rows, F, L] (token rules),
-   lengths [rows]. Non-strict: every column keeps its last min(len, L) elements; length = max over side
-   columns (the timestamp column's when F == 0). Strict: the last L events with 0 < ts < request[b]
-   (found as runs of consecutive events in the scratch rel [2L]); side columns take the same events (0 past
-   their own end), copied run by run. */
+   lengths [rows]. Each row's events are taken in its chronological order, given by order[b]: 1 newest last
+   (the list as stored), -1 newest first (the list reversed), 2 the permutation perm[perm_start[b] ..]
+   (a non-monotonic row sorted by time); order NULL: every row newest last. The newest events are kept,
+   left-aligned, oldest first.
+   Non-strict, rows 1 / -1: every column keeps its own newest min(len, L) elements; length = max over side
+   columns (the timestamp column's when F == 0). Strict, and sorted rows: the kept events are the newest L
+   (strict: with 0 < ts < request[b]) in the timestamp column's order, found as runs of consecutive events
+   in the scratch rel [2L]; side columns take the same events (0 past their own end), run by run; length =
+   the number kept. */
 void pcvr_domain(int64_t F, const int32_t *const *offs, const uint8_t *const *valids, const int64_t *bits,
                  const int64_t *const *srcs, const int64_t *vocab, const int32_t *ts_off, const uint8_t *ts_valid,
-                 int64_t ts_bit, const int64_t *ts_src, const int64_t *request, int64_t strict, int64_t rows,
-                 int64_t L, int32_t *values, int64_t *timestamps, int32_t *lengths, int64_t *rel, int64_t *oob) {
+                 int64_t ts_bit, const int64_t *ts_src, const int64_t *request, int64_t strict, const int8_t *order,
+                 const int64_t *perm_start, const int64_t *perm, int64_t rows, int64_t L, int32_t *values,
+                 int64_t *timestamps, int32_t *lengths, int64_t *rel, int64_t *oob) {
     int64_t *run_src = rel, *run_len = rel + L, nr = 0;
     for (int64_t f = 0; f < F; f++) oob[f] = 0;
     for (int64_t b = 0; b < rows; b++) {
@@ -120,21 +192,26 @@ void pcvr_domain(int64_t F, const int32_t *const *offs, const uint8_t *const *va
         const int64_t s = row_range(ts_off, ts_valid, ts_bit, b, &n);
         const int64_t *t = ts_src + s;
         int64_t *ts_out = timestamps + b * L;
+        const int64_t dir = order ? order[b] : 1;
+        const int64_t step = dir == -1 ? -1 : 1;
+        const int64_t *pm = dir == 2 ? perm + perm_start[b] : 0;
+        const int runs = strict || dir == 2;
         int64_t k;
-        if (strict) {
+        if (runs) {
             const int64_t req = request[b];
-            /* one pass back from the newest event until L valid ones: the kept events as runs of
-               consecutive events (run r is events run_src[r] .. + run_len[r]), newest run first */
+            /* one pass back from the newest event (chronological position c = n-1, n-2, ...) until L kept
+               ones: the kept events as runs (run r is events run_src[r], + step, ...), newest run first */
             k = 0;
             nr = 0;
-            for (int64_t j = n - 1; j >= 0 && k < L; j--) {
-                if (!(t[j] > 0 && t[j] < req)) continue;
+            for (int64_t c = n - 1; c >= 0 && k < L; c--) {
+                const int64_t e = dir == 1 ? c : (dir == -1 ? n - 1 - c : pm[c]);
+                if (strict && !(t[e] > 0 && t[e] < req)) continue;
                 k++;
-                if (nr && run_src[nr - 1] == j + 1) {
-                    run_src[nr - 1] = j;
+                if (nr && run_src[nr - 1] == e + step) {
+                    run_src[nr - 1] = e;
                     run_len[nr - 1]++;
                 } else {
-                    run_src[nr] = j;
+                    run_src[nr] = e;
                     run_len[nr++] = 1;
                 }
             }
@@ -145,12 +222,21 @@ void pcvr_domain(int64_t F, const int32_t *const *offs, const uint8_t *const *va
                 run_src[nr - 1 - r] = a;
                 run_len[nr - 1 - r] = c;
             }
-            for (int64_t r = 0, p = 0; r < nr; p += run_len[r++])
-                memcpy(ts_out + p, t + run_src[r], (size_t)run_len[r] * sizeof(int64_t));
+            for (int64_t r = 0, p = 0; r < nr; p += run_len[r++]) {
+                if (step == 1) {
+                    memcpy(ts_out + p, t + run_src[r], (size_t)run_len[r] * sizeof(int64_t));
+                } else {
+                    for (int64_t j = 0; j < run_len[r]; j++) ts_out[p + j] = t[run_src[r] - j];
+                }
+            }
             length = k;
         } else {
             k = n < L ? n : L;
-            memcpy(ts_out, t + n - k, (size_t)k * sizeof(int64_t));
+            if (step == 1) {
+                memcpy(ts_out, t + n - k, (size_t)k * sizeof(int64_t));
+            } else {
+                for (int64_t j = 0; j < k; j++) ts_out[j] = t[k - 1 - j];
+            }
             if (F == 0) length = k;
         }
         if (k < L) memset(ts_out + k, 0, (size_t)(L - k) * sizeof(int64_t));
@@ -158,11 +244,14 @@ void pcvr_domain(int64_t F, const int32_t *const *offs, const uint8_t *const *va
             int64_t fn;
             const int64_t fs = row_range(offs[f], valids[f], bits[f], b, &fn);
             int32_t *o = values + (b * F + f) * L;
-            if (strict) {
-                oob[f] += put_runs(srcs[f] + fs, run_src, run_len, nr, fn, L, vocab[f], o);
+            if (runs) {
+                oob[f] += put_runs(srcs[f] + fs, run_src, run_len, nr, step, fn, L, vocab[f], o);
             } else {
                 int64_t fk = fn < L ? fn : L;
-                oob[f] += put_tokens(srcs[f] + fs + fn - fk, fk, L, vocab[f], o);
+                if (step == 1)
+                    oob[f] += put_tokens(srcs[f] + fs + fn - fk, fk, L, vocab[f], o);
+                else
+                    oob[f] += put_tokens_rev(srcs[f] + fs, fk, L, vocab[f], o);
                 if (fk > length) length = fk;
             }
         }
