@@ -144,7 +144,7 @@ def reference_convert(
                     per_feature.append([cell[j] if j < len(cell) else 0 for j in chosen])
             else:
                 # each column its own newest L elements, oldest first
-                def newest(cell):
+                def newest(cell, L=L, kind=kind):
                     return cell[-L:] if kind == "newest_last" else list(reversed(cell[:L]))
 
                 kept_ts = newest(ts)

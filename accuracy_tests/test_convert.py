@@ -660,8 +660,9 @@ def ordered_batches(demo_schema, data_cache_dir):
     out = {}
     for order in ("newest-last", "newest-first", "mixed"):
         path = generate_dataset(
-            demo_schema, rows=200, seed=3, row_group_size=100, cache_dir=data_cache_dir, progress=False, list_order=order
-        )
+            demo_schema, rows=200, seed=3, row_group_size=100, cache_dir=data_cache_dir, progress=False,
+            list_order=order,
+        )  # fmt: skip
         out[order] = list(pq.ParquetFile(path).iter_batches(batch_size=72))
     return out
 
@@ -757,3 +758,23 @@ def test_non_monotonic_rows_rejected_by_the_error_policy(backend):
         Converter(schema, list_order="oldest-first")
     with pytest.raises(ValueError, match="non_monotonic must be one of sort, error"):
         Converter(schema, non_monotonic="drop")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    cells=st.lists(
+        st.one_of(
+            st.none(),
+            st.lists(st.integers(-2, 30), max_size=40),
+            st.lists(st.integers(-1, 1000), max_size=40).map(sorted),
+            st.lists(st.integers(-1, 1000), max_size=40).map(lambda x: sorted(x, reverse=True)),
+        ),
+        max_size=12,
+    ),
+    cut=st.integers(0, 3),
+)
+def test_order_classes_match_the_reference_on_long_rows(cells, cut):
+    """Rows long enough for the 8-wide compare, with times <= 0 anywhere (bridged), nulls and slices."""
+    array = pa.array(cells, pa.list_(pa.int64()))[cut:]
+    got = [ORDER_CLASSES[c] for c in classify_list_order(array)]
+    assert got == [row_order(x or []) for x in array.to_pylist()]

@@ -146,11 +146,16 @@ def main() -> None:
     parser.add_argument("--strict", action="store_true")
     parser.add_argument("--backend", default="auto", choices=["auto", "native", "numpy"])
     parser.add_argument("--profile", action="store_true", help="cProfile one pass")
+    parser.add_argument("--data-order", default="newest-last", help="generated list order (newest-first, mixed)")
+    parser.add_argument("--list-order", default="auto", help="the converter's list_order (auto: told per row)")
     args = parser.parse_args()
     single_thread()
-    path = generate_dataset(SCHEMA, rows=1000, multiplier=args.multiplier)  # the default (PCVR_CACHE_DIR) cache
+    # the default (PCVR_CACHE_DIR) cache
+    path = generate_dataset(SCHEMA, rows=1000, multiplier=args.multiplier, list_order=args.data_order)
     batches = preload(path, args.batches, args.batch_size)
-    converter = Converter(load_schema(SCHEMA), strict_time_filter=args.strict, backend=args.backend)
+    converter = Converter(
+        load_schema(SCHEMA), strict_time_filter=args.strict, backend=args.backend, list_order=args.list_order
+    )
     if args.profile:
         import cProfile
         import pstats

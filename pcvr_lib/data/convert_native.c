@@ -136,9 +136,13 @@ static inline int64_t put_runs(const int64_t *x, const int64_t *run_src, const i
                     d[j] = (v > 0 && v < voc) ? (int32_t)v : 0;
                 }
                 for (int64_t j = inside; j < len; j++) d[j] = 0;
-            } else {
-                for (int64_t j = 0; j < len; j++) {
-                    int64_t v = e - j < lim ? x[e - j] : 0;
+            } else { /* events e, e - 1, ...: the first ones may lie past the column's end */
+                int64_t outside = e - lim + 1 < len ? e - lim + 1 : len;
+                if (outside < 0) outside = 0;
+                const int64_t *xe = x + e;
+                for (int64_t j = 0; j < outside; j++) d[j] = 0;
+                for (int64_t j = outside; j < len; j++) {
+                    int64_t v = xe[-j];
                     n += v >= voc;
                     d[j] = (v > 0 && v < voc) ? (int32_t)v : 0;
                 }
@@ -149,6 +153,49 @@ static inline int64_t put_runs(const int64_t *x, const int64_t *run_src, const i
     return n;
 }
 
+/* Across a run of times <= 0 starting at p (t[p - 1] > 0): compare t[p - 1] with the next positive time. */
+static inline void bridge(const int64_t *t, int64_t p, int64_t n, int *up, int *down) {
+    int64_t q = p + 1;
+    while (q < n && t[q] <= 0) q++;
+    if (q < n) {
+        *up |= t[q] > t[p - 1];
+        *down |= t[q] < t[p - 1];
+    }
+}
+
+/* List order of one row: bit 0 some positive time follows a smaller one, bit 1 a larger one (times <= 0
+   ignored). Adjacent positive pairs are compared 8 at a time; runs of times <= 0 (rare) are bridged. */
+static inline int row_order(const int64_t *t, int64_t n) {
+    int up = 0, down = 0;
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    const __m512i zero = _mm512_setzero_si512();
+    __mmask8 upm = 0, downm = 0;
+    for (; j + 8 < n; j += 8) {
+        __m512i a = _mm512_loadu_si512((const void *)(t + j)), b = _mm512_loadu_si512((const void *)(t + j + 1));
+        __mmask8 pa = _mm512_cmpgt_epi64_mask(a, zero), both = pa & _mm512_cmpgt_epi64_mask(b, zero);
+        upm |= both & _mm512_cmpgt_epi64_mask(b, a);
+        downm |= both & _mm512_cmplt_epi64_mask(b, a);
+        for (unsigned m = (unsigned)(__mmask8)~pa; m; m &= m - 1) { /* times <= 0 at j + lane */
+            int64_t p = j + __builtin_ctz(m);
+            if (p > 0 && t[p - 1] > 0) bridge(t, p, n, &up, &down);
+        }
+    }
+    up |= upm != 0;
+    down |= downm != 0;
+#endif
+    for (; j + 1 < n; j++) {
+        const int64_t a = t[j], b = t[j + 1];
+        if (a > 0 && b > 0) {
+            up |= b > a;
+            down |= b < a;
+        } else if (a <= 0 && j > 0 && t[j - 1] > 0) {
+            bridge(t, j, n, &up, &down);
+        }
+    }
+    return up | (down << 1);
+}
+
 /* List order of each row from its event timestamps, ignoring times <= 0: 1 newest last (never decreasing,
    not all equal), 2 newest first (never increasing, not all equal), 3 neither (not monotonic), 0 fewer
    than two distinct positive times (too short to tell). */
@@ -157,16 +204,7 @@ void pcvr_list_order(int64_t rows, const int32_t *ts_off, const uint8_t *ts_vali
     for (int64_t b = 0; b < rows; b++) {
         int64_t n;
         const int64_t *t = ts_src + row_range(ts_off, ts_valid, ts_bit, b, &n);
-        int64_t prev = 0;
-        int up = 0, down = 0;
-        for (int64_t j = 0; j < n; j++) {
-            const int64_t v = t[j];
-            if (v <= 0) continue;
-            up |= prev > 0 && v > prev;
-            down |= prev > 0 && v < prev;
-            prev = v;
-        }
-        cls[b] = (uint8_t)(up | (down << 1));
+        cls[b] = (uint8_t)row_order(t, n);
     }
 }
 
