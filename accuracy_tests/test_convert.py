@@ -120,11 +120,12 @@ def demo_batches(demo_schema, data_cache_dir):
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_matches_reference_on_generated_data(backend, demo_schema, demo_batches, strict, training):
     converter = Converter(demo_schema, backend=backend, training=training, strict_time_filter=strict)
+    applied = strict and training  # strict filtering is for training batches only
     oob = {}
     offset = 0
     for rb in demo_batches:
         batch = converter(rb, row_offset=offset)
-        ref = reference_convert(rb, demo_schema, training=training, strict=strict)
+        ref = reference_convert(rb, demo_schema, training=training, strict=applied)
         compare(batch, ref, demo_schema)
         np.testing.assert_array_equal(batch.row_index.numpy(), np.arange(offset, offset + rb.num_rows))
         offset += rb.num_rows
@@ -134,7 +135,20 @@ def test_matches_reference_on_generated_data(backend, demo_schema, demo_batches,
     assert converter.stats["oob_per_feature"] == oob
     assert converter.stats["oob_total"] == sum(oob.values())
     assert converter.stats["rows"] == offset and converter.stats["batches"] == len(demo_batches)
-    assert converter.stats["strict_time_filter"] is strict and converter.strict_time_filter is strict
+    assert converter.stats["strict_time_filter"] is applied and converter.strict_time_filter is applied
+
+
+def test_strict_filter_on_evaluation_only_when_asked(backend, demo_schema, demo_batches):
+    rb = demo_batches[0]
+    plain = Converter(demo_schema, backend=backend, training=False)(rb)
+    ignored = Converter(demo_schema, backend=backend, training=False, strict_time_filter=True)
+    assert ignored.strict_time_filter is False
+    asked = Converter(demo_schema, backend=backend, training=False, strict_time_filter=True, strict_on_eval=True)
+    ref = reference_convert(rb, demo_schema, training=False, strict=True)
+    compare(asked(rb), ref, demo_schema)
+    got = ignored(rb)
+    for d in demo_schema.domains:
+        assert torch.equal(got.sequences[d.name].values, plain.sequences[d.name].values)
 
 
 def test_numpy_strict_rows_rescanned_in_full(demo_schema, demo_batches, monkeypatch):
@@ -266,8 +280,9 @@ def test_matches_reference_on_hypothesis_schemas(backend, case, strict, training
     schema, rb = case
     options = dict(training=training, strict_time_filter=strict, list_order=order, non_monotonic=policy)
     converter = Converter(schema, backend=backend, **options)
+    applied = strict and training  # strict filtering is for training batches only
     try:
-        ref = reference_convert(rb, schema, training=training, strict=strict, list_order=order, non_monotonic=policy)
+        ref = reference_convert(rb, schema, training=training, strict=applied, list_order=order, non_monotonic=policy)
     except ReferenceNonMonotonic as exc:
         with pytest.raises(DataError, match=f"column '{exc.args[0]}': row .* neither non-decreasing"):
             converter(rb)

@@ -493,6 +493,7 @@ class Converter:
         backend: str = "auto",
         list_order: str = "auto",
         non_monotonic: str = "sort",
+        strict_on_eval: bool = False,
     ) -> None:
         self.schema = schema
         if list_order not in LIST_ORDERS:
@@ -504,7 +505,8 @@ class Converter:
         self.list_order = list_order
         self.non_monotonic = non_monotonic
         self.training = bool(training)
-        self.strict_time_filter = bool(strict_time_filter)
+        # strict filtering belongs to training batches; with training=False only when asked by name
+        self.strict_time_filter = bool(strict_time_filter) and (self.training or bool(strict_on_eval))
         self.clip_oov = bool(clip_oov)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
