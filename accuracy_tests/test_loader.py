@@ -315,3 +315,14 @@ def test_corrupt_page_names_file_and_row_group(schema, dataset, tmp_path):
                 served += batch.batch_size
         assert served == 200
         assert "200 rows served before it" in str(info.value)
+
+
+def test_list_order_flag_on_the_commands_that_load_data():
+    from pcvr_lib.cli import build_parser
+
+    for command, extra in (("train", ["--model", "baseline", "--data", "x", "--run-dir", "r"]), ("val", []),
+                           ("infer", ["--checkpoint", "c"])):  # fmt: skip
+        args = build_parser(command).parse_args([command, *extra, "--list-order", "newest-first"])
+        assert args.list_order == "newest-first"
+        with pytest.raises(SystemExit):
+            build_parser(command).parse_args([command, *extra, "--list-order", "oldest-first"])

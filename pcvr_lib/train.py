@@ -80,6 +80,7 @@ class TrainConfig:
     compile: bool = False
     num_workers: int = 0
     log_every: int = 0  # 0: silent
+    list_order: str = "auto"  # sequence list order: auto (told per row from the event times) or given
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -408,7 +409,7 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress) -
     train_loader = _loader(
         data, schema, batch_size=config.batch_size, mode="steps", steps=config.steps, seed=config.seed,
         split=config.split, side="train", valid_ratio=config.valid_ratio, training=True,
-        num_workers=config.num_workers,
+        num_workers=config.num_workers, list_order=config.list_order,
     )
     split = train_loader.split
     if config.init_output_prior:
@@ -502,7 +503,7 @@ def _positive_rate(data: Path, rows: np.ndarray) -> float:
 
 def _holdout(model, data, schema, config: TrainConfig, split, device) -> dict:
     loader = _loader(data, schema, batch_size=config.eval_batch_size, mode="sweep", split=split, side="valid",
-                     training=True, num_workers=0)
+                     training=True, num_workers=0, list_order=config.list_order)
     preds = predict_batches(model, loader, device, config.amp)
     return {"predictions": preds, "metrics": classification_metrics(preds["target"], preds["probability"])}
 
@@ -517,6 +518,7 @@ def validate(
     batch_size: int = 256,
     device: str = "cpu",
     amp: bool | None = None,
+    list_order: str | None = None,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint (default: the run dir's latest) on the holdout side (`rows="valid"`, the
     same split as training) or on every row (`rows="all"`); writes evaluation.json,
@@ -532,11 +534,12 @@ def validate(
     use_amp = config.amp if amp is None else amp
     telemetry = Telemetry("evaluation", dev)
     with telemetry:
+        order = list_order or config.list_order  # default: the order the model was trained with
         if rows == "valid":
             loader = _loader(data_path, schema, batch_size=batch_size, mode="sweep", split=config.split,
-                             side="valid", valid_ratio=config.valid_ratio, training=True)
+                             side="valid", valid_ratio=config.valid_ratio, training=True, list_order=order)
         else:
-            loader = _loader(data_path, schema, batch_size=batch_size, mode="sweep", training=True)
+            loader = _loader(data_path, schema, batch_size=batch_size, mode="sweep", training=True, list_order=order)
         preds = predict_batches(model, loader, dev, use_amp)
         metrics = classification_metrics(preds["target"], preds["probability"])
         telemetry.rows, telemetry.batches = len(preds["target"]), preds["batches"]
@@ -584,6 +587,7 @@ def infer(
     batch_size: int = 256,
     device: str = "cpu",
     amp: bool | None = None,
+    list_order: str | None = None,
 ) -> dict[str, Any]:
     """Score every row of the data (labels not read) and write predictions.json
     {"predictions": {sample_key: probability}, "user_ids": {sample_key: user_id}} and
@@ -595,7 +599,8 @@ def infer(
     use_amp = config.amp if amp is None else amp
     telemetry = Telemetry("inference", dev)
     with telemetry:
-        loader = _loader(data_path, schema, batch_size=batch_size, mode="sweep", training=False)
+        loader = _loader(data_path, schema, batch_size=batch_size, mode="sweep", training=False,
+                         list_order=list_order or config.list_order)
         preds = predict_batches(model, loader, dev, use_amp)
         telemetry.rows, telemetry.batches = len(preds["row_index"]), preds["batches"]
     keys = [str(int(k)) for k in preds["row_index"]]
@@ -656,6 +661,17 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--compile", action="store_true", help="torch.compile (eager fallback, recorded)")
     parser.add_argument("--num-workers", type=int, default=0)
     parser.add_argument("--log-every", type=int, default=5)
+    _add_list_order(parser, "auto")
+
+
+def _add_list_order(parser: argparse.ArgumentParser, default: str | None) -> None:
+    from pcvr_lib.data.convert import LIST_ORDERS
+
+    parser.add_argument(
+        "--list-order", choices=LIST_ORDERS, default=default,
+        help="sequence list order: auto tells it per row from the event times; newest-first / newest-last for "
+        "data without usable times (default: " + (default or "the order the model was trained with") + ")",
+    )
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -669,6 +685,7 @@ def run_train(args: argparse.Namespace) -> int:
         split=args.split,
         valid_ratio=args.valid_ratio, device=args.device,
         amp=args.amp, compile=args.compile, num_workers=args.num_workers, log_every=args.log_every,
+        list_order=args.list_order,
     )
     return _guarded(lambda: _print_train(train(config)))
 
@@ -688,12 +705,13 @@ def add_val_arguments(parser: argparse.ArgumentParser) -> None:
                         help="holdout side of the training split (default) or every row")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--device", default="cpu")
+    _add_list_order(parser, None)
 
 
 def run_val(args: argparse.Namespace) -> int:
     def go():
         ev = validate(args.run_dir, checkpoint=args.checkpoint, data=args.data, rows=args.rows,
-                      batch_size=args.batch_size, device=args.device)
+                      batch_size=args.batch_size, device=args.device, list_order=args.list_order)
         m = ev["metrics"]
         print(f"{ev['experiment_name']}: AUC {m['auc']:.4f} logloss {m['logloss']:.4f} brier {m['brier']:.4f} "
               f"on {m['sample_count']} rows -> {ev['validation_predictions_path']}")
@@ -707,12 +725,13 @@ def add_infer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--result-dir", help="where predictions.json goes (default: the checkpoint's run dir)")
     parser.add_argument("--batch-size", type=int, default=256)
     parser.add_argument("--device", default="cpu")
+    _add_list_order(parser, None)
 
 
 def run_infer(args: argparse.Namespace) -> int:
     def go():
         t = infer(args.checkpoint, data=args.data, result_dir=args.result_dir, batch_size=args.batch_size,
-                  device=args.device)
+                  device=args.device, list_order=args.list_order)
         print(f"scored {t['rows']} rows in {t['elapsed_sec']:.2f}s ({t['rows_per_sec']:.0f} rows/s)")
 
     return _guarded(go)
