@@ -27,7 +27,7 @@ import torch
 from pcvr_lib.data.cache import CACHE_POLICIES, belady_hit_count, make_cache
 from pcvr_lib.data.convert import Converter
 from pcvr_lib.data.generate import generate_dataset
-from pcvr_lib.data.loader import PRESETS, PcvrLoader
+from pcvr_lib.data.loader import PRESETS, PcvrLoader, file_list_order
 from pcvr_lib.schema import load_schema
 from perf_tests.test_converter_micro import copy_floor_seconds
 
@@ -187,6 +187,8 @@ def run_loader_case(benchmark, cfg, schema, path, preset):
         row_groups_read=stats["row_groups_read"],
         late_reads=stats["late_reads"],
         reused_after_eviction=stats["reused_after_eviction"],
+        list_order_detected=stats["list_order_detected"],
+        list_order_rows=stats["list_order_rows"],
         pyarrow_read_rows_per_sec=floor,
         ratio_to_pyarrow_read=float(np.median(round_ratios)),
         ratio_to_pyarrow_read_per_round=round_ratios,
@@ -252,6 +254,8 @@ def run_convert_case(benchmark, cfg, schema, path, preset):
         copy_floor_rows_per_sec=copy_rows_per_sec,
         ratio_to_copy_floor=rows_per_sec / copy_rows_per_sec,
         oob_total=converter.stats["oob_total"],
+        list_order_detected={d: file_list_order(c) for d, c in converter.stats["list_order_rows"].items()},
+        list_order_rows=converter.stats["list_order_rows"],
     )
 
 
