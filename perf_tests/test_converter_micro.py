@@ -5,6 +5,10 @@ As a pytest-benchmark case (small data under CI):
     pytest perf_tests/test_converter_micro.py --benchmark-only
 Standalone, the numbers in notes/data-convert.md (--multiplier defaults to 30):
     python perf_tests/test_converter_micro.py --batches 40 --passes 5 [--strict] [--backend numpy]
+        [--data-order newest-first] [--list-order newest-first]
+    python perf_tests/test_converter_micro.py --ab-list-order [--data-order newest-first] [--strict]
+the last one the cost of telling the order per row: list_order="auto" against the order given, interleaved
+in one process (which converter reads a batch first alternates, so neither always gets a warm source).
 """
 
 from __future__ import annotations
@@ -137,6 +141,23 @@ def test_converter_micro(benchmark, micro_batches, strict):
     benchmark.extra_info.update(measure(converter, micro_batches, passes=3))
 
 
+def ab_list_order(schema, batches, data_order: str, strict: bool, passes: int) -> dict[str, float]:
+    """ms per batch (thread CPU time, per batch the fastest pass, averaged) of "auto" and the given order."""
+    given = "newest-first" if data_order == "newest-first" else "newest-last"
+    convs = {"auto": Converter(schema, strict_time_filter=strict), given: Converter(schema, strict_time_filter=strict,
+             list_order=given)}  # fmt: skip
+    best = {name: np.full(len(batches), np.inf) for name in convs}
+    for p in range(passes):
+        items = list(convs.items())[:: 1 if p % 2 else -1]
+        for i, rb in enumerate(batches):
+            for name, conv in items[:: 1 if i % 2 else -1]:
+                c0 = time.thread_time()
+                batch = conv(rb)
+                best[name][i] = min(best[name][i], time.thread_time() - c0)
+                del batch
+    return {name: float(v.mean() * 1e3) for name, v in best.items()}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--multiplier", type=int, default=30)
@@ -148,11 +169,18 @@ def main() -> None:
     parser.add_argument("--profile", action="store_true", help="cProfile one pass")
     parser.add_argument("--data-order", default="newest-last", help="generated list order (newest-first, mixed)")
     parser.add_argument("--list-order", default="auto", help="the converter's list_order (auto: told per row)")
+    parser.add_argument("--ab-list-order", action="store_true", help="auto against the given order, interleaved")
     args = parser.parse_args()
     single_thread()
     # the default (PCVR_CACHE_DIR) cache
     path = generate_dataset(SCHEMA, rows=1000, multiplier=args.multiplier, list_order=args.data_order)
     batches = preload(path, args.batches, args.batch_size)
+    if args.ab_list_order:
+        ms = ab_list_order(load_schema(SCHEMA), batches, args.data_order, args.strict, args.passes)
+        print(f"data {path} ({len(batches)} batches x {args.batch_size} rows), strict={args.strict}")
+        for name, value in ms.items():
+            print(f"  list_order={name:13s} {value:.3f} ms/batch  {args.batch_size / value * 1e3:,.0f} rows/s")
+        return
     converter = Converter(
         load_schema(SCHEMA), strict_time_filter=args.strict, backend=args.backend, list_order=args.list_order
     )
