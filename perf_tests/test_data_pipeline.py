@@ -269,3 +269,64 @@ def test_data_pipeline(benchmark, setup, preset, mode):
         run_loader_case(benchmark, cfg, schema, path, preset)
     else:
         run_convert_case(benchmark, cfg, schema, path, preset)
+
+
+def _threaded_read_seconds(path, columns, groups: int, threads: int) -> float:
+    """Wall seconds to read every row group's columns with `threads` reader threads (a file handle each,
+    pyarrow's own pool off), the floor for a loader with as many worker processes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def read(part: int) -> int:
+        pf = pq.ParquetFile(path)
+        mine = range(part, groups, threads)
+        return sum(pf.read_row_group(g, columns=columns, use_threads=False).num_rows for g in mine)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        rows = sum(pool.map(read, range(threads)))
+    seconds = time.perf_counter() - start
+    assert rows == pq.ParquetFile(path).metadata.num_rows
+    return seconds
+
+
+@pytest.mark.benchmark(group="data-loader-workers")
+@pytest.mark.parametrize("workers", [0, 1, 2], ids=lambda w: f"preset=none,workers={w}")
+def test_loader_workers(benchmark, setup, workers):
+    """The loader (preset none, one pass) with 0, 1, 2 worker processes against a pyarrow read of the same
+    columns with as many reader threads (1 for 0 workers: the loader's own read-ahead thread), read before
+    and after the loader round; ratio = loader rows/s over the mean of the two reads' rows/s."""
+    cfg, schema, path = setup
+    columns = schema.converter_columns
+    groups = pq.ParquetFile(path).metadata.num_row_groups
+    threads = max(1, workers)
+    floors: list[float] = []
+    holder: dict = {}
+
+    def make():
+        floors.append(_threaded_read_seconds(path, columns, groups, threads))
+        holder["loader"] = PcvrLoader(path, schema, batch_size=cfg["batch_size"], num_workers=workers, pin_memory=False)
+        return (), {}
+
+    def run():
+        start = time.perf_counter()
+        rows = sum(batch.batch_size for batch in holder["loader"])
+        return rows, time.perf_counter() - start
+
+    rows, seconds = benchmark.pedantic(run, setup=make, rounds=1, iterations=1)
+    floors.append(_threaded_read_seconds(path, columns, groups, threads))
+    loader = holder["loader"]
+    assert rows == loader.planned_rows == loader.stats()["rows"]  # everything planned came out, once
+    file_rows = pq.ParquetFile(path).metadata.num_rows
+    floor_rows_per_sec = file_rows / (sum(floors) / len(floors))
+    benchmark.extra_info.update(
+        scale=cfg["scale"],
+        num_workers=workers,
+        pyarrow_threads=threads,
+        rows_per_sec=rows / seconds,
+        measured_rows=rows,
+        elapsed_sec=seconds,
+        pyarrow_read_rows_per_sec=floor_rows_per_sec,
+        pyarrow_read_sec=floors,
+        ratio_to_pyarrow_read=(rows / seconds) / floor_rows_per_sec,
+        per_worker_rows=[w["rows"] for w in loader.stats_per_worker()],
+    )

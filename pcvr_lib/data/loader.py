@@ -524,6 +524,10 @@ class PcvrLoader:
         rows = dict(zip(self._keys, self._key_rows.tolist(), strict=True))
         return sum(rows[key] for _, _, key in self.plan_items())
 
+    def stats_per_worker(self) -> list[dict]:
+        """The last complete iteration's pipeline stats of each worker (one entry without workers)."""
+        return list(self._stats.get("workers", []))
+
     def stats(self) -> dict:
         """Rows, batches, cache and converter stats of the last complete iteration (summed over workers)."""
         workers = self._stats.get("workers", [])
