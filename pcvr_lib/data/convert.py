@@ -16,13 +16,20 @@ Semantics (see notes/data-convert.md for the decisions and the reference quirks 
   column and value (`clip_oov=False`). vocab 0 zeroes the column (all missing). So int_missing is exactly
   int_values == 0.
 - Dense: the first `dim` elements as float32; padding and non-finite -> 0.0 and missing.
-- Sequences (lists are chronological, newest last). Non-strict: every column keeps its LAST
-  min(len, L) elements, left-aligned (oldest kept first); length = max over side columns (the timestamp
-  column's own when a domain has no side feature). Strict (`strict_time_filter=True`): the valid events
-  are those with 0 < ts < request timestamp; the last L valid ones are kept, in order, for every column
-  (a side column shorter than the timestamp column gives 0 at the positions it lacks); length = the number
-  kept. Side tokens <= 0 -> 0, out-of-vocab counted and clipped (or raised), vocab 0 zeroes the feature.
-  Timestamps are copied raw.
+- List order (`list_order`): "auto" tells each row's order from its event times (times <= 0 ignored):
+  never decreasing -> newest last, never increasing -> newest first, both -> not monotonic (sorted by time,
+  stable, with `non_monotonic="sort"`, or an error naming the column and row with "error"); fewer than two
+  distinct positive times -> too short to tell: the batch's majority order (newest last on a tie).
+  "newest-first" / "newest-last" take every row in that order unchecked (data without usable times).
+  Rows per class and domain are counted in stats["list_order_rows"].
+- Sequences, in each row's chronological order, always the newest events, left-aligned, oldest first.
+  Non-strict: every column keeps its own newest min(len, L) elements; length = max over side columns (the
+  timestamp column's own when a domain has no side feature). Strict (`strict_time_filter=True`, training
+  batches only unless `strict_on_eval=True`): the valid events are those with 0 < ts < request timestamp;
+  the newest L valid ones are kept for every column (a side column shorter than the timestamp column gives
+  0 at the events it lacks); length = the number kept. A sorted (not monotonic) row takes the newest L
+  events like strict mode without the time filter. Side tokens <= 0 -> 0, out-of-vocab counted and
+  clipped (or raised), vocab 0 zeroes the feature. Timestamps are copied raw.
 - Labels: label_type == 2 -> 1.0, else (null included) 0.0; all zero when not training.
 - user_id: a null user_id becomes -1 and is counted in stats["null_user_id"].
 """
