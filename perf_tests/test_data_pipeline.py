@@ -26,7 +26,7 @@ import torch
 
 from pcvr_lib.data.cache import CACHE_POLICIES, belady_hit_count, make_cache
 from pcvr_lib.data.convert import Converter
-from pcvr_lib.data.generate import generate_dataset
+from pcvr_lib.data.generate import generate_dataset, generation_info
 from pcvr_lib.data.loader import PRESETS, PcvrLoader, file_list_order
 from pcvr_lib.schema import load_schema
 from perf_tests.test_converter_micro import copy_floor_seconds
@@ -69,6 +69,7 @@ def setup(data_scale, data_cache_dir, repo_root):
         cache_dir=data_cache_dir,
         progress=True,
     )
+    cfg["data_file"] = {"path": str(path), "bytes": path.stat().st_size, "generation": generation_info(path)}
     return cfg, schema, path
 
 
@@ -167,6 +168,7 @@ def run_loader_case(benchmark, cfg, schema, path, preset):
     rows_per_sec = source_rows / best
     info.update(
         scale=cfg["scale"],
+        data_file=cfg["data_file"],
         mode="loader",
         preset=preset,
         rows_per_sec=rows_per_sec,
@@ -238,6 +240,7 @@ def run_convert_case(benchmark, cfg, schema, path, preset):
     copy_rows_per_sec = first.batch_size / copy_sec
     info.update(
         scale=cfg["scale"],
+        data_file=cfg["data_file"],
         mode="convert",
         preset=preset,
         rows_per_sec=rows_per_sec,

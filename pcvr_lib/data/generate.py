@@ -56,6 +56,7 @@ DAY = 86_400
 MAX_SEQ_LEN = 4000
 POSITIVE_RATE = 0.10
 PARQUET_COMPRESSION = "snappy"
+GENERATION_INFO = "generation.json"  # written beside a generated file: rows, bytes, seconds, peak RSS
 
 # Noise rates of the id generator.
 P_NULL = 0.03
@@ -432,9 +433,29 @@ def generate_dataset(
     if out is not None and schema_path.exists() and not force and schema_path.read_text() != schema_text:
         raise FileExistsError(f"{schema_path} exists with another schema; pass --force to overwrite it")
     _write_text_atomic(schema_path, schema_text)
+    import resource
+    import time
+
+    start = time.perf_counter()
     base = generate_table(schema, rows, seed, list_order)
     write_parquet(base, path, multiplier=multiplier, row_group_size=row_group_size, progress=progress)
+    # how the file was made, beside it (the benchmarks record it): the peak is this process's peak RSS
+    info = {
+        "rows": total,
+        "row_groups": pq.ParquetFile(path).metadata.num_row_groups,
+        "bytes": path.stat().st_size,
+        "seconds": time.perf_counter() - start,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "measured_by": "generate_dataset",
+    }
+    _write_text_atomic(path.with_name(GENERATION_INFO), json.dumps(info, indent=2) + "\n")
     return path
+
+
+def generation_info(path: str | Path) -> dict | None:
+    """What generate_dataset recorded about a file it wrote (None when it has no record)."""
+    info = Path(path).with_name(GENERATION_INFO)
+    return json.loads(info.read_text()) if info.is_file() else None
 
 
 # ----------------------------------------------------------------------------------------------
