@@ -95,18 +95,15 @@ class CorruptRowGroupError(DataError):
 
 
 def file_list_order(counts: dict[str, int]) -> str:
-    """A file's order from its rows per class: the order of every row that tells, else "mixed" (or
-    "unknown" when no row tells; "given" when the order was not checked)."""
+    """A file's order from its rows per class: "newest-first" / "newest-last" when every monotonic row
+    that tells agrees, "mixed" when both occur, "unknown" when none tells, "given" when not checked.
+    Not-monotonic rows are counted apart (list_order_rows), they do not make a file mixed."""
     if counts.get("given"):
         return "given"
-    first, last, neither = counts["newest_first"], counts["newest_last"], counts["non_monotonic"]
-    if first + last + neither == 0:
-        return "unknown"
-    if first and not last and not neither:
-        return "newest-first"
-    if last and not first and not neither:
-        return "newest-last"
-    return "mixed"
+    first, last = counts["newest_first"], counts["newest_last"]
+    if first and last:
+        return "mixed"
+    return "newest-first" if first else ("newest-last" if last else "unknown")
 
 
 def _check_int(name: str, value, low: int) -> int:
