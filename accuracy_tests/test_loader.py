@@ -244,9 +244,10 @@ def test_strict_filter_for_training_batches_only(schema, dataset):
         first = next(iter(loader))
         want = Converter(schema, training=loader.training, strict_time_filter=strict, strict_on_eval=True)
         key = loader.plan_items()[0][2]
-        start = loader.batch_start(key) - int(loader.row_group_offsets[key[1]])
-        table = pq.ParquetFile(dataset).read_row_group(key[1]).slice(start, BATCH)
-        direct = loader.filter_rows(want(table, row_offset=loader.batch_start(key)), key)
+        start, stop = loader.spans[key]  # the file rows the batch is cut from
+        group_start = int(loader.row_group_offsets[key[1]])
+        table = pq.ParquetFile(dataset).read_row_group(key[1]).slice(start - group_start, stop - start)
+        direct = loader.filter_rows(want(table, row_offset=start), key)
         if not loader.augment_active:  # compare exactly where no augmentation reshapes the batch
             assert_batches_equal(first, direct)
 

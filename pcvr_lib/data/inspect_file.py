@@ -21,6 +21,7 @@ import pyarrow.compute as pc
 
 from pcvr_lib.data.convert import ORDER_CLASSES, classify_list_order
 from pcvr_lib.data.parquet import DataError, open_dataset
+from pcvr_lib.progress import interactive
 from pcvr_lib.schema import Schema, load_schema
 
 PERCENTILES = (50, 90, 95, 99)
@@ -169,7 +170,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-lens", help="sequence lengths, e.g. seq_a:64,seq_b:64 (default: schema defaults)")
     parser.add_argument("--json", action="store_true", help="print the report as JSON")
     parser.add_argument("--verify", action="store_true", help="decode every page of every column")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (none is shown off a terminal)")
 
 
 def run(args: argparse.Namespace) -> int:
@@ -177,7 +178,8 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         schema = load_schema(args.schema, args.max_lens)
-        report = inspect_file(args.file, schema, verify=args.verify, progress=not args.no_progress and not args.json)
+        progress = not args.no_progress and not args.json and interactive()  # no bar in logs or CI
+        report = inspect_file(args.file, schema, verify=args.verify, progress=progress)
     except (ValueError, FileNotFoundError) as exc:  # DataError and schema errors are ValueErrors
         print(f"error: {exc}", file=sys.stderr)
         return 2
