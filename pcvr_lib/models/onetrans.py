@@ -38,6 +38,7 @@ class OneTransConfig(ModelConfig):
     d_model: int = 64
     num_blocks: int = 2
     num_heads: int = 4
+    emb_hash_large: bool = True  # reference: onetrans hashes vocabularies above 1M (544.7M parameters)
     top_k: int = 50
     dedup_window: int = 200  # newest events searched for duplicates before taking the top_k
     user_ns_tokens: int = 5
