@@ -28,8 +28,10 @@ TEST_CAP = 256  # small hashed tables: building a model costs milliseconds, the 
 
 
 def _model(name, schema, seed=0, **overrides):
+    """The model in eval mode (dropout and training-only token dropout off: outputs are a function of the
+    inputs); `test_training_mode_forward_backward` covers the training paths."""
     torch.manual_seed(seed)
-    return build_model(name, schema, {"vocab_cap": TEST_CAP, **overrides})
+    return build_model(name, schema, {"vocab_cap": TEST_CAP, **overrides}).eval()
 
 
 def test_registry_has_the_first_three_models():

@@ -4,6 +4,7 @@ from pcvr_lib.models import (  # noqa: F401 - registers the models
     baseline,
     interformer,
     onetrans,
+    symbiosis,
     tokenformer,
 )
 from pcvr_lib.models.common import ModelConfig, PCVRModel
