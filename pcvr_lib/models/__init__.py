@@ -2,6 +2,7 @@
 
 from pcvr_lib.models import (  # noqa: F401 - registers the models
     baseline,
+    dualq,
     interformer,
     onetrans,
     symbiosis,

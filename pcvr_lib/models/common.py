@@ -447,7 +447,8 @@ class FeatureEmbeddings(nn.Module):
     """
 
     def __init__(self, schema: Schema, emb_dim: int, vocab_cap: int | None = None, *, threshold: int = 1_000_000,
-                 hash_large: bool = False, seq_threshold: int | None = None, columns: int = 1):
+                 hash_large: bool = False, seq_threshold: int | None = None, columns: int = 1,
+                 sides: tuple[str, ...] = ("user", "item")):
         super().__init__()
         self.emb_dim = emb_dim
         self.vocab_cap = vocab_cap
@@ -469,7 +470,7 @@ class FeatureEmbeddings(nn.Module):
             next_row += n * columns
             return base, n
 
-        for side in ("user", "item"):
+        for side in sides:  # a model with its own field tables leaves the sides out
             group = schema.int_group(side)
             bases, mods, keep, feature_of = [], [], [], []
             for index, feat in enumerate(group):
@@ -590,11 +591,12 @@ class DenseProjector(nn.Module):
         return self.norm(F.silu(self.proj(x)))
 
 
-def embeddings_for(schema: Schema, config: ModelConfig, columns: int = 1) -> FeatureEmbeddings:
+def embeddings_for(schema: Schema, config: ModelConfig, columns: int = 1,
+                   sides: tuple[str, ...] = ("user", "item")) -> FeatureEmbeddings:
     """The feature tables of a model config (its thresholds, hashing and the smoke's cap)."""
     return FeatureEmbeddings(schema, config.emb_dim, config.vocab_cap, threshold=config.emb_skip_threshold,
                              hash_large=config.emb_hash_large, seq_threshold=config.seq_emb_skip_threshold,
-                             columns=columns)
+                             columns=columns, sides=sides)
 
 
 class FeatureEncoder(nn.Module):
@@ -652,6 +654,9 @@ class PCVRModel(nn.Module):
     config_class: ClassVar[type[ModelConfig]] = ModelConfig
     # relative CPU cost of a training step (baseline = 1); the smoke starts the dearest runs first
     cost_hint: ClassVar[float] = 1.0
+    # parameter name patterns whose gradient is exactly zero at initialisation by design (a gate in front
+    # of a zero-initialised weight); the contract test checks they get one once that weight moves
+    zero_gradient_at_init: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, schema: Schema, config: ModelConfig | dict | None = None):
         super().__init__()
