@@ -5,6 +5,7 @@ from pcvr_lib.models import (  # noqa: F401 - registers the models
     dualq,
     interformer,
     onetrans,
+    queryformer,
     symbiosis,
     tokenformer,
 )
