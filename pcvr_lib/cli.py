@@ -20,6 +20,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "infer": ("pcvr_lib.train", "score every row with a checkpoint: predictions.json"),
     "plot-diagnostics": ("pcvr_lib.diagnostics", "the five smoke diagnostic figures + summary JSON"),
     "smoke": ("pcvr_lib.smoke", "every model x seed: train, val, infer, then the diagnostics"),
+    "models": ("pcvr_lib.models.counts", "the registered models' parameter counts (total, tables, dense)"),
 }
 
 
