@@ -106,18 +106,19 @@ def select_events(seq: SequenceBlock, recent: int, memory: int) -> tuple[torch.T
     if memory == 0:
         return recent_pos.clamp(min=0), recent_valid
     in_prefix = pos < prefix[:, None]
-    nonzero = (values != 0).float().mean(1)  # [B, L]
+    # fp64 scores: near-ties (e.g. 2/3 + 0.3 + 0.2 * 2/12 vs 1.0) then resolve the same way everywhere
+    nonzero = (values != 0).double().mean(1)  # [B, L]
     same_as_prev = torch.zeros(b, length, dtype=torch.bool, device=device)
     if length > 1:
         same_as_prev[:, 1:] = (values[:, :, 1:] == values[:, :, :-1]).all(1)
-    score = (nonzero + 0.3 * (seq.timestamps > 0).float() + 0.2 * pos / prefix.clamp(min=1)[:, None].float()
-             - 0.5 * same_as_prev.float())
+    score = (nonzero + 0.3 * (seq.timestamps > 0).double() + 0.2 * pos.double() / prefix.clamp(min=1)[:, None].double()
+             - 0.5 * same_as_prev.double())
     m = torch.arange(memory + 1, device=device)[None]
     bounds = (m * prefix[:, None]) // memory  # [B, M + 1]: bucket m is [bounds[m], bounds[m + 1])
     # bucket of each prefix position: starts <= pos, minus one (coinciding starts belong to empty buckets)
     bucket = ((bounds[:, None, :memory] <= pos[:, :, None]).sum(-1) - 1).clamp(min=0)  # [B, L]
     score = torch.where(in_prefix, score, torch.full_like(score, -math.inf))
-    best = torch.full((b, memory), -math.inf, device=device).scatter_reduce(1, bucket, score, "amax")
+    best = torch.full((b, memory), -math.inf, dtype=score.dtype, device=device).scatter_reduce(1, bucket, score, "amax")
     is_best = in_prefix & (score == best.gather(1, bucket))
     first = torch.where(is_best, pos.expand(b, -1), torch.full_like(bucket, length))
     memory_pos = torch.full((b, memory), length, device=device).scatter_reduce(1, bucket, first, "amin")
