@@ -35,19 +35,27 @@ def _model(name, schema, seed=0, **overrides):
     return build_model(name, schema, {"vocab_cap": TEST_CAP, **overrides}).eval()
 
 
-def test_registry_has_the_first_three_models():
-    assert {"baseline", "tokenformer", "onetrans"} <= set(MODELS)
+def test_registry_has_the_seven_models():
+    assert MODELS[:7] == ["baseline", "interformer", "onetrans", "tokenformer", "symbiosis", "dualq", "queryformer"]
     with pytest.raises(ValueError, match="unknown model 'nope'"):
         model_class("nope")
 
 
 @pytest.mark.parametrize("name", MODELS)
 def test_default_widths_depths_heads(name):
-    expected = {"baseline": (64, 2, 4), "tokenformer": (64, 4, 4), "onetrans": (64, 2, 4)}
+    """The reference's defaults (models-smoke.md, models-ii.md): d, blocks, heads, embedding dim, thresholds."""
+    expected = {"baseline": (64, 2, 4, 64), "tokenformer": (64, 4, 4, 64), "onetrans": (64, 2, 4, 64),
+                "interformer": (64, 2, 4, 64), "symbiosis": (256, 4, 8, 256), "dualq": (192, 2, 4, 64),
+                "queryformer": (128, 2, 4, 64)}
     config = model_class(name).config_class()
     if name in expected:
-        assert (config.d_model, config.num_blocks, config.num_heads) == expected[name]
-    extra = {"baseline": ("queries_per_domain", 2), "tokenformer": ("window", 64), "onetrans": ("top_k", 50)}
+        assert (config.d_model, config.num_blocks, config.num_heads, config.emb_dim) == expected[name]
+        assert config.emb_skip_threshold == 1_000_000 and config.vocab_cap is None
+        hashed = {"onetrans", "symbiosis", "dualq", "queryformer"}
+        assert config.emb_hash_large == (name in hashed)
+    extra = {"baseline": ("queries_per_domain", 2), "tokenformer": ("window", 64), "onetrans": ("top_k", 50),
+             "symbiosis": ("seq_emb_skip_threshold", 10_000), "dualq": ("user_queries", 4),
+             "queryformer": ("columns", 4), "interformer": ("summary_queries", 2)}
     if name in extra:
         assert getattr(config, extra[name][0]) == extra[name][1]
 

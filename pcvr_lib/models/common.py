@@ -279,6 +279,29 @@ class FeedForward(nn.Module):
         return self.net(x)
 
 
+def rank_mix(x: torch.Tensor) -> torch.Tensor:
+    """RankMixer's parameter-free token mixing: [B, T, d] viewed as [B, T, T, d / T], the two token axes
+    swapped, so output token i holds chunk i of every input token (needs d % T == 0)."""
+    b, t, d = x.shape
+    return x.view(b, t, t, d // t).transpose(1, 2).reshape(b, t, d)
+
+
+class RankMixerBlock(nn.Module):
+    """y = LN(x + FFN(LN(rank_mix(x)))) with one shared 4x GELU FFN (the reference's RankMixer)."""
+
+    def __init__(self, tokens: int, d_model: int, ffn_mult: int = 4):
+        super().__init__()
+        if d_model % tokens:
+            raise ValueError(f"RankMixer over {tokens} tokens needs d_model divisible by {tokens}, got {d_model}")
+        self.norm = nn.LayerNorm(d_model)
+        hidden = ffn_mult * d_model
+        self.ffn = nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(), nn.Linear(hidden, d_model))
+        self.out_norm = nn.LayerNorm(d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_norm(x + self.ffn(self.norm(rank_mix(x))))
+
+
 class PerTokenLinear(nn.Module):
     """A separate Linear(d_in, d_out) for each of T token slots: [B, T, d_in] -> [B, T, d_out]."""
 

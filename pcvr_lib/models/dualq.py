@@ -44,6 +44,7 @@ from pcvr_lib.models.common import (
     MultiHeadAttention,
     PCVRModel,
     PerTokenLinear,
+    RankMixerBlock,
     SwiGLU,
     embeddings_for,
     masked_mean,
@@ -295,8 +296,7 @@ class DualQ(PCVRModel):
         self.blocks = nn.ModuleList(
             nn.ModuleDict({
                 "seq_norm": nn.LayerNorm(d), "seq_ffn": SwiGLU(d, h), "cross": GatedCross(c),
-                "mix_norm": nn.LayerNorm(d), "mix_ffn": nn.Sequential(nn.Linear(d, h), nn.GELU(), nn.Linear(h, d)),
-                "out_norm": nn.LayerNorm(d),
+                "mixer": RankMixerBlock(n_q, d, c.ffn_mult),
             })
             for _ in range(c.num_blocks)
         )
@@ -389,7 +389,6 @@ class DualQ(PCVRModel):
         user_ns, item = self._ns(batch)
         user = torch.cat([user_ns, self._dense_tokens(batch).to(user_ns.dtype)], 1)
         seq, lengths, age, gap, stats = self._sequence(batch)
-        b = seq.shape[0]
         has_events = lengths > 0
         local = batch.request_timestamp + UTC8
         hour = ((local % 86400) // 3600).float() / 23.0
@@ -405,12 +404,10 @@ class DualQ(PCVRModel):
         keep = valid[..., None].to(seq.dtype)
         pre_block = seq
         seq = self.dropout(seq)
-        n_q = q.shape[1]
         for blk in self.blocks:
             seq = seq + blk["seq_ffn"](blk["seq_norm"](seq)) * keep
             q = q + blk["cross"](q, seq, key_lengths=lengths) * has_events[:, None, None].to(q.dtype)
-            mixed = q.view(b, n_q, n_q, -1).transpose(1, 2).reshape(b, n_q, -1)
-            q = blk["out_norm"](q + blk["mix_ffn"](blk["mix_norm"](mixed)))
+            q = blk["mixer"](q)
         score = (-self.decay[0] * age - self.decay[1] * gap).masked_fill(~valid, -math.inf)
         weights = torch.softmax(score, 1).nan_to_num(0.0)  # a row without events: all zero
         summary = (weights[..., None] * pre_block).sum(1)
