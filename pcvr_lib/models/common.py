@@ -212,8 +212,9 @@ class MultiHeadAttention(nn.Module):
         self.kv = nn.Linear(d_model, 2 * d_model)
         self.out = nn.Linear(d_model, d_model)
         self.backend = config.attention_backend
-        self.q_norm = RMSNorm(self.head_dim, backend=config.rms_norm_backend) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, backend=config.rms_norm_backend) if qk_norm else None
+        # QK-RMSNorm over the full width, before the head split (as the reference's TokenFormer)
+        self.q_norm = RMSNorm(d_model, backend=config.rms_norm_backend) if qk_norm else None
+        self.k_norm = RMSNorm(d_model, backend=config.rms_norm_backend) if qk_norm else None
         self.rope = rope
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -222,10 +223,11 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, **mask_args) -> torch.Tensor:
         context = x if context is None else context
-        q = self._heads(self.q(x))
-        k, v = (self._heads(t) for t in self.kv(context).chunk(2, dim=-1))
+        q = self.q(x)
+        k, v = self.kv(context).chunk(2, dim=-1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self._heads(q), self._heads(k), self._heads(v)
         if self.rope:
             q, k = apply_rope(q), apply_rope(k)
         o = attention(q, k, v, backend=self.backend, **mask_args)
