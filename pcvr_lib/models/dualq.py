@@ -206,11 +206,14 @@ def age_stats(seq, request_ts) -> torch.Tensor:
     return torch.log1p(torch.stack([mn, mean, mx, *counts], -1)).float()
 
 
-def event_time_values(seq, request_ts, scale: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """[B, L, 8] time branch inputs and the gap to the next newer event (seconds) [B, L]."""
+def event_time_values(seq, request_ts) -> tuple[torch.Tensor, torch.Tensor]:
+    """[B, L, 8] time branch inputs and the gap to the next newer event (seconds) [B, L]: log1p age in
+    days, age / the row's oldest age in this domain (the domain-scaled age, in [0, 1]), log1p age in
+    hours, cos / sin of the event's UTC+8 hour and weekday, log1p gap in hours."""
     valid = seq.valid_mask()
     ts = seq.timestamps
-    age = (request_ts[:, None] - ts).clamp(min=0).double()
+    age = (request_ts[:, None] - ts).clamp(min=0).double() * valid
+    scale = age.amax(1, keepdim=True).clamp(min=1.0)
     lengths = seq.lengths.long()
     newer = torch.cat([ts[:, 1:], ts[:, -1:]], 1)
     is_newest = torch.arange(ts.shape[1], device=ts.device)[None] == (lengths - 1)[:, None]
@@ -220,7 +223,7 @@ def event_time_values(seq, request_ts, scale: float) -> tuple[torch.Tensor, torc
     hour = (local % 86400).double() / 86400.0 * 2 * math.pi
     weekday = ((local // 86400 + 3) % 7).double() / 7.0 * 2 * math.pi  # 1970-01-01 was a Thursday
     values = torch.stack(
-        [torch.log1p(age / DAY), age / DAY / scale, torch.log1p(age / 3600.0), hour.cos(), hour.sin(),
+        [torch.log1p(age / DAY), age / scale, torch.log1p(age / 3600.0), hour.cos(), hour.sin(),
          weekday.cos(), weekday.sin(), torch.log1p(gap / 3600.0)], -1,
     )
     return (values * valid[..., None]).float(), gap
@@ -366,8 +369,7 @@ class DualQ(PCVRModel):
             if self.training and c.id_dropout > 0:
                 ids = getattr(self, f"id_features_{name}")[None, None, :, None]
                 feats = torch.where(ids, F.dropout(feats, c.id_dropout, True), feats)
-            scale = max(float(self.schema.domain(name).max_len), 1.0)
-            tv, gap = event_time_values(seq, batch.request_timestamp, scale)
+            tv, gap = event_time_values(seq, batch.request_timestamp)
             x = torch.cat([feats.flatten(2), self.time_branch(tv)], -1)
             x = self.seq_proj[name](x)
             x = x + self.bucket_gate[i] * self.bucket_emb(time_buckets(batch.request_timestamp, seq.timestamps, valid))
