@@ -114,10 +114,14 @@ def _run_one(job: dict[str, Any]) -> dict[str, Any]:
 
 
 def _table(results: list[dict], models: list[str]) -> str:
+    cuda = any(r.get("train_cuda_peak_mb") is not None for r in results)
     head = (f"{'model':<12} {'AUC at step 0 -> last, per seed':<40} {'AUC mean ± sd':>16} {'LogLoss':>8} "
             f"{'train s':>8} "
-            f"{'eval s':>7} {'infer s':>8} {'train r/s':>9} {'infer r/s':>9} {'peak MiB':>9} {'params':>8}")
+            f"{'eval s':>7} {'infer s':>8} {'train r/s':>9} {'infer r/s':>9} {'peak MiB':>9} {'params':>8}"
+            + (f" {'GPU MiB':>8}" if cuda else ""))
     lines = [head, "-" * len(head)]
+    # peak MiB: CPU peak RSS, the larger of the train and infer phases, max over seeds; GPU MiB: peak
+    # allocated while training (CUDA runs only)
     for model in models:
         rs = sorted((r for r in results if r["model"] == model), key=lambda r: r["seed"])
         if not rs:
@@ -136,6 +140,7 @@ def _table(results: list[dict], models: list[str]) -> str:
             f"{mean('train_sec'):>8.1f} {mean('eval_sec'):>7.2f} {mean('infer_sec'):>8.2f} "
             f"{mean('train_rows_per_sec'):>9.0f} {mean('infer_rows_per_sec'):>9.0f} {peak:>9.0f} "
             f"{rs[0]['parameters']['total'] / 1e6:>7.2f}M"
+            + (f" {max(r.get('train_cuda_peak_mb') or 0 for r in rs):>8.0f}" if cuda else "")
         )
     return "\n".join(lines)
 
