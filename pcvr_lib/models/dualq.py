@@ -232,7 +232,7 @@ def event_time_values(seq, request_ts) -> tuple[torch.Tensor, torch.Tensor]:
 @register("dualq")
 class DualQ(PCVRModel):
     config_class = DualQConfig
-    cost_hint = 1.5
+    cost_hint = 3.8  # CPU s per smoke train step / baseline's (notes/models.md)
     zero_gradient_at_init = ("pairs.*.gate",)  # sigmoid(g) * W(...) with W = 0 at init (as the reference)
 
     def __init__(self, schema, config=None):

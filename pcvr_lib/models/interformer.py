@@ -149,7 +149,7 @@ class InterFormerBlock(nn.Module):
 @register("interformer")
 class InterFormer(PCVRModel):
     config_class = InterFormerConfig
-    cost_hint = 1.2
+    cost_hint = 1.5  # CPU s per smoke train step / baseline's (notes/models.md)
 
     def __init__(self, schema, config=None):
         super().__init__(schema, config)

@@ -119,7 +119,7 @@ class OneTransLayer(nn.Module):
 @register("onetrans")
 class OneTrans(PCVRModel):
     config_class = OneTransConfig
-    cost_hint = 0.8
+    cost_hint = 0.9  # CPU s per smoke train step / baseline's (notes/models.md)
 
     def __init__(self, schema, config=None):
         super().__init__(schema, config)

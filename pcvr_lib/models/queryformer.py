@@ -149,7 +149,7 @@ def _group_assign(n: int, groups: int) -> torch.Tensor:
 @register("queryformer")
 class QueryFormer(PCVRModel):
     config_class = QueryFormerConfig
-    cost_hint = 2.5
+    cost_hint = 7.4  # CPU s per smoke train step / baseline's (notes/models.md)
 
     def __init__(self, schema, config=None):
         super().__init__(schema, config)

@@ -134,7 +134,7 @@ def _chunks(width: int, n: int) -> int:
 @register("symbiosis")
 class Symbiosis(PCVRModel):
     config_class = SymbiosisConfig
-    cost_hint = 2.0
+    cost_hint = 12.5  # CPU s per smoke train step / baseline's (notes/models.md)
 
     def __init__(self, schema, config=None):
         super().__init__(schema, config)

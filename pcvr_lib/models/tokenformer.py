@@ -90,8 +90,7 @@ class TokenFormerBlock(nn.Module):
 @register("tokenformer")
 class TokenFormer(PCVRModel):
     config_class = TokenFormerConfig
-    # only orders the smoke's runs; notes/models.md has the step times (1.42 s vs baseline's 0.38 s, B=128, L=32)
-    cost_hint = 4.5
+    cost_hint = 4.7  # CPU s per smoke train step / baseline's (notes/models.md)
 
     def __init__(self, schema, config=None):
         super().__init__(schema, config)
