@@ -105,7 +105,7 @@ class CrossSummary(nn.Module):
         return torch.where(has_any[:, None], s, self.empty.to(s.dtype).expand_as(s))
 
 
-class SequenceBlock(nn.Module):
+class DomainSequenceBlock(nn.Module):
     """The per-domain half of a block (weights shared by the domains)."""
 
     def __init__(self, config: InterFormerConfig):
@@ -142,7 +142,7 @@ class InterFormerBlock(nn.Module):
         self.ns_ffn_norm = nn.LayerNorm(d)
         self.ns_ffn = mlp(d, config.ffn_mult * d, d)
         self.ctx = mlp(d, d, d)
-        self.seq = SequenceBlock(config)
+        self.seq = DomainSequenceBlock(config)
         self.dropout = nn.Dropout(config.dropout)
 
 
