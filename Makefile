@@ -24,11 +24,19 @@ SMOKE_ARGS ?=
 
 setup: $(VENV)/.installed
 
+# Each step says what it does before it starts; pip shows its own download bars on a terminal
+# (--progress-bar off in CI keeps the logs to one line per package).
+PIP_PROGRESS := $(if $(CI),--progress-bar off,)
 $(VENV)/.installed: pyproject.toml
+	@echo "setup [1/4] virtual environment $(VENV)"
 	test -x $(PYTHON) || $(PY) -m venv $(VENV_FLAGS) $(VENV)
+	@echo "setup [2/4] upgrading pip"
 	$(PYTHON) -m pip install -q --upgrade pip
-	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install -q "$(TORCH_SPEC)"
-	$(PYTHON) -m pip install -q -e ".[test]"
+	@echo "setup [3/4] torch ($(TORCH_SPEC) unless the environment already has one; a large download, minutes)"
+	$(PYTHON) -c "import torch" 2>/dev/null || $(PYTHON) -m pip install $(PIP_PROGRESS) "$(TORCH_SPEC)"
+	@echo "setup [4/4] pcvr-bench and its test dependencies"
+	$(PYTHON) -m pip install $(PIP_PROGRESS) -e ".[test]"
+	@echo "setup done: $(VENV)"
 	touch $@
 
 # All tests: accuracy, model smoke tests and every benchmark case run once as a test (no timing).

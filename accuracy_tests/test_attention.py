@@ -6,60 +6,29 @@ ulp of the dtype at the reference's largest magnitude (the rounding of the resul
 passes. Every mask mode, rows with no key, Sq != Skv, odd lengths, and dropout against a reference using
 the same keep mask (for dropout, "torch" is the torch backend's explicit path in the same dtype).
 
-CPU (CI): the torch backend, Triton under TRITON_INTERPRET=1 (in a child pytest, never leaked), TileLang
-lowered and compiled for sm_90a (forward and backward). GPU: everything, outputs poisoned first.
+CPU (CI): the torch backend, Triton under its interpreter (TRITON_INTERPRET=1 set per test with monkeypatch,
+never leaked), TileLang lowered and compiled for sm_90a (forward and backward). GPU: everything, outputs
+poisoned first. Cases, inputs and the fp64 reference come from pcvr_lib.kernels.attention.workload; the rule
+is tolerance.flash_rule.
 """
-
-import math
-import os
 
 import pytest
 import torch
 
-from pcvr_lib.kernels import flash_attention, key_lengths_from_mask, registry
-from pcvr_lib.kernels.attention import allowed_mask, dropout_keep_mask
+from pcvr_lib.kernels import compile_log, flash_attention, key_lengths_from_mask, registry
+from pcvr_lib.kernels.attention import allowed_mask, dropout_keep_mask, workload
 from pcvr_lib.kernels.attention.masks import draw_seed
-from pcvr_lib.kernels.testing import poisoned_outputs, run_pytest_child, triton_interpreter_problem
+from pcvr_lib.kernels.testing import poisoned_outputs, triton_interpreter_problem
+from pcvr_lib.kernels.tolerance import flash_rule, max_abs_error
 
 CUDA = torch.cuda.is_available()
-ULP = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
-DT = {"fp16": torch.float16, "bf16": torch.bfloat16}
-MODES = {  # name -> (uses key lengths, causal, causal_valid)
-    "none": (False, False, False),
-    "key_lengths": (True, False, False),
-    "causal": (False, True, False),
-    "causal_kl": (True, True, False),
-    "causal_valid": (True, False, True),
-}
+DT = workload.DTYPES
+MODES = workload.MODES
 
 
-def _lengths(batch: int, skv: int) -> torch.Tensor:
-    """Key lengths covering an all-padding row (0), full rows, a partial row and an over-long one."""
-    pattern = [0, skv, skv // 2 + 1, skv + 5, 1]
-    return torch.tensor([pattern[i % len(pattern)] for i in range(batch)], dtype=torch.int32)
-
-
-def _inputs(B, H, Sq, Skv, D, dtype, seed):
-    g = torch.Generator().manual_seed(seed)
-    q = torch.randn(B, H, Sq, D, generator=g)
-    k = torch.randn(B, H, Skv, D, generator=g)
-    v = torch.randn(B, H, Skv, D, generator=g)
-    do = torch.randn(B, H, Sq, D, generator=g)
-    return [t.to(dtype) for t in (q, k, v, do)]
-
-
-def reference(q, k, v, key_lengths, causal, causal_valid, keep=None, p=0.0):
-    """fp64 attention on the CPU with the mask of masks.py; rows without a key are zeros."""
-    B, H, Sq, D = q.shape
-    Skv = k.shape[2]
-    allowed = allowed_mask(B, Sq, Skv, key_lengths, causal, causal_valid, "cpu")
-    scores = torch.matmul(q, k.transpose(-1, -2)) / math.sqrt(D)
-    has_key = allowed.any(dim=-1, keepdim=True)
-    probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0), dim=-1)
-    probs = probs * has_key
-    if keep is not None:
-        probs = probs * keep / (1.0 - p)
-    return torch.matmul(probs, v)
+_lengths = workload.key_lengths
+_inputs = workload.inputs
+reference = workload.reference
 
 
 def _run(backend, q, k, v, do, device, kl, causal, causal_valid, p, seed):
@@ -69,16 +38,6 @@ def _run(backend, q, k, v, do, device, kl, causal, causal_valid, p, seed):
                           training=p > 0, generator=torch.Generator().manual_seed(seed), backend=backend)
     grads = torch.autograd.grad(out, (q, k, v), do.to(device))
     return [t.detach().cpu() for t in (out, *grads)]
-
-
-def _assert_flash_rule(ours, theirs, ref, dtype, what):
-    ours64, theirs64 = ours.double(), theirs.double()
-    assert not torch.isnan(ours64).any(), f"{what}: NaN in our result"
-    err = float((ours64 - ref).abs().max()) if ref.numel() else 0.0
-    torch_err = float((theirs64 - ref).abs().max()) if ref.numel() else 0.0
-    top = float(ref.abs().max()) if ref.numel() else 0.0
-    bound = 2.0 * torch_err + ULP[dtype] * max(top, 1e-3)
-    assert err <= bound, f"{what}: max error {err:.3g} > 2 x torch's {torch_err:.3g} + ulp*max|ref| ({bound:.3g})"
 
 
 def check_case(backend, B, H, Sq, Skv, D, dtype, mode, p=0.0, device="cpu", seed=0):
@@ -99,7 +58,7 @@ def check_case(backend, B, H, Sq, Skv, D, dtype, mode, p=0.0, device="cpu", seed
     ref = reference(q64, k64, v64, kl, causal, causal_valid, keep, p)
     ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.double())
     for name, a, b, r in zip(("out", "dq", "dk", "dv"), ours, theirs, (ref.detach(), *ref_grads), strict=True):
-        _assert_flash_rule(a, b, r, dtype, f"{backend} {mode} {name} B{B} H{H} Sq{Sq} Skv{Skv} D{D} p={p}")
+        flash_rule(a, r, max_abs_error(b, r), dtype, f"{backend} {mode} {name} B{B} H{H} Sq{Sq} Skv{Skv} D{D} p={p}")
 
 
 # ----------------------------------------------------------------------------------------------- helpers
@@ -218,39 +177,20 @@ def test_torch_backend_cpu(mode, dtype):
 # --------------------------------------------------------------------------------- triton (interpreter)
 
 INTERP_SHAPES = [(5, 2, 17, 17, 32), (5, 1, 33, 70, 64), (5, 1, 70, 33, 32)]
-# triton builds its own library functions for the interpreter only when TRITON_INTERPRET=1 is set before
-# it is imported, so the interpreter cases run in a child pytest with the variable set; this process's
-# environment (and every other test) never sees it.
-IN_INTERPRETER_CHILD = os.environ.get("PCVR_ATTENTION_INTERP_CHILD") == "1"
 
 
 @pytest.mark.parametrize("p", [0.0, 0.3])
 @pytest.mark.parametrize("mode", list(MODES))
 @pytest.mark.parametrize("shape", INTERP_SHAPES, ids=lambda s: "B{}xH{}xSq{}xSkv{}xD{}".format(*s))
-def test_triton_interpreter_case(shape, mode, p):
-    if not IN_INTERPRETER_CHILD:
-        pytest.skip("triton: interpreter case, runs inside test_triton_interpreter's child process")
-    check_case("triton", *shape, torch.float16, mode, p=p, device="cpu")
-
-
-def test_triton_interpreter(repo_root):
-    """Runs every test_triton_interpreter_case under TRITON_INTERPRET=1 in a child pytest."""
-    if IN_INTERPRETER_CHILD:
-        pytest.skip("triton: this is the child process")
-    problem = registry.package_problem("triton")
+def test_triton_interpreter_case(shape, mode, p, monkeypatch):
+    """The Triton kernels under Triton's interpreter on CPU tensors (the shared launcher interprets them)."""
+    if CUDA:
+        pytest.skip("triton: on a GPU test_gpu_accuracy checks the compiled kernels")
+    problem = registry.package_problem("triton") or triton_interpreter_problem()
     if problem:
-        pytest.skip(f"triton: {problem}")
-    problem = triton_interpreter_problem()
-    if problem:
-        if torch.cuda.is_available():  # the compiled kernels are checked by test_gpu_accuracy here
-            pytest.skip(f"triton: {problem}; the GPU cases check the compiled kernels")
         pytest.fail(f"triton: {problem}: the Triton attention kernels cannot be checked on this machine")
-    result = run_pytest_child(__file__, "test_triton_interpreter_case",
-                              {"TRITON_INTERPRET": "1", "PCVR_ATTENTION_INTERP_CHILD": "1"}, repo_root,
-                              "-W", "ignore::DeprecationWarning")
-    tail = (result.stdout + result.stderr)[-4000:]
-    assert result.returncode == 0, f"interpreter cases failed:\n{tail}"
-    assert " passed" in tail and "skipped" not in tail.splitlines()[-1], f"interpreter cases did not run:\n{tail}"
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # restored after the test
+    check_case("triton", *shape, torch.float16, mode, p=p, device="cpu")
 
 
 @pytest.mark.parametrize("which", ["fwd", "dq", "dkdv"])
@@ -295,26 +235,8 @@ def test_tilelang_compiles_for_sm90():
 # -------------------------------------------------------------------------------------------------- GPU
 
 GPU_BACKENDS = ["triton", "tilelang"]
-# (B, H, Sq, Skv, D, dtype, mode, p)
-GPU_CASES = (
-    [(5, 2, sq, skv, 64, dt, mode, 0.0) for (sq, skv) in [(17, 17), (127, 129)]
-     for dt in ("fp16", "bf16") for mode in MODES]
-    + [(5, 2, 129, 127, 64, "bf16", mode, 0.0) for mode in MODES]
-    + [(5, 2, 65, 65, d, "bf16", "key_lengths", 0.0) for d in (32, 128)]
-    + [(5, 2, 1, 1, 64, "fp16", "causal_valid", 0.0), (5, 2, 1, 17, 64, "fp16", "key_lengths", 0.0),
-       (2, 2, 1000, 1000, 64, "fp16", "causal_valid", 0.0), (2, 2, 1000, 1000, 64, "bf16", "none", 0.0),
-       (2, 1, 600, 1000, 128, "bf16", "none", 0.0)]
-    + [(5, 2, 33, 47, 64, dt, mode, 0.3) for dt in ("fp16", "bf16") for mode in ("key_lengths", "causal_valid")]
-)
-# TileLang compiles each variant (head dim, dtype, mask mode, dropout, tile config) for seconds, so its GPU
-# matrix covers every mode, head dim, bucket, odd length and dropout once, not every combination.
-TILELANG_CASES = (
-    [(5, 2, 17, 17, 64, "bf16", mode, 0.0) for mode in MODES]
-    + [(5, 2, 127, 129, 64, "fp16", "key_lengths", 0.0), (5, 2, 1, 17, 64, "fp16", "key_lengths", 0.0),
-       (5, 2, 1, 1, 64, "bf16", "causal_valid", 0.0), (5, 2, 65, 65, 32, "bf16", "key_lengths", 0.0),
-       (2, 2, 1000, 1000, 64, "bf16", "none", 0.0), (2, 1, 600, 1000, 128, "bf16", "none", 0.0),
-       (5, 2, 33, 47, 64, "bf16", "causal_valid", 0.3)]
-)
+GPU_CASES = workload.GPU_CASES
+TILELANG_CASES = workload.TILELANG_CASES
 
 
 def _gpu_case_id(c):
@@ -345,14 +267,15 @@ def test_gpu_no_recompile_within_bucket(backend):
     ok, reason = registry.backend_status("flash_attention", backend, "cuda")
     if not ok:
         pytest.skip(reason)
+    B, H, S, _, D, dt, _, _ = workload.RECOMPILE_CASE
 
     def call(s):
-        q = torch.randn(2, 2, s, 64, device="cuda", dtype=torch.float16)
+        q = torch.randn(B, H, s, D, device="cuda", dtype=DT[dt])
         flash_attention(q, q, q, key_lengths=torch.tensor([s, s - 1], device="cuda", dtype=torch.int32),
                         backend=backend)
         torch.cuda.synchronize()
 
-    call(100)
+    call(S)
     before = _compiled_count(backend)
     for s in (101, 117, 127, 128, 64, 33):
         call(s)
@@ -360,32 +283,29 @@ def test_gpu_no_recompile_within_bucket(backend):
 
 
 def _compiled_count(backend):
-    if backend == "tilelang":
-        from pcvr_lib.kernels.attention import tilelang_impl
+    count = compile_log.count(backend, "flash_attention")
+    if backend == "triton":  # triton's own count too: a recompile the launcher's key missed would be stale
+        from pcvr_lib.kernels import _triton
 
-        return tilelang_impl.compiled.cache_info().currsize
-    from pcvr_lib.kernels.attention import triton_impl
-
-    total = 0
-    for fn in triton_impl.kernels(False):
-        for cache in fn.device_caches.values():
-            total += len(cache[0])
-    return total
+        count += _triton.compiled_variants("flash_attention")
+    return count
 
 
 @pytest.mark.gpu
-def test_gpu_dropout_same_mask_on_every_backend():
+@pytest.mark.parametrize("backend", GPU_BACKENDS)
+def test_gpu_dropout_same_mask_as_torch(backend):
+    """The same seed drops the same weights on every backend: our kernels against the torch backend."""
     if not CUDA:
-        pytest.skip("no CUDA device")
+        pytest.skip(f"{backend}: no CUDA device")
+    ok, reason = registry.backend_status("flash_attention", backend, "cuda")
+    if not ok:
+        pytest.skip(reason)
     q, k, v, _ = _inputs(3, 2, 40, 40, 64, torch.bfloat16, seed=7)
     q, k, v = q.cuda(), k.cuda(), v.cuda()
     kl = torch.tensor([40, 13, 0], device="cuda", dtype=torch.int32)
     outs = {}
-    for backend in ["torch", *GPU_BACKENDS]:
-        if not registry.backend_status("flash_attention", backend, "cuda")[0]:
-            continue
-        outs[backend] = flash_attention(q, k, v, key_lengths=kl, causal_valid=True, dropout_p=0.4, training=True,
-                                        backend=backend, generator=torch.Generator().manual_seed(11)).float()
-    for backend, out in outs.items():
-        err = float((out - outs["torch"]).abs().max())
-        assert err < 0.05, f"{backend} dropout differs from torch's with the same seed by {err}"
+    for name in ("torch", backend):
+        outs[name] = flash_attention(q, k, v, key_lengths=kl, causal_valid=True, dropout_p=0.4, training=True,
+                                     backend=name, generator=torch.Generator().manual_seed(11)).float()
+    err = float((outs[backend] - outs["torch"]).abs().max())
+    assert err < 0.05, f"{backend} dropout differs from torch's with the same seed by {err}"

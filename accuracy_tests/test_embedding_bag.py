@@ -1,38 +1,35 @@
 """Accuracy of embedding_bag_mean against a float64 reference, every backend (ids carry the backend).
 
 On a CUDA machine every backend runs on the GPU. On CPU (CI): torch runs; the Triton cases run under
-TRITON_INTERPRET=1 at small sizes in a child pytest process (test_triton_cases_under_interpreter):
-Triton's interpreter must be chosen before triton.language is imported (its library functions such as
-tl.sum are bound at import), so setting the variable inside this process would not work, and the child
-keeps it from leaking into any other test. Every TileLang
-kernel kind is lowered and compiled for sm_90 (nvcc) without running; cuembed.cu is compiled for sm_90
-with nvcc; GPU-only checks skip with the registry's reason.
+Triton's interpreter (TRITON_INTERPRET=1 set per test with monkeypatch, so it never leaks; the shared
+launcher interprets CPU tensors). Every TileLang kernel kind is lowered and compiled for sm_90 (nvcc)
+without running; cuembed.cu is compiled for sm_90 with nvcc; GPU-only checks skip with the registry's
+reason. Cases, inputs and the TileLang manifest come from pcvr_lib.kernels.embedding_bag.workload.
 """
 
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import pytest
 import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from pcvr_lib.kernels import compile_log, precompile, registry
 from pcvr_lib.kernels import embedding_bag as eb
-from pcvr_lib.kernels import registry
-from pcvr_lib.kernels.testing import poisoned_outputs, run_pytest_child
+from pcvr_lib.kernels.embedding_bag import workload
+from pcvr_lib.kernels.testing import poisoned_outputs
 from pcvr_lib.kernels.tolerance import DTYPE_NAMES, TOLERANCES, Tolerance, assert_close, max_errors, tolerance
 
 CUDA = torch.cuda.is_available()
-INTERPRETER_CHILD = os.environ.get("TRITON_INTERPRET", "0") == "1"  # set before any import: see above
 BACKENDS = ["torch", "triton", "tilelang", "cuembed"]
 TRAINING_BACKENDS = ["torch", "triton", "tilelang"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 
 
 @pytest.fixture
-def device_for():
+def device_for(monkeypatch):
     """Returns a function backend -> device to run on, skipping with the registry's reason."""
 
     def pick(backend: str) -> torch.device:
@@ -41,9 +38,8 @@ def device_for():
             if not ok:
                 pytest.skip(reason)
             return torch.device("cuda")
-        if backend == "triton" and not INTERPRETER_CHILD:
-            pytest.skip("triton: no CUDA device; on CPU these cases run under TRITON_INTERPRET=1 in "
-                        "test_triton_cases_under_interpreter")
+        if backend == "triton":
+            monkeypatch.setenv("TRITON_INTERPRET", "1")  # restored after the test
         ok, reason = eb.backend_status(backend, "cpu")
         if not ok:
             pytest.skip(reason)
@@ -52,27 +48,8 @@ def device_for():
     return pick
 
 
-def make_ids(batch: int, bag: int, num_rows: int, pad: float, seed: int, dtype=torch.int64,
-             out_of_range: float = 0.1) -> torch.Tensor:
-    """Ids in [1, V) with a fraction `pad` of padding (0) and `out_of_range` ids >= V or negative;
-    row 0 is all padding when batch > 1 and the last row holds the largest id V-1."""
-    g = torch.Generator().manual_seed(seed)
-    ids = torch.randint(1, max(num_rows, 2), (batch, bag), generator=g)
-    u = torch.rand((batch, bag), generator=g)
-    ids[u < pad] = 0
-    oob = (u >= pad) & (u < pad + out_of_range)
-    wild = torch.randint(num_rows, num_rows + 50, (batch, bag), generator=g)
-    wild[torch.rand((batch, bag), generator=g) < 0.3] *= -1
-    ids[oob] = wild[oob]
-    if batch > 1:
-        ids[0] = 0
-    ids[-1, -1] = num_rows - 1
-    return ids.to(dtype)
-
-
-def make_weight(num_rows: int, dim: int, dtype, seed: int, device) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn((num_rows, dim), generator=g).to(device=device, dtype=dtype)
+make_ids = workload.accuracy_ids
+make_weight = workload.weight
 
 
 def run_forward(weight, ids, backend):
@@ -135,31 +112,18 @@ def check_sparse_grad(grad, ids, grad_out, num_rows, dtype, backend):
 
 # ---------------------------------------------------------------- forward, fixed edge cases
 
-EDGE_CASES = {
-    # name: (B, L, V, D, pad)
-    "odd96": (37, 5, 97, 96, 0.25),
-    "odd127": (19, 3, 50, 127, 0.5),
-    "bag1": (16, 1, 10, 64, 0.3),
-    "allpad": (8, 6, 40, 64, 1.0),
-    "long20": (9, 20, 30, 96, 0.25),
-    "onerow": (1, 4, 5, 127, 0.0),
-}
-# Widths the TileLang kernels are built for in this module (each width x dtype x id dtype x kind is one
-# compiled kernel, ~2-3 s of nvcc each; on a GPU they are compiled concurrently up front).
-TILELANG_DIMS = (64, 96, 127)
+EDGE_CASES = workload.EDGE_CASES
+TILELANG_DIMS = workload.TILELANG_DIMS
 
 
 @pytest.fixture(scope="module", autouse=True)
 def tilelang_precompiled():
-    """On a GPU, compile every TileLang variant this module uses in parallel before the tests."""
+    """On a GPU, compile the workload's TileLang manifest in parallel processes before the tests (later
+    compiles in this process load from TileLang's disk cache)."""
     if not CUDA or not eb.backend_status("tilelang", "cuda")[0]:
         return None
-    from pcvr_lib.kernels.embedding_bag import tilelang_impl as ti
-
-    specs = [(wdt, idt, dim, ti.vector_width(dim, torch.tensor([], dtype=wdt).element_size(), 0), kind)
-             for wdt in DTYPES for idt in (torch.int32, torch.int64) for dim in TILELANG_DIMS
-             for kind in ("fwd", "fwd_train", "bwd_sparse", "bwd_dense")]
-    return ti.precompile(specs, workers=min(16, os.cpu_count() or 1))
+    jobs = precompile.tilelang_jobs(["embedding_bag_mean"], precompile.default_arch())
+    return precompile.run_pool(precompile.compile_job, jobs, min(16, os.cpu_count() or 1), "tilelang")
 
 
 @pytest.mark.parametrize("case", list(EDGE_CASES))
@@ -268,7 +232,7 @@ def test_errors_name_the_problem():
         eb.embedding_bag_mean(w, ids[0], backend="torch")
     with pytest.raises(TypeError, match="not supported"):
         eb.embedding_bag_mean(w.double(), ids, backend="torch")
-    if not CUDA and os.environ.get("TRITON_INTERPRET", "0") != "1":
+    if not CUDA and not registry.triton_interpret_enabled():
         for backend in ("triton", "tilelang", "cuembed"):
             with pytest.raises(RuntimeError, match="cannot run here|requires CUDA tensors"):
                 eb.embedding_bag_mean(w, ids, backend=backend)
@@ -291,55 +255,39 @@ def test_torch_backend_matches_raw_embedding_bag_on_valid_ids():
     assert torch.equal(eb.embedding_bag_mean(w, ids, backend="torch"), raw)
 
 
-@pytest.mark.skipif(not CUDA, reason="needs a CUDA device (cuembed, contiguity and recompilation checks)")
-def test_gpu_contracts():
+@pytest.mark.parametrize("backend", ["triton", "tilelang", "cuembed"])
+def test_gpu_contracts(backend):
+    """CPU tensors, mixed devices and a non-contiguous table are refused; cuembed refuses gradients; a new
+    row count (or bag length in the same class) compiles nothing new."""
+    if not CUDA:
+        pytest.skip(f"{backend}: no CUDA device (contiguity, device and recompilation checks)")
     dev = torch.device("cuda")
+    ok, reason = eb.backend_status(backend, dev)
+    if not ok:
+        pytest.skip(reason)
     w = make_weight(100, 64, torch.float16, 1, dev)
-    for backend in ("triton", "tilelang", "cuembed"):
-        if not eb.backend_status(backend, dev)[0]:
-            continue
-        with pytest.raises(RuntimeError, match="requires CUDA tensors"):
-            eb.embedding_bag_mean(w.cpu(), torch.ones(2, 2, dtype=torch.int64), backend=backend)
-        with pytest.raises(RuntimeError, match="one device"):
-            eb.embedding_bag_mean(w, torch.ones(2, 2, dtype=torch.int64), backend=backend)
-        with pytest.raises(ValueError, match="contiguous"):
-            eb.embedding_bag_mean(w.t().contiguous().t(), torch.ones(2, 2, dtype=torch.int64, device=dev),
-                                  backend=backend)
-    if eb.backend_status("cuembed", dev)[0]:
+    with pytest.raises(RuntimeError, match="requires CUDA tensors"):
+        eb.embedding_bag_mean(w.cpu(), torch.ones(2, 2, dtype=torch.int64), backend=backend)
+    with pytest.raises(RuntimeError, match="one device"):
+        eb.embedding_bag_mean(w, torch.ones(2, 2, dtype=torch.int64), backend=backend)
+    with pytest.raises(ValueError, match="contiguous"):
+        eb.embedding_bag_mean(w.t().contiguous().t(), torch.ones(2, 2, dtype=torch.int64, device=dev),
+                              backend=backend)
+    if backend == "cuembed":
         with pytest.raises(RuntimeError, match="forward-only"):
             eb.embedding_bag_mean(w.clone().requires_grad_(), torch.ones(2, 2, dtype=torch.int64, device=dev),
                                   backend="cuembed")
-    # a row-count (and bag-length) change does not compile anything new
-    from pcvr_lib.kernels.embedding_bag import common
-
-    for backend in ("triton", "tilelang"):
-        if not eb.backend_status(backend, dev)[0]:
-            continue
-        eb.embedding_bag_mean(w, make_ids(64, 4, 100, 0.2, 1).to(dev), backend=backend)
-        before = len(common.compile_seconds)
-        for batch in (1, 5, 1000, 4097):
-            out = eb.embedding_bag_mean(w, make_ids(batch, 4, 100, 0.2, batch).to(dev), backend=backend)
-            assert out.shape == (batch, 64)
-        eb.embedding_bag_mean(w, make_ids(33, 3, 100, 0.2, 3).to(dev), backend=backend)  # same L class
-        assert len(common.compile_seconds) == before, f"{backend} recompiled for a new row count"
+        return
+    eb.embedding_bag_mean(w, make_ids(64, 4, 100, 0.2, 1).to(dev), backend=backend)
+    before = compile_log.count(backend, eb.OP)
+    for batch in (1, 5, 1000, 4097):
+        out = eb.embedding_bag_mean(w, make_ids(batch, 4, 100, 0.2, batch).to(dev), backend=backend)
+        assert out.shape == (batch, 64)
+    eb.embedding_bag_mean(w, make_ids(33, 3, 100, 0.2, 3).to(dev), backend=backend)  # same L class
+    assert compile_log.count(backend, eb.OP) == before, f"{backend} recompiled for a new row count"
 
 
 # ---------------------------------------------------------------- CPU builds for the H200
-
-@pytest.mark.skipif(CUDA or INTERPRETER_CHILD,
-                    reason="CPU parent only: on a GPU the Triton cases run compiled, in the child directly")
-def test_triton_cases_under_interpreter():
-    """Runs this file's Triton cases in a child pytest with TRITON_INTERPRET=1 (CPU tensors)."""
-    problem = registry.package_problem("triton")
-    if problem:
-        pytest.skip(f"triton: {problem}")
-    root = Path(__file__).resolve().parents[1]
-    proc = run_pytest_child(Path(__file__).resolve(), "triton", {"TRITON_INTERPRET": "1"}, root,
-                            "-p", "no:randomly")
-    tail = (proc.stdout + proc.stderr)[-3000:]
-    assert proc.returncode == 0, f"Triton interpreter cases failed:\n{tail}"
-    assert " passed" in proc.stdout and "failed" not in proc.stdout, tail
-
 
 def _nvcc_missing() -> str | None:
     return registry.nvcc_problem(torch.device("cpu"))
@@ -355,23 +303,17 @@ def test_cuembed_source_compiles_for_sm90(tmp_path):
 
 
 TILELANG_KERNELS = {
-    # name: (builder, args)
-    "fwd_fp16_i32_vec8": ("build_forward", (64, "float16", "int32", 8, False)),
-    "fwd_train_bf16_i64_d127": ("build_forward", (127, "bfloat16", "int64", 1, True)),
-    "bwd_sparse_bf16_i32_d64": ("build_backward_sparse", (64, "bfloat16", "int32", 8)),
-    "bwd_dense_fp16_i32": ("build_backward_dense", (64, "float16", "int32")),
+    # name: (kind, dim, weight dtype, ids dtype, vector width)
+    "fwd_fp16_i32_vec8": ("fwd", 64, torch.float16, torch.int32, 8),
+    "fwd_train_bf16_i64_d127": ("fwd_train", 127, torch.bfloat16, torch.int64, 1),
+    "bwd_sparse_bf16_i32_d64": ("bwd_sparse", 64, torch.bfloat16, torch.int32, 8),
+    "bwd_dense_fp16_i32": ("bwd_dense", 64, torch.float16, torch.int32, 1),
 }
 
 
 def _compile_tilelang_for_sm90(name):
     """Compile one TileLang kernel kind for sm_90 in a worker process; returns (name, CUDA source)."""
-    from tvm.target import Target
-
-    from pcvr_lib.kernels.embedding_bag import tilelang_impl as ti
-
-    builder, args = TILELANG_KERNELS[name]
-    target = Target({"kind": "cuda", "arch": "sm_90"})
-    return name, ti.compile_kernel(getattr(ti, builder)(*args), target).get_kernel_source()
+    return name, precompile.compile_variant(eb.OP, TILELANG_KERNELS[name], "sm_90").get_kernel_source()
 
 
 def test_tilelang_kernels_compile_for_sm90():

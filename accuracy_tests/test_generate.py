@@ -216,8 +216,8 @@ def test_cli_generate(tmp_path, capsys):
     args = ["generate", "--schema", DEMO_SCHEMA, "--rows", "30", "--multiplier", "2", "--row-group-size", "30"]
     assert cli_main([*args, "--out", str(out), "--no-progress"]) == 0
     assert "rows=60 row_groups=2" in capsys.readouterr().out
-    with pytest.raises(FileExistsError):
-        cli_main([*args, "--out", str(out), "--no-progress"])
+    assert cli_main([*args, "--out", str(out), "--no-progress"]) == 2  # the CLI boundary: one line, exit 2
+    assert "pcvr generate: error: --out" in capsys.readouterr().err
     assert cli_main([*args, "--out", str(out), "--no-progress", "--force"]) == 0
 
 

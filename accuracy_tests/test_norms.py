@@ -17,10 +17,10 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pcvr_lib.kernels import layer_norm, registry, rms_norm
-from pcvr_lib.kernels.layer_norm import layer_norm_reference
+from pcvr_lib.kernels import compile_log, layer_norm, registry, rms_norm
 from pcvr_lib.kernels.rms_norm import common as norm_common
-from pcvr_lib.kernels.rms_norm import prewarm, rms_norm_reference
+from pcvr_lib.kernels.rms_norm import workload
+from pcvr_lib.kernels.rms_norm.workload import layer_norm_reference
 from pcvr_lib.kernels.testing import grad_input_term_scale, grad_param_term_scale, poisoned_outputs, randn
 from pcvr_lib.kernels.tolerance import DTYPE_NAMES, assert_close, tolerance
 
@@ -28,12 +28,9 @@ CUDA = torch.cuda.is_available()
 BACKENDS = ["torch", "triton", "tilelang"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 OPS = ["rms_norm", "layer_norm"]
-# odd widths (padding paths), one row, leading dims; bigger rows only where kernels run natively
-# (the widths are the manifest of pcvr_lib.kernels.rms_norm.prewarm, which precompiles TileLang's kernels)
-SHAPES = [(1, 96), (3, 127), (5, 385), (2, 3, 400), (33, 128), (4, 1)]
-GPU_SHAPES = [(4097, 1024), (3, 16384), (1000, 4096), (2, 2, 8192, 128)]
-assert {s[-1] for s in SHAPES} == set(prewarm.ACCURACY_WIDTHS)
-assert {s[-1] for s in GPU_SHAPES} <= set(prewarm.BIG_WIDTHS + prewarm.ACCURACY_WIDTHS)
+# the workload's shapes (its manifest is what `python -m pcvr_lib.kernels.precompile` builds for TileLang)
+SHAPES = workload.ACCURACY_SHAPES
+GPU_SHAPES = workload.GPU_SHAPES
 
 
 def _id(value) -> str:
@@ -62,28 +59,16 @@ def device_for(monkeypatch):
     return pick
 
 
-def _inputs(op: str, shape, dtype, device, seed: int, requires_grad: bool):
-    width = shape[-1]
-    x = randn(shape, dtype, device, seed, scale=2.0, shift=0.3)
-    params = [randn((width,), dtype, device, seed + 1, scale=0.5, shift=1.0)]
-    if op == "layer_norm":
-        params.append(randn((width,), dtype, device, seed + 2, scale=0.5))
-    tensors = [x, *params]
-    for t in tensors:
-        t.requires_grad_(requires_grad)
-    return tensors
+_inputs = workload.inputs
 
 
 def _run(op: str, backend: str, tensors):
-    if op == "rms_norm":
-        return rms_norm(*tensors, 1e-6, backend=backend)
-    return layer_norm(*tensors, 1e-5, backend=backend)
+    fn = rms_norm if op == "rms_norm" else layer_norm
+    return fn(*tensors, workload.EPS[op], backend=backend)
 
 
 def _reference(op: str, tensors):
-    if op == "rms_norm":
-        return rms_norm_reference(*tensors, 1e-6)
-    return layer_norm_reference(*tensors, 1e-5)
+    return workload.reference(op, tensors)[0]
 
 
 def check_forward(op, backend, shape, dtype, device, seed=0):
@@ -100,12 +85,9 @@ def check_backward(op, backend, shape, dtype, device, seed=0):
     with poisoned_outputs(device):
         y = _run(op, backend, tensors)
         grads = torch.autograd.grad(y, tensors, grad_out)
-    ref_inputs = [t.detach().double().requires_grad_() for t in tensors]
-    ref_y = _reference(op, ref_inputs)
-    ref_grads = torch.autograd.grad(ref_y, ref_inputs, grad_out.double())
+    ref_y, *ref_grads = workload.reference(op, tensors, grad_out)
     assert_close(y, ref_y, dtype, what=f"{op}[{backend}] training forward")
-    eps = 1e-6 if op == "rms_norm" else 1e-5
-    dx_scale = grad_input_term_scale(tensors[0], tensors[1], grad_out, eps, centered=op == "layer_norm")
+    dx_scale = grad_input_term_scale(tensors[0], tensors[1], grad_out, workload.EPS[op], centered=op == "layer_norm")
     for name, got, want in zip(("dx", "dweight", "dbias"), grads, ref_grads, strict=False):
         assert got.dtype == dtype
         assert_close(got, want, dtype, what=f"{op}[{backend}] {name} {_id(shape)}",
@@ -181,7 +163,7 @@ def test_hypothesis_shapes_and_dtypes(op, backend, device_for):
     torch and Triton (one compile per width class) draw any width."""
     device = device_for(backend)
     min_width = 3 if op == "layer_norm" else 1  # see _skip_degenerate (a stored width-2 example failed)
-    widths = (st.sampled_from([w for w in prewarm.ACCURACY_WIDTHS if w >= min_width]) if backend == "tilelang"
+    widths = (st.sampled_from([w for w in workload.accuracy_widths() if w >= min_width]) if backend == "tilelang"
               else st.integers(min_width, 2500 if CUDA else 520))
 
     @settings(max_examples=15 if CUDA else 6, deadline=None, derandomize=True,
@@ -201,7 +183,7 @@ def test_hypothesis_shapes_and_dtypes(op, backend, device_for):
 def test_nan_input_rows_stay_local(op, backend, device_for):
     """A NaN in one row makes that row NaN (as the reference does) and leaves the others exact."""
     device = device_for(backend)
-    tensors = _inputs(op, (6, prewarm.NAN_WIDTH), torch.float32, device, 11, requires_grad=False)
+    tensors = _inputs(op, (6, workload.NAN_WIDTH), torch.float32, device, 11, requires_grad=False)
     tensors[0][2, 17] = float("nan")
     with poisoned_outputs(device):
         y = _run(op, backend, tensors)
@@ -216,17 +198,15 @@ def test_row_count_change_does_not_recompile(op, backend, device_for):
     if not CUDA:
         pytest.skip(f"{backend}: compilation caching is observable on a CUDA device only")
     device = device_for(backend)
-    from pcvr_lib.kernels import _tilelang
-    from pcvr_lib.kernels.layer_norm import triton_kernels as ln_triton
-    from pcvr_lib.kernels.rms_norm import triton_kernels as rms_triton
+    from pcvr_lib.kernels import _triton
 
     def compiled_count() -> int:
         if backend == "tilelang":
-            return len(_tilelang._KERNELS)
-        kernels = [rms_triton._rms_fwd, rms_triton._rms_bwd, ln_triton._ln_fwd, ln_triton._ln_bwd]
-        return sum(len(cache) for k in kernels for cache in (c[0] for c in k.compiled.device_caches.values()))
+            return compile_log.count("tilelang", op)
+        # triton's own count too: a recompile that the launcher's key missed would launch a stale binary
+        return compile_log.count("triton", op) + _triton.compiled_variants(op)
 
-    width = prewarm.RECOMPILE_WIDTH
+    width = workload.RECOMPILE_WIDTH
     for rows in (17, 4096):  # first: compile inference + training kernels for this width
         check_forward(op, backend, (rows, width), torch.float16, device)
         check_backward(op, backend, (rows, width), torch.float16, device)
@@ -260,7 +240,7 @@ def test_errors_are_clear(op, monkeypatch):
         fn(x.double(), *[p.double() for p in params], backend="torch")
     # a missing package names itself
     monkeypatch.setattr(registry, "package_problem", lambda pkg: "package not installed")
-    monkeypatch.setattr(norm_common, "_LOADED", {})
+    norm_common.forget_backends()
     with pytest.raises(RuntimeError, match="backend 'tilelang' cannot run here: tilelang: package not installed"):
         if CUDA:
             fn(x.cuda(), *[p.cuda() for p in params], backend="tilelang")
@@ -284,18 +264,11 @@ def _compile_tilelang(spec):
     """Compile one TileLang kernel for sm_90 in a worker; returns (name, source length, seconds)."""
     import time
 
-    from pcvr_lib.kernels import _tilelang
-    from pcvr_lib.kernels.layer_norm import tilelang_kernels as ln
-    from pcvr_lib.kernels.rms_norm import tilelang_kernels as rms
+    from pcvr_lib.kernels import precompile
 
     op, kind, width, dtype = spec
-    mod = rms if op == "rms_norm" else ln
     t0 = time.perf_counter()
-    if kind == "bwd":
-        kernel = mod.backward_kernel(width, dtype)
-    else:
-        kernel = mod.forward_kernel(width, dtype, kind == "fwd_train")
-    assert _tilelang.cuda_target(None)["arch"] == "sm_90"
+    kernel = precompile.compile_variant(op, (kind, width, dtype), "sm_90a")  # the norms take sm_90 of it
     return f"{op}/{kind}", kernel.get_kernel_source(), time.perf_counter() - t0
 
 

@@ -133,7 +133,12 @@ def test_max_lens():
         parse_max_lens({"seq_a": 0})
     schema = load_schema(VALID, max_lens="seq_a:7")
     assert schema.domain("seq_a").max_len == 7
-    assert schema.with_max_lens({"other": 3}).domain("seq_a").max_len == DEFAULT_MAX_LEN
+    assert schema.with_max_lens({}).domain("seq_a").max_len == DEFAULT_MAX_LEN
+    # a name the schema does not have is a typo: an error listing the schema's domains, never ignored
+    with pytest.raises(SchemaError, match=r"unknown sequence domain\(s\) \['other'\]; this schema's domains: seq_a"):
+        schema.with_max_lens({"other": 3})
+    with pytest.raises(SchemaError, match=r"unknown sequence domain\(s\) \['seq_z'\]"):
+        load_schema(VALID, max_lens="seq_a:7,seq_z:8")
 
 
 def test_demo_schema_widths(repo_root):

@@ -26,7 +26,6 @@ import argparse
 import json
 import math
 import re
-import sys
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -125,10 +124,15 @@ def load_run(label: str | None, path: Path) -> Run:
             try:
                 row = json.loads(line)
                 keys.append(int(row["sample_index"]))
-                scores.append(np.nan if row["score"] is None else float(row["score"]))
+                scores.append(float(row["score"]))
                 targets.append(float(row["target"]))
             except (json.JSONDecodeError, KeyError, TypeError, ValueError) as exc:
                 raise DiagnosticsError(f"{preds}: line {i} is not a prediction record ({exc})") from exc
+            if not np.isfinite(scores[-1]):
+                raise DiagnosticsError(f"{preds}: line {i}: score {scores[-1]} is not a finite number; rerun "
+                                       f"pcvr val --run-dir {path}")
+        if not keys:
+            raise DiagnosticsError(f"{preds} holds no predictions (empty file); rerun pcvr val --run-dir {path}")
         run.keys = np.asarray(keys, dtype=np.int64)
         run.scores = np.asarray(scores, dtype=np.float64)
         run.targets = np.asarray(targets, dtype=np.float64)
@@ -332,9 +336,29 @@ def _colors(n: int):
     return [cmap(i % cmap.N) for i in range(n)]
 
 
-def _finish(plt, fig, title: str, out: Path) -> None:
-    """Title, lay out, save at 110 dpi and close a figure (every figure ends the same way)."""
-    fig.suptitle(title)
+def _wrap(text: str, width_inches: float, fontsize: float) -> str:
+    """Wrap a title to the width it has: at most about 0.7 em per character of a bold proportional font."""
+    import textwrap
+
+    chars = max(12, int(width_inches * 72 / (fontsize * 0.7)))
+    return "\n".join(textwrap.fill(line, chars) for line in text.split("\n"))
+
+
+def _finish(plt, fig, title: str, out: Path, partial: bool = False) -> None:
+    """Title, lay out, save at 110 dpi and close a figure (every figure ends the same way). Titles are
+    wrapped to their width, so they fit with one group as with seven; a partial preview says so on the
+    figure itself, in red, where nobody can miss it."""
+    width = fig.get_figwidth()
+    for ax in fig.axes:
+        if ax.get_title():
+            ax_width = width * ax.get_position().width
+            ax.set_title(_wrap(ax.get_title(), ax_width, plt.rcParams["axes.titlesize"]))
+    if partial:
+        title = f"PARTIAL PREVIEW (runs lack evaluation artifacts; not for analysis)\n{title}"
+    fig.suptitle(_wrap(title, width * 0.95, plt.rcParams["figure.titlesize"]), color="#C00000" if partial else None)
+    if partial:
+        fig.text(0.5, 0.5, "PARTIAL", fontsize=72, color="#C00000", alpha=0.15, ha="center", va="center",
+                 rotation=30, transform=fig.transFigure, zorder=0)
     fig.tight_layout()
     fig.savefig(out, dpi=110)
     plt.close(fig)
@@ -408,7 +432,7 @@ def fig_runtime(summary: dict, out: Path) -> None:
         ax.margins(0.2)
     else:
         _no_data(ax, "no AUC / telemetry")
-    _finish(plt, fig, "Runtime and resources", out)
+    _finish(plt, fig, "Runtime and resources", out, summary["partial"])
 
 
 def fig_distribution(groups: list[Group], summary: dict, out: Path) -> None:
@@ -437,7 +461,7 @@ def fig_distribution(groups: list[Group], summary: dict, out: Path) -> None:
         ax.legend(fontsize=8)
     if not groups:
         _no_data(axes[0, 0])
-    _finish(plt, fig, "Prediction distribution: positives vs negatives", out)
+    _finish(plt, fig, "Prediction distribution: positives vs negatives", out, summary["partial"])
 
 
 def fig_correlation(groups: list[Group], summary: dict, out: Path) -> None:
@@ -478,7 +502,7 @@ def fig_correlation(groups: list[Group], summary: dict, out: Path) -> None:
     else:
         _no_data(ax2, "needs a group with two or more seeds")
         ax2.set_title("Within group (Spearman across seeds)")
-    _finish(plt, fig, "Prediction correlation (Spearman rank correlation)", out)
+    _finish(plt, fig, "Prediction correlation (Spearman rank correlation)", out, summary["partial"])
 
 
 def fig_disagreement(summary: dict, out: Path) -> None:
@@ -506,7 +530,7 @@ def fig_disagreement(summary: dict, out: Path) -> None:
     else:
         _no_data(ax1, "needs two groups with predictions")
         _no_data(ax2, "needs two groups with predictions")
-    _finish(plt, fig, "Sample disagreement between groups", out)
+    _finish(plt, fig, "Sample disagreement between groups", out, summary["partial"])
 
 
 def fig_stability(summary: dict, out: Path) -> None:
@@ -534,10 +558,8 @@ def fig_stability(summary: dict, out: Path) -> None:
             sd = f" ± {s['sd']:.4f}" if s["sd"] is not None else ""
             ax.annotate(f"{s['mean']:.4f}{sd}\n(n={s['n']})", (xi, s["max"]), textcoords="offset points",
                         xytext=(0, 5), ha="center", fontsize=8)
-        lo = min(stats[i]["min"] for i in idx)
         hi = max(stats[i]["max"] for i in idx)
-        pad = max((hi - lo) * 0.6, 0.02)
-        ax.set_ylim(lo - pad, hi + pad)
+        ax.set_ylim(0, hi * 1.2 if hi > 0 else 1.0)  # bars start at zero: their heights compare honestly
         ax.set_xticks(x, [names[i] for i in idx], rotation=20, ha="right")
         source = {g[names[i]]["metric_source"] if isinstance(g[names[i]]["metric_source"], str) else "mixed"
                   for i in idx}
@@ -560,7 +582,7 @@ def fig_stability(summary: dict, out: Path) -> None:
     else:
         _no_data(ax, "needs a group with two or more seeds")
         ax.set_title("Prediction seed drift")
-    _finish(plt, fig, "Stability across seeds", out)
+    _finish(plt, fig, "Stability across seeds", out, summary["partial"])
 
 
 # ---------------------------------------------------------------------------------------------- driver
@@ -591,15 +613,17 @@ def plot_diagnostics(
                 warnings.append(f"{r.label}: missing {', '.join(r.missing)} (partial preview, not for analysis)")
     groups = build_groups(runs, group_by)
     summary = summarise(runs, groups, group_by, warnings)
+    summary["partial"] = bool(warnings and allow_partial)
     out = Path(output_dir)
-    out.mkdir(parents=True, exist_ok=True)
+    from pcvr_lib.cli import check_writable
+
+    check_writable(out, "--output-dir")
     if figures:
         fig_runtime(summary, out / "runtime_resources.png")
         fig_distribution(groups, summary, out / "prediction_distribution.png")
         fig_correlation(groups, summary, out / "prediction_correlation.png")
         fig_disagreement(summary, out / "sample_disagreement.png")
         fig_stability(summary, out / "stability.png")
-    summary["partial"] = bool(warnings and allow_partial)
     summary["figures"] = {name: str(out / f"{name}.png") for name in FIGURES} if figures else {}
     (out / SUMMARY_FILE).write_text(json.dumps(summary, indent=2, allow_nan=False, default=_nan_safe) + "\n")
     return summary
@@ -632,19 +656,17 @@ def report(summary: dict) -> str:
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--run", action="append", default=[], metavar="[LABEL=]DIR", required=True,
                         help="a run directory (repeat); LABEL defaults to the directory name")
-    parser.add_argument("--group-by", choices=GROUP_MODES, default="experiment")
-    parser.add_argument("--output-dir", required=True)
+    parser.add_argument("--group-by", choices=GROUP_MODES, default="experiment",
+                        help="group runs by experiment name (default), label, or label prefix (baseline_seed17 -> "
+                             "baseline)")
+    parser.add_argument("--output-dir", required=True, help="where the five PNG figures and the summary JSON go")
     parser.add_argument("--allow-partial", action="store_true",
                         help="plot even when runs lack evaluation artifacts (preview only, not for analysis)")
     parser.add_argument("--json", action="store_true", help="print the full summary JSON to stdout")
 
 
 def run(args: argparse.Namespace) -> int:
-    try:
-        summary = plot_diagnostics(args.run, args.output_dir, args.group_by, args.allow_partial)
-    except DiagnosticsError as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    summary = plot_diagnostics(args.run, args.output_dir, args.group_by, args.allow_partial)
     if args.json:
         print(json.dumps(summary, indent=2, default=_nan_safe))
     else:

@@ -35,6 +35,9 @@ class ReportError(RuntimeError):
     """A benchmark file or comparison request that cannot be used; the message says why."""
 
 
+KNOWN_ERRORS = (ReportError,)  # the CLI boundary prints these as one line, exit 2
+
+
 def load_benchmark_json(path: str | Path) -> dict:
     path = Path(path)
     if not path.is_file():
@@ -155,7 +158,7 @@ def resolve_baseline(storage: Path, wanted: str | None) -> Path:
     if not runs:
         raise ReportError(
             f"nothing to compare with: no stored run under {storage / machine_id()}; run `make bench` first "
-            "(it stores each run), or pass COMPARE_WITH=path/to/run.json"
+            "(it stores each run), or pass --with path/to/run.json (make compare COMPARE_WITH=path/to/run.json)"
         )
     if wanted:
         matches = [r for r in runs if r.name.startswith(wanted) or r.name[5:].startswith(wanted)]

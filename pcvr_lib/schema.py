@@ -134,6 +134,8 @@ class Schema:
 
     def with_max_lens(self, max_lens: Mapping[str, int] | str | None) -> Schema:
         lens = parse_max_lens(max_lens)
+        if max_lens is not None:
+            _check_max_len_names(lens, [d.name for d in self.domains])
         domains = tuple(
             Domain(d.name, d.prefix, d.ts_fid, d.features, lens.get(d.name, DEFAULT_MAX_LEN)) for d in self.domains
         )
@@ -160,6 +162,14 @@ def parse_max_lens(spec: Mapping[str, int] | str | None) -> dict[str, int]:
         if not isinstance(value, int) or isinstance(value, bool) or value < 1:
             raise SchemaError(f"max_len of domain {name!r} must be an integer >= 1, got {value!r}")
     return lens
+
+
+def _check_max_len_names(lens: Mapping[str, int], domains: list[str]) -> None:
+    """A max_len for a domain the schema does not have is a typo, never something to ignore."""
+    unknown = sorted(set(lens) - set(domains))
+    if unknown:
+        raise SchemaError(f"max_lens names unknown sequence domain(s) {unknown}; this schema's domains: "
+                          f"{', '.join(sorted(domains)) or '(none)'}")
 
 
 def _is_int(value: Any) -> bool:
@@ -284,6 +294,8 @@ def parse_schema(raw: Mapping[str, Any], max_lens: Mapping[str, int] | str | Non
             )
         )
     domains.sort(key=lambda d: d.name)
+    if max_lens is not None:
+        _check_max_len_names(lens, [d.name for d in domains])
     return Schema(
         user_int=int_groups["user_int"],
         item_int=int_groups["item_int"],

@@ -20,11 +20,12 @@ process takes a core. Timings of concurrent runs include that sharing; use --job
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import sys
 import time
-from concurrent.futures import ProcessPoolExecutor, as_completed
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -64,19 +65,29 @@ def _parse_models(text: str) -> list[str]:
     return chosen
 
 
-def run_one(job: dict[str, Any]) -> dict[str, Any]:
-    """Train, validate and infer one (model, seed); runs in a worker process. Returns the numbers."""
+def run_one(job: dict[str, Any], steps_done=None) -> dict[str, Any]:
+    """Train, validate and infer one (model, seed); runs in a worker process. Returns the numbers.
+    `steps_done(1)` is called after each training step (a queue's put in a worker process): the smoke's
+    own progress bar counts them, so the run's own bars are silenced."""
     import torch
 
+    from pcvr_lib.progress import QUIET_ENV
+
     threads_before = torch.get_num_threads()
+    quiet_before = os.environ.get(QUIET_ENV)
     torch.set_num_threads(job["threads"])
+    os.environ[QUIET_ENV] = "1"
     try:
-        return _run_one(job)
+        return _run_one(job, steps_done)
     finally:  # matters when the run happens in the caller's process (--jobs 1)
         torch.set_num_threads(threads_before)
+        if quiet_before is None:
+            os.environ.pop(QUIET_ENV, None)
+        else:
+            os.environ[QUIET_ENV] = quiet_before
 
 
-def _run_one(job: dict[str, Any]) -> dict[str, Any]:
+def _run_one(job: dict[str, Any], steps_done=None) -> dict[str, Any]:
     from pcvr_lib.train import TrainConfig, infer, train, validate
 
     run_dir = Path(job["run_dir"])
@@ -85,7 +96,8 @@ def _run_one(job: dict[str, Any]) -> dict[str, Any]:
         model=job["model"], data=job["data"], run_dir=str(run_dir), max_lens=job["max_lens"],
         label=run_dir.name, seed=job["seed"], steps=job["steps"], batch_size=job["batch_size"],
         device=job["device"], amp=job["amp"], model_config=job["model_config"], eval_at_init=True,
-    ))
+    ), progress=(lambda *_: steps_done(1)) if steps_done is not None else None,
+        overwrite=True)  # OUT/<model>_seed<seed> belongs to the smoke: a new smoke replaces its runs
     evaluation = validate(run_dir, device=job["device"])
     inference = infer(run_dir, device=job["device"])
     tel = summary["telemetry"]
@@ -165,7 +177,7 @@ def smoke(
 ) -> dict[str, Any]:
     from pcvr_lib.data.generate import generate_dataset
     from pcvr_lib.models import model_class
-    from pcvr_lib.train import resolve_device
+    from pcvr_lib.train import check_writable, resolve_device
 
     resolve_device(device)
     schema = load_smoke_schema()
@@ -174,7 +186,7 @@ def smoke(
     if jobs is None:
         jobs = 1 if device.startswith("cuda") else max(1, min(2, os.cpu_count() or 1))
     out = Path(out)
-    out.mkdir(parents=True, exist_ok=True)
+    check_writable(out, "--out")  # before generating data or training anything
     model_config = dict(model_config or {})
     if table_cap is not None:
         model_config.setdefault("vocab_cap", table_cap)
@@ -228,66 +240,86 @@ def load_smoke_schema():
 
 
 def _execute(work: list[dict], jobs: int, stream) -> list[dict]:
-    """Run the jobs (in worker processes when jobs > 1), printing a progress line per finished run."""
+    """Run the jobs (in worker processes when jobs > 1). On a terminal, a bar counts the training steps of
+    every job (with jobs done so far); a line per finished run is printed either way."""
+    from pcvr_lib.progress import bar
+
     total = len(work)
     results = []
     t0 = time.perf_counter()
+    steps_bar = bar(sum(job["steps"] for job in work), "smoke", unit="step")
 
     def show(r):
         done = len(results)
-        bar = "#" * round(20 * done / total)
-        print(f"[{bar:<20}] {done}/{total} {r['model']} seed {r['seed']}: AUC {r['auc']:.4f}, "
-              f"train {r['train_sec']:.1f}s, val {r['eval_sec']:.1f}s, infer {r['infer_sec']:.1f}s "
-              f"(elapsed {time.perf_counter() - t0:.0f}s)", file=stream, flush=True)
+        line = (f"{done}/{total} {r['model']} seed {r['seed']}: AUC {r['auc']:.4f}, train {r['train_sec']:.1f}s, "
+                f"val {r['eval_sec']:.1f}s, infer {r['infer_sec']:.1f}s (elapsed {time.perf_counter() - t0:.0f}s)")
+        if steps_bar.disable:
+            print(line, file=stream, flush=True)
+        else:
+            steps_bar.write(line, file=stream)
+            steps_bar.set_postfix_str(f"{done}/{total} jobs done")
 
-    if jobs <= 1:
-        for job in work:
-            results.append(run_one(job))
-            show(results[-1])
-        return results
+    try:
+        if jobs <= 1:
+            for job in work:
+                results.append(run_one(job, steps_bar.update))
+                show(results[-1])
+            return results
+        return _execute_pool(work, jobs, steps_bar, results, show)
+    finally:
+        steps_bar.close()
+
+
+def _execute_pool(work, jobs, steps_bar, results, show) -> list[dict]:
     import multiprocessing
+    import queue
 
-    # a fresh process per run: each run's peak RSS is its own, not the high-water mark of earlier runs
-    with ProcessPoolExecutor(max_workers=jobs, mp_context=multiprocessing.get_context("spawn"),
-                             max_tasks_per_child=1) as pool:
-        futures = [pool.submit(run_one, job) for job in work]
-        for fut in as_completed(futures):
-            results.append(fut.result())
-            show(results[-1])
+    context = multiprocessing.get_context("spawn")
+    with context.Manager() as manager:
+        steps_done = manager.Queue()
+        # a fresh process per run: each run's peak RSS is its own, not the high-water mark of earlier runs
+        with ProcessPoolExecutor(max_workers=jobs, mp_context=context, max_tasks_per_child=1) as pool:
+            pending = {pool.submit(run_one, job, steps_done.put) for job in work}
+            while pending:
+                with contextlib.suppress(queue.Empty):
+                    while True:  # the steps finished so far, without waiting
+                        steps_bar.update(steps_done.get_nowait())
+                finished = [f for f in pending if f.done()]
+                for fut in finished:
+                    pending.discard(fut)
+                    results.append(fut.result())
+                    show(results[-1])
+                if not finished:
+                    time.sleep(0.1)
     return results
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--models", default="all", help="comma-separated model names, or all (default)")
-    parser.add_argument("--seeds", default="17,42,97")
-    parser.add_argument("--steps", type=int, default=20)
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--out", default="smoke_runs", help="output directory")
-    parser.add_argument("--batch-size", type=int, default=128)
+    parser.add_argument("--seeds", default="17,42,97", help="comma-separated seeds, one run each (default 17,42,97)")
+    parser.add_argument("--steps", type=int, default=20, help="training steps per run (default 20)")
+    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    parser.add_argument("--out", default="smoke_runs",
+                        help="output directory; a new smoke replaces the runs it holds (default smoke_runs)")
+    parser.add_argument("--batch-size", type=int, default=128, help="training rows per step (default 128)")
     parser.add_argument("--max-lens", help=f"sequence lengths (default: {DEFAULT_MAX_LEN} per domain)")
     parser.add_argument("--table-cap", type=int, default=DEFAULT_TABLE_CAP,
                         help=f"most rows per embedding table (default {DEFAULT_TABLE_CAP}; 0: the reference's tables)")
     parser.add_argument("--jobs", type=int, help="worker processes (default 2 on CPU, 1 on CUDA)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     parser.add_argument("--amp", action="store_true", help="bf16 autocast")
-    parser.add_argument("--no-diagnostics", action="store_true")
+    parser.add_argument("--no-diagnostics", action="store_true", help="skip the five figures and their summary")
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.steps < 1 or args.batch_size < 1 or args.threads < 1 or (args.jobs is not None and args.jobs < 1):
-        print("error: --steps, --batch-size, --threads and --jobs must be >= 1", file=sys.stderr)
-        return 2
+    for name in ("steps", "batch_size", "threads", "jobs"):
+        value = getattr(args, name)
+        if value is not None and value < 1:
+            raise SmokeError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
     if args.table_cap < 0:
-        print("error: --table-cap must be >= 0 (0: no cap)", file=sys.stderr)
-        return 2
-    from pcvr_lib.train import TrainError
-
-    try:
-        smoke(_parse_models(args.models), _parse_seeds(args.seeds), steps=args.steps, device=args.device,
-              out=args.out, batch_size=args.batch_size, max_lens=args.max_lens, jobs=args.jobs,
-              threads=args.threads, amp=args.amp, table_cap=args.table_cap or None,
-              diagnostics=not args.no_diagnostics)
-    except (TrainError, SmokeError) as exc:
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+        raise SmokeError(f"--table-cap must be >= 0 (0: the reference's tables), got {args.table_cap}")
+    smoke(_parse_models(args.models), _parse_seeds(args.seeds), steps=args.steps, device=args.device,
+          out=args.out, batch_size=args.batch_size, max_lens=args.max_lens, jobs=args.jobs,
+          threads=args.threads, amp=args.amp, table_cap=args.table_cap or None,
+          diagnostics=not args.no_diagnostics)
     return 0

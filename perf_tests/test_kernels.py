@@ -15,20 +15,18 @@ import time
 
 import pytest
 import torch
-import torch.nn.functional as F
 
-from pcvr_lib.kernels import _tilelang, layer_norm, rms_norm
-from pcvr_lib.kernels.layer_norm import layer_norm_reference
-from pcvr_lib.kernels.rms_norm import rms_norm_reference, rms_norm_torch
+from pcvr_lib.kernels import _triton, compile_log, layer_norm, rms_norm
+from pcvr_lib.kernels.rms_norm import workload
 from pcvr_lib.kernels.testing import grad_input_term_scale, grad_param_term_scale, poisoned_outputs
 from pcvr_lib.kernels.tolerance import DTYPE_NAMES, assert_close, max_errors
 from perf_tests import kernel_bench as kb
+from perf_tests.conftest import PEERS, norm_peer
 
-# the reference's shape first, then the large ones of h200-peers.md
-SHAPES = [(8192, 128), (65536, 1024), (262144, 128), (16384, 4096)]
+SHAPES = workload.PERF_SHAPES
 DTYPES = [torch.float16, torch.bfloat16]
 BACKENDS = ["torch", "torch_compile", "liger", "triton", "tilelang"]
-EPS = {"rms_norm": 1e-6, "layer_norm": 1e-5}
+EPS = workload.EPS
 ROUNDS = 20
 
 
@@ -47,62 +45,22 @@ def _cases():
 
 
 def _peer_fn(op: str, backend: str):
-    """The callable for a peer backend: (x, weight[, bias]) -> y."""
+    """The callable of a backend, ours or a peer: (x, weight[, bias]) -> y."""
     eps = EPS[op]
-    if backend == "torch":
-        if op == "rms_norm":
-            return lambda x, w: rms_norm_torch(x, w, eps)
-        return lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, eps)
-    if backend == "torch_compile":
-        torch._dynamo.reset()  # a fresh compile per case: no recompile limits, no dynamic-shape reuse
-        if op == "rms_norm":
-            return torch.compile(lambda x, w: rms_norm_torch(x, w, eps), dynamic=False)
-        return torch.compile(lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, eps), dynamic=False)
-    if backend == "liger":
-        if op == "rms_norm":
-            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
-
-            # in_place=False: the benchmark reuses one grad tensor, which in-place would overwrite
-            return lambda x, w: LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", False)
-        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
-
-        return lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, eps)
+    if backend in PEERS[op]:
+        return norm_peer(op, backend, eps)
     if op == "rms_norm":
         return lambda x, w: rms_norm(x, w, eps, backend=backend)
     return lambda x, w, b: layer_norm(x, w, b, eps, backend=backend)
 
 
 def _inputs(op: str, shape, dtype, grad: bool):
-    g = torch.Generator(device="cuda").manual_seed(1234)
-    rows, width = shape
-    x = (torch.randn(shape, device="cuda", generator=g) * 2 + 0.3).to(dtype)
-    params = [(torch.randn(width, device="cuda", generator=g) * 0.5 + 1).to(dtype)]
-    if op == "layer_norm":
-        params.append((torch.randn(width, device="cuda", generator=g) * 0.5).to(dtype))
-    tensors = [x, *params]
-    if grad:
-        for t in tensors:
-            t.requires_grad_(True)
-    dy = torch.randn(shape, device="cuda", generator=g).to(dtype) if grad else None
+    tensors = workload.inputs(op, shape, dtype, "cuda", seed=1234, requires_grad=grad, draw_on_device=True)
+    dy = workload.inputs("rms_norm", shape, dtype, "cuda", seed=4321, draw_on_device=True)[0] if grad else None
     return tensors, dy
 
 
-def _reference(op: str, tensors, dy):
-    ref_inputs = [t.detach().double().requires_grad_(dy is not None) for t in tensors]
-    fn = rms_norm_reference if op == "rms_norm" else layer_norm_reference
-    y = fn(*ref_inputs, EPS[op])
-    if dy is None:
-        return [y.detach()]
-    return [y.detach(), *torch.autograd.grad(y, ref_inputs, dy.double())]
-
-
-def _bytes(op: str, shape, dtype, direction: str) -> int:
-    """Fewest bytes: fwd reads x and writes y; fwd+bwd adds reading dy and x, writing dx (5 passes)."""
-    rows, width = shape
-    elem = torch.finfo(dtype).bits // 8
-    passes = 2 if direction == "fwd" else 5
-    n_params = 1 if op == "rms_norm" else 2
-    return passes * rows * width * elem + n_params * width * elem * (1 if direction == "fwd" else 2)
+_reference = workload.reference
 
 
 @pytest.mark.gpu
@@ -138,14 +96,16 @@ def test_norm(benchmark, key, backend, shape, dtype):
             worst = tuple(max(a, b) for a, b in zip(worst, max_errors(got, want), strict=True))
         return worst
 
-    before = _tilelang.compile_seconds((key.op,))
+    before = compile_log.total(backend, key.op)
     t0 = time.perf_counter()
     call()
     torch.cuda.synchronize()
     first_call_s = time.perf_counter() - t0
-    compile_s = _tilelang.compile_seconds((key.op,)) - before if backend == "tilelang" else first_call_s
+    ours = backend in ("triton", "tilelang")
+    compile_s = compile_log.total(backend, key.op) - before if ours else first_call_s
     benchmark.extra_info["compile_s_source"] = (
-        "tilelang compile or disk-cache load" if backend == "tilelang" else "first call (compile if not cached)")
+        f"{backend} compile or disk-cache load (first launch of each kernel)" if ours
+        else "first call (compile if not cached)")
 
     torch_fn = _peer_fn(key.op, "torch")
     if grad:
@@ -156,23 +116,21 @@ def test_norm(benchmark, key, backend, shape, dtype):
             return torch_fn(*tensors)
 
     kb.run_case(benchmark, key=key, backend=backend, call=call, check=check,
-                bytes_moved=_bytes(key.op, shape, dtype, key.direction), compile_s=compile_s,
+                bytes_moved=workload.bytes_moved(key.op, shape, dtype, key.direction), compile_s=compile_s,
                 torch_call=torch_call, rounds=ROUNDS)
     if backend == "triton":
-        from pcvr_lib.kernels.layer_norm import triton_kernels as ln_triton
-        from pcvr_lib.kernels.rms_norm import triton_kernels as rms_triton
-
-        mod = rms_triton if key.op == "rms_norm" else ln_triton
-        benchmark.extra_info["triton_launch"] = mod.launch_paths()
+        benchmark.extra_info["triton_launch"] = {name: path for name, path in _triton.launch_paths().items()
+                                                 if name.startswith(key.op)}
 
 
 # ------------------------------------------------------------------ where the host time of a call goes
 
 
 def _host_parts():
+    from pcvr_lib.kernels import _tilelang
     from pcvr_lib.kernels.rms_norm import common
-    from pcvr_lib.kernels.rms_norm import tilelang_kernels as rms_tl
-    from pcvr_lib.kernels.rms_norm import triton_kernels as rms_tr
+    from pcvr_lib.kernels.rms_norm import tilelang_impl as rms_tl
+    from pcvr_lib.kernels.rms_norm import triton_impl as rms_tr
     from pcvr_lib.kernels.rms_norm.config import block_config, next_pow2
 
     x = torch.randn(8192, 128, device="cuda", dtype=torch.float16)
@@ -183,17 +141,16 @@ def _host_parts():
     args = (x, w, y, y, 8192, 128, 1e-6, block_m, next_pow2(128), False)
     rms_norm(x, w, backend="triton")
     rms_norm(x, w, backend="tilelang")
-    launcher = rms_tl._launcher("fwd", 128, torch.float16, x.device, False)
-    jit = rms_tl.forward_kernel(128, torch.float16, False, x.device)
+    launcher = _tilelang.LAUNCHERS[("rms_norm.fwd_infer", 128, torch.float16, x.get_device())]
+    jit = rms_tl.KERNELS.compile(("rms_norm.fwd_infer", 128, torch.float16), _tilelang.arch(x.device))
+    triton_key = (x.get_device(), next_pow2(128), block_m, warps, rms_tr.align_key(x, w, y, y, 128), False)
     return {
         "torch_empty_like": lambda: torch.empty_like(x),
         "torch_tiny_kernel_launch": lambda: small.add_(1.0),
         "check_norm_inputs": lambda: common.check_norm_inputs("rms_norm", "triton", x, w),
         "rows_view": lambda: common.rows_view(x),
         "triton_jit_launch": lambda: rms_tr._rms_fwd.compiled[(8192 // block_m,)](*args, num_warps=warps),
-        "triton_direct_launch": lambda: rms_tr._launch_fwd(
-            (next_pow2(128), block_m, warps, rms_tr.align_key(x, w, y, y, 128), False), (8192 // block_m,),
-            args, warps, x.device),
+        "triton_direct_launch": lambda: rms_tr._launch_fwd(triton_key, (8192 // block_m, 1, 1), args, warps),
         "tilelang_jitkernel_call": lambda: jit(x, w, y, 1e-6),
         "tilelang_executable_call": lambda: launcher(x, w, y, 1e-6),
         "rms_norm_triton_call": lambda: rms_norm(x, w, backend="triton"),
@@ -275,9 +232,9 @@ def test_triton_tile_exploration(benchmark, monkeypatch, op, shape, kernel, tile
     TILE_ELEMENTS (elements per program) and, for the backward, its persistent grid's programs per SM.
     Each variant is checked against the fp64 reference (poisoned outputs) first.
     """
-    from pcvr_lib.kernels.layer_norm import triton_kernels as ln_tr
+    from pcvr_lib.kernels.layer_norm import triton_impl as ln_tr
     from pcvr_lib.kernels.rms_norm import config
-    from pcvr_lib.kernels.rms_norm import triton_kernels as rms_tr
+    from pcvr_lib.kernels.rms_norm import triton_impl as rms_tr
 
     kb.require_gpu_backend(op, "triton")
     dtype = torch.float16
@@ -320,3 +277,51 @@ def test_triton_tile_exploration(benchmark, monkeypatch, op, shape, kernel, tile
     passes = 2 if kernel == "fwd" else 3  # bwd kernel: reads x and dy, writes dx (stats and partials small)
     kb.run_case(benchmark, key=key, backend="triton", call=call, check=check,
                 bytes_moved=passes * x.numel() * x.element_size(), rounds=ROUNDS)
+
+
+# ------------------------------------------------------------------ the launcher's own host cost (CPU)
+
+
+def _old_embedding_launch(compiled, raw_run, stream, kernel, grid, args, key, num_warps):
+    """The embedding's direct path before the shared launcher (baa6a65), the baseline of the A/B below."""
+    ck = compiled.get(key)
+    if ck is not None and raw_run[0]:
+        ck.run(grid, 1, 1, stream(args[0].get_device()), ck.function, ck.packed_metadata, None, None, None, *args)
+
+
+def _no_op_run(*args):
+    """The fake compiled kernel's launcher (the same in both paths, so the difference is the dispatch)."""
+
+
+@pytest.mark.parametrize("path", ["shared_launcher", "old_embedding_direct"], ids=lambda p: f"launch_path={p}")
+def test_launcher_host_overhead(benchmark, monkeypatch, path):
+    """Host seconds per launch of a cached key with a fake compiled kernel (a no-op launcher), so only the
+    Python dispatch is timed: the shared `_triton.Launcher` against the embedding's old direct path, with
+    the same arguments. Runs on CPU; on the H200 the benchmarks' host statistic is what counts."""
+    x = torch.zeros(16)
+    args = (x, x, x, x, 8192, 4, 1_000_000, 64, 16, 4, 64, False)
+    key = (0, torch.float16, torch.int64, 64, 16, 4, False, (0, True, True), 4)
+    monkeypatch.setattr(_triton, "_raw_stream", int)
+    if path == "shared_launcher":
+        launcher = _triton.Launcher(_triton.DualKernel(lambda: None), "host_overhead.fake")
+        launcher.fast[key] = (_no_op_run, 1, 2, 0)
+        grid = (512, 1, 1)
+
+        def call():
+            launcher(key, grid, args, 4)
+    else:
+        class Compiled:
+            function, packed_metadata = 1, 2
+            run = staticmethod(_no_op_run)
+
+        compiled, raw_run = {key: Compiled()}, [True]
+
+        def stream(device):
+            return int(device)
+
+        def call():
+            _old_embedding_launch(compiled, raw_run, stream, None, 512, args, key, 4)
+
+    benchmark.group = "triton launcher host overhead (fake kernel, CPU)"
+    benchmark.extra_info.update({"launch_path": path, "timer": "wall_clock_host_only"})
+    benchmark(call)

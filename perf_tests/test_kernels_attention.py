@@ -7,8 +7,9 @@ backend (SDPA's own choice), `triton` and `tilelang`. Masked cases give SDPA the
 `speedup_vs_torch` is against the best SDPA backend measured for the same case in this run.
 
 Each case checks first (a mismatch fails it untimed): output (and dq, dk, dv for fwd+bwd) against an
-fp64 reference computed on the GPU one batch row at a time, by the flash-attention rule (error <= 2x the error of SDPA's
-default in the same dtype + one ulp at the largest magnitude). Then per-call time as a user sees it
+fp64 reference computed on the GPU one batch row at a time (attention.workload), by the flash-attention rule
+(tolerance.flash_rule: error <= 2x the error of SDPA's default dispatch in the same dtype, measured once per case
+outside any forced backend, + one ulp at the largest magnitude). Then per-call time as a user sees it
 (back-to-back calls, host work included, no CUDA graph) via perf_tests/kernel_bench.py; device-only time
 beside it (graph replay for fwd, the profiler's kernel-time sum for fwd+bwd, whose autograd pass is not
 captured). FLOPs: 4*B*H*Sq*Skv*D forward, 3.5x that for fwd+bwd; half for the causal
@@ -21,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import json
-import math
 import os
 import sys
 
@@ -29,38 +29,28 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pcvr_lib.kernels import flash_attention
-from pcvr_lib.kernels.attention import OP, allowed_mask
+from pcvr_lib.kernels import flash_attention, precompile
+from pcvr_lib.kernels.attention import OP, allowed_mask, workload
 from pcvr_lib.kernels.testing import poisoned_outputs
+from pcvr_lib.kernels.tolerance import flash_rule, max_abs_error
 
 try:
     from perf_tests import kernel_bench as kb
+    from perf_tests.conftest import sdpa_only
 except ImportError:  # run as a script from perf_tests/
     import kernel_bench as kb
 
+    from conftest import sdpa_only
+
 CUDA = torch.cuda.is_available()
 DTYPES = {name: kb.DTYPES[name] for name in ("fp16", "bf16")}
-ULP = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
 SDPA = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
 # baselines first (the speedups need their times); without a GPU only the torch backend's case code runs
 BACKENDS = (*SDPA, "triton", "tilelang") if CUDA else ("torch",)
-MODE_ARGS = {  # mask -> (key lengths, causal, causal_valid)
-    "none": (False, False, False),
-    "key_lengths": (True, False, False),
-    "causal_valid": (True, False, True),
-}
-# name, B, H, S, D, masks, directions (the targets of issue 4)
-GPU_SHAPES = [
-    ("B8xH8xS128xD64", 8, 8, 128, 64, ("key_lengths", "none"), ("fwd", "fwd+bwd")),
-    ("B64xH8xS256xD64", 64, 8, 256, 64, ("none", "key_lengths"), ("fwd",)),
-    ("B16xH8xS1024xD64", 16, 8, 1024, 64, ("none",), ("fwd", "fwd+bwd")),
-    ("B4xH16xS4096xD128", 4, 16, 4096, 128, ("none",), ("fwd", "fwd+bwd")),
-]
-# TileLang compiles each variant for tens of seconds on the GPU host: its cases are the targets' (PCVR with
-# key lengths, and the two long shapes it is compared with Triton at)
-TILELANG_SKIP = {("B8xH8xS128xD64", "none"), ("B64xH8xS256xD64", "none"), ("B64xH8xS256xD64", "key_lengths")}
-CPU_SHAPES = [("B2xH2xS16xD32", 2, 2, 16, 32, ("key_lengths",), ("fwd", "fwd+bwd"))]
-SHAPES = GPU_SHAPES if CUDA else CPU_SHAPES
+MODE_ARGS = workload.MODES  # mask -> (key lengths, causal, causal_valid)
+GPU_SHAPES = workload.PERF_SHAPES
+TILELANG_SKIP = workload.PERF_TILELANG_SKIP
+SHAPES = GPU_SHAPES if CUDA else workload.CPU_PERF_SHAPES
 
 
 def cases():
@@ -83,17 +73,8 @@ def precompiled():
     (skipped when PCVR_ATTENTION_PRECOMPILED=1 says the caller already did)."""
     if not CUDA or os.environ.get("PCVR_ATTENTION_PRECOMPILED") == "1":
         return
-    from pcvr_lib.kernels.attention import precompile
-
-    specs = []
-    for name, _, _, S, D, masks, _ in GPU_SHAPES:
-        bucket = 0 if S <= 128 else (1 if S <= 512 else 2)
-        specs.append(f"triton:{D}:fp16,bf16:{','.join(masks)}:0:{bucket}")
-        tl_masks = [m for m in masks if (name, m) not in TILELANG_SKIP]
-        if tl_masks:
-            specs.append(f"tilelang:{D}:fp16,bf16:{','.join(tl_masks)}:0:{bucket}")
-    variants = sorted({v for s in specs for v in precompile.parse_spec(s)}, key=str)
-    precompile.precompile(variants, workers=max(1, min(14, (os.cpu_count() or 2) - 2)))
+    workers = str(max(1, min(14, (os.cpu_count() or 2) - 2)))
+    precompile.main(["flash_attention", "--run-triton", "--workers", workers])
 
 
 _PROBLEM: dict = {}
@@ -123,51 +104,23 @@ _REF: dict = {}
 
 
 def reference(q, k, v, do, kl, mask, direction):
-    """fp64 attention (and its gradients) computed on the device one batch row at a time."""
+    """fp64 attention (and its gradients) on the device, one batch row at a time (the workload's)."""
     use_kl, causal, causal_valid = MODE_ARGS[mask]
-    B, H, S, D = q.shape
-    outs, grads = [], []
-    for b in range(B):
-        qb, kb_, vb = (t[b:b + 1].double().requires_grad_() for t in (q, k, v))
-        allowed = allowed_mask(1, S, S, kl[b:b + 1] if kl is not None else None, causal, causal_valid, q.device)
-        scores = torch.matmul(qb, kb_.transpose(-1, -2)) / math.sqrt(D)
-        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")), dim=-1)
-        out = torch.matmul(probs, vb)
-        outs.append(out.detach())
-        if direction != "fwd":
-            grads.append(torch.autograd.grad(out, (qb, kb_, vb), do[b:b + 1].double()))
-        del scores, probs
-    result = [torch.cat(outs)]
-    if grads:
-        result += [torch.cat([g[i] for g in grads]) for i in range(3)]
-    return result
+    q64, k64, v64 = (t.detach().double().requires_grad_(direction != "fwd") for t in (q, k, v))
+    out = workload.reference(q64, k64, v64, kl, causal, causal_valid)
+    if direction == "fwd":
+        return [out.detach()]
+    return [out.detach(), *torch.autograd.grad(out, (q64, k64, v64), do.double())]
 
 
-class _SdpaOnly:
-    """Enable exactly one SDPA implementation through the global switches (restored on exit)."""
-
-    SWITCHES = {"sdpa_flash": "flash", "sdpa_efficient": "mem_efficient", "sdpa_cudnn": "cudnn"}
-
-    def __init__(self, backend):
-        self.backend = backend
-
-    def __enter__(self):
-        cuda = torch.backends.cuda
-        self.saved = (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(),
-                      cuda.cudnn_sdp_enabled())
-        want = self.SWITCHES[self.backend]
-        cuda.enable_flash_sdp(want == "flash")
-        cuda.enable_mem_efficient_sdp(want == "mem_efficient")
-        cuda.enable_math_sdp(False)
-        cuda.enable_cudnn_sdp(want == "cudnn")
-        return self
-
-    def __exit__(self, *exc):
-        cuda = torch.backends.cuda
-        cuda.enable_flash_sdp(self.saved[0])
-        cuda.enable_mem_efficient_sdp(self.saved[1])
-        cuda.enable_math_sdp(self.saved[2])
-        cuda.enable_cudnn_sdp(self.saved[3])
+def baseline(rkey, q, k, v, do, kl, attn_mask, mask, direction):
+    """(fp64 reference, max error of SDPA's default dispatch against it) of one case, computed once with
+    every SDPA backend enabled (never inside a forced one)."""
+    if rkey not in _REF:
+        ref = reference(q, k, v, do, kl, mask, direction)
+        got = _as_list(make_call("torch", q, k, v, do, kl, attn_mask, mask, direction)())
+        _REF[rkey] = (ref, [max_abs_error(a, r) for a, r in zip(got, ref, strict=True)])
+    return _REF[rkey]
 
 
 def make_call(backend, q, k, v, do, kl, attn_mask, mask, direction):
@@ -211,9 +164,9 @@ def test_attention_perf(benchmark, backend, shape, mask, dtype, direction):
     call = make_call(backend, q, k, v, do, kl, attn_mask, mask, direction)
     key = kb.CaseKey(OP, f"{shape[0]},mask={mask}", dtype, direction)
     dt = DTYPES[dtype]
-    rkey = (shape, mask, dtype, direction)
+    ref, torch_err = baseline((shape, mask, dtype, direction), q, k, v, do, kl, attn_mask, mask, direction)
 
-    with _SdpaOnly(backend) if backend in SDPA else contextlib.nullcontext():
+    with sdpa_only(backend) if backend in SDPA else contextlib.nullcontext():
         try:
             first, first_s = kb.timed_first_call(call)
         except RuntimeError as exc:  # SDPA: "No available kernel" for this input
@@ -223,35 +176,18 @@ def test_attention_perf(benchmark, backend, shape, mask, dtype, direction):
         del first
 
         def check():
-            if rkey not in _REF:
-                _REF[rkey] = reference(q, k, v, do, kl, mask, direction)
-                baseline = _as_list(make_call("torch", q, k, v, do, kl, attn_mask, mask, direction)())
-                _REF[(*rkey, "torch_err")] = [float((a.detach().double() - r).abs().max()) for a, r in
-                                              zip(baseline, _REF[rkey], strict=True)]
-            ref, torch_err = _REF[rkey], _REF[(*rkey, "torch_err")]
             with poisoned_outputs(device):  # stale values from the timed calls must not pass the check
                 got = _as_list(call())
             worst_abs, worst_rel = 0.0, 0.0
             for name, a, r, te in zip(("out", "dq", "dk", "dv"), got, ref, torch_err, strict=False):
-                a = a.detach().double()
-                assert not torch.isnan(a).any(), f"{backend} {name}: NaN"
-                err = float((a - r).abs().max())
-                top = float(r.abs().max())
-                bound = 2.0 * te + ULP[dt] * max(top, 1e-3)
-                assert err <= bound, f"{backend} {name}: max error {err:.3g} > 2 x SDPA's {te:.3g} + ulp ({bound:.3g})"
-                worst_abs = max(worst_abs, err)
-                worst_rel = max(worst_rel, err / top if top > 0 else err)
+                err, rel = flash_rule(a, r, te, dt, f"{backend} {name}")
+                worst_abs, worst_rel = max(worst_abs, err), max(worst_rel, rel)
             return worst_abs, worst_rel
 
         name, B, H, S, D = shape
-        flops = 4 * B * H * S * S * D
-        if direction != "fwd":
-            flops = int(flops * 3.5)
+        flops = workload.flops(B, H, S, D, mask, direction)
         causal = MODE_ARGS[mask][1] or MODE_ARGS[mask][2]
-        if causal:
-            flops //= 2
-        esize = q.element_size()
-        nbytes = 4 * B * H * S * D * esize * (1 if direction == "fwd" else 2)
+        nbytes = workload.bytes_moved(B, H, S, D, q.element_size(), direction)
         info = kb.run_case(benchmark, key=key, backend=backend, call=call, check=check, bytes_moved=nbytes,
                            flops=flops, compile_s=first_s if backend in ("triton", "tilelang") else None,
                            rounds=20, graph=(direction == "fwd"))

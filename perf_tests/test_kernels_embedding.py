@@ -20,12 +20,15 @@ Print the table of a saved run: python -m perf_tests.kernel_bench RUN.json --by-
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 import torch.nn.functional as F
 
+from pcvr_lib.kernels import compile_log, precompile
 from pcvr_lib.kernels import embedding_bag as eb
-from pcvr_lib.kernels.embedding_bag import common
+from pcvr_lib.kernels.embedding_bag import workload
 from pcvr_lib.kernels.testing import poisoned_outputs
 from pcvr_lib.kernels.tolerance import Tolerance, assert_close, max_errors, tolerance
 from perf_tests import kernel_bench as kb
@@ -34,32 +37,10 @@ OP = eb.OP
 CUDA = torch.cuda.is_available()
 DTYPES = kb.DTYPES  # "fp16" -> torch.float16, ...
 
-# name, B, V, D, L, dtypes
-GPU_SHAPES = [
-    ("B8192xV1MxD64xbag4", 8192, 1_000_000, 64, 4, ("fp16", "fp32")),
-    ("B65536xV1MxD128xbag8", 65536, 1_000_000, 128, 8, ("fp16", "fp32")),
-    ("B8192xV10MxD64xbag20", 8192, 10_000_000, 64, 20, ("fp16",)),
-]
-CPU_SHAPES = [("B256xV1000xD16xbag4", 256, 1000, 16, 4, ("fp32",))]
-SHAPES = GPU_SHAPES if CUDA else CPU_SHAPES
-DISTS = ("uniform", "zipf")
+SHAPES = workload.PERF_SHAPES if CUDA else workload.CPU_PERF_SHAPES
+DISTS = workload.DISTS
 FWD_BACKENDS = ("torch", "triton", "tilelang", "cuembed")
 TRAIN_BACKENDS = ("torch", "triton", "tilelang")
-PAD = 0.25
-
-
-def make_ids(batch, num_rows, bag, dist, device, seed=0):
-    g = torch.Generator(device=device).manual_seed(seed)
-    if dist == "uniform":
-        ids = torch.randint(1, num_rows, (batch, bag), generator=g, device=device)
-        ids[torch.rand((batch, bag), generator=g, device=device) < PAD] = 0
-        return ids
-    u = torch.rand((batch, bag), generator=g, device=device, dtype=torch.float64)
-    rank = torch.exp(u * torch.log(torch.tensor(float(num_rows - 1), dtype=torch.float64))).floor().to(torch.int64)
-    ids = (rank * 1_000_003) % (num_rows - 1) + 1
-    lengths = torch.randint(1, bag + 1, (batch, 1), generator=g, device=device)
-    ids[torch.arange(bag, device=device)[None, :] >= lengths] = 0
-    return ids
 
 
 def cases():
@@ -78,15 +59,12 @@ def cases():
 
 @pytest.fixture(scope="module", autouse=True)
 def tilelang_precompiled():
-    """On a GPU, compile the TileLang variants of these shapes concurrently before timing anything
-    (their compile seconds are still recorded per kernel and reported per case)."""
+    """On a GPU, compile the workload's TileLang manifest in parallel processes before timing anything (the
+    cases then load from TileLang's disk cache; each kernel's seconds are still recorded and reported)."""
     if not CUDA or not eb.backend_status("tilelang", "cuda")[0]:
         return None
-    from pcvr_lib.kernels.embedding_bag import tilelang_impl as ti
-
-    specs = [(DTYPES[dt], torch.int64, dim, ti.vector_width(dim, DTYPES[dt].itemsize, 0), kind)
-             for _, _, _, dim, _, dts in SHAPES for dt in dts for kind in ("fwd", "fwd_train", "bwd_sparse")]
-    return ti.precompile(specs)
+    jobs = precompile.tilelang_jobs(["embedding_bag_mean"], precompile.default_arch())
+    return precompile.run_pool(precompile.compile_job, jobs, min(16, os.cpu_count() or 1), "tilelang")
 
 
 _INPUTS: dict[tuple, tuple] = {}
@@ -96,12 +74,7 @@ def inputs(shape, dtype, dist, device):
     key = (shape, dtype, dist)
     if key not in _INPUTS:
         _INPUTS.clear()  # one problem's tensors at a time (the V10M table is 1.3 GB)
-        name, batch, num_rows, dim, bag = shape
-        g = torch.Generator(device=device).manual_seed(1)
-        weight = torch.randn((num_rows, dim), generator=g, device=device).to(DTYPES[dtype])
-        ids = make_ids(batch, num_rows, bag, dist, device)
-        grad_out = torch.randn((batch, dim), generator=g, device=device).to(DTYPES[dtype])
-        _INPUTS[key] = (weight, ids, grad_out)
+        _INPUTS[key] = workload.perf_inputs(shape, dtype, dist, device)
     return _INPUTS[key]
 
 
@@ -145,16 +118,6 @@ def grad_check(grad, weight, ids, grad_out):
     return max_errors(a, e)
 
 
-def count_bytes(weight, ids, direction):
-    num_rows, dim = weight.shape
-    esize = weight.element_size()
-    valid = int(((ids > 0) & (ids < num_rows)).sum())
-    fwd = valid * dim * esize + ids.numel() * ids.element_size() + ids.shape[0] * dim * esize
-    if direction == "fwd":
-        return fwd
-    return fwd + ids.shape[0] * dim * esize + ids.numel() * (ids.element_size() + dim * esize + 8)
-
-
 @pytest.mark.parametrize("backend,shape,dtype,dist,direction", cases())
 def test_embedding_bag_perf(benchmark, backend, shape, dtype, dist, direction):
     if not CUDA:
@@ -166,18 +129,9 @@ def test_embedding_bag_perf(benchmark, backend, shape, dtype, dist, direction):
     weight, ids, grad_out = inputs(shape, dtype, dist, device)
     call = make_call(backend, weight, ids, grad_out, direction)
 
-    before = dict(common.compile_seconds)
+    before = dict(compile_log.SECONDS)
     _, first_s = kb.timed_first_call(call)
-    new = {k: v for k, v in common.compile_seconds.items() if k not in before}
-    if not new and backend == "tilelang":  # compiled by the fixture: report those kernels' seconds
-        def used(k):
-            if k[0] != "tilelang" or k[3:6] != (weight.shape[1], weight.dtype, ids.dtype):
-                return False
-            if direction == "fwd":
-                return k[1] == "fwd" and k[-1] is False
-            return (k[1] == "fwd" and k[-1] is True) or k[1] == "bwd_sparse"
-
-        new = {k: v for k, v in common.compile_seconds.items() if used(k)}
+    new = {k: v for k, v in compile_log.SECONDS.items() if k not in before}
     compile_s = sum(new.values()) if new else 0.0
 
     def check():
@@ -195,7 +149,7 @@ def test_embedding_bag_perf(benchmark, backend, shape, dtype, dist, direction):
     key = kb.CaseKey(OP, f"{shape[0]},dist={dist}", dtype, direction)
     torch_call = make_call("torch", weight, ids, grad_out, direction)
     info = kb.run_case(benchmark, key=key, backend=backend, call=call, check=check,
-                       bytes_moved=count_bytes(weight, ids, direction), compile_s=compile_s,
+                       bytes_moved=workload.bytes_moved(weight, ids, direction), compile_s=compile_s,
                        torch_call=torch_call, rounds=15, graph=(direction == "fwd"))
     benchmark.extra_info.update({"dist": dist, "shape": shape[0], "first_call_s": round(first_s, 3),
                                  "compiled_now": bool(new), "ids_dtype": str(ids.dtype).replace("torch.", "")})

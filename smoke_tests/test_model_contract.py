@@ -133,7 +133,8 @@ def test_checkpoint_round_trip_identical_predictions(name, schema, batch, tmp_pa
                          "seq_c:12,seq_d:12", model_config={"vocab_cap": TEST_CAP})
     folder = save_checkpoint(tmp_path, model, schema, config, step=3, auc=0.61234567)
     assert folder.name == "global_step3.AUC=0.612346"
-    assert sorted(p.name for p in folder.iterdir()) == ["model.safetensors", "schema.json", "train_config.json"]
+    assert sorted(p.name for p in folder.iterdir()) == ["checkpoint.json", "model.safetensors", "schema.json",
+                                                       "train_config.json"]
     rebuilt, _, loaded_config, _ = load_checkpoint(tmp_path)
     rebuilt.eval()
     assert loaded_config.model_config == dataclasses.asdict(model.config)

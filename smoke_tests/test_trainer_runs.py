@@ -142,14 +142,14 @@ def test_checkpoint_loads_without_pickles(finished_run, monkeypatch):
 def test_clear_errors_for_bad_paths_and_options(data, tmp_path, capsys):
     with pytest.raises(TrainError, match="data file not found"):
         train(_config(tmp_path / "missing.parquet", tmp_path / "x"))
-    with pytest.raises(TrainError, match="no checkpoint under"):
+    with pytest.raises(TrainError, match="no complete checkpoint under"):
         validate(tmp_path)
     with pytest.raises(TrainError, match="steps must be >= 1"):
         train(_config(data, tmp_path / "y", steps=0))
     with pytest.raises(TrainError, match="CUDA is not available|not a torch device"):
         train(_config(data, tmp_path / "z", device="cuda:7" if not torch.cuda.is_available() else "tpu"))
     assert cli_main(["val", "--run-dir", str(tmp_path)]) == 2
-    assert "no checkpoint under" in capsys.readouterr().err
+    assert "no complete checkpoint under" in capsys.readouterr().err
     assert cli_main(["train", "--model", "nope", "--data", str(data), "--run-dir", str(tmp_path / "n")]) == 2
     assert "unknown model 'nope'" in capsys.readouterr().err
 

@@ -414,15 +414,32 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--schema", required=True, help="schema JSON (raw_parquet format)")
     parser.add_argument("--rows", type=int, default=1000, help="rows of the base table (default 1000)")
     parser.add_argument("--multiplier", type=int, default=1, help="repeat the base table N times with jitter")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--row-group-size", type=int, default=1000)
+    parser.add_argument("--seed", type=int, default=0, help="generator seed (default 0)")
+    parser.add_argument("--row-group-size", type=int, default=1000, help="parquet rows per row group (default 1000)")
     parser.add_argument("--out", help="parquet path to write (default: the content-hash cache directory)")
     parser.add_argument("--cache-dir", help="cache directory (default .cache/pcvr or $PCVR_CACHE_DIR)")
     parser.add_argument("--force", action="store_true", help="overwrite / regenerate an existing file")
-    parser.add_argument("--no-progress", action="store_true")
+    parser.add_argument("--no-progress", action="store_true", help="no progress bar (none is shown off a terminal)")
 
 
 def run(args: argparse.Namespace) -> int:
+    from pcvr_lib.cli import CommandError, check_writable
+    from pcvr_lib.progress import interactive
+
+    # argument errors before any work (the schema is checked by generate_dataset before it generates)
+    for option, value, low in (("--rows", args.rows, 1), ("--multiplier", args.multiplier, 1),
+                               ("--row-group-size", args.row_group_size, 1), ("--seed", args.seed, 0)):
+        if value < low:
+            raise CommandError(f"{option} must be >= {low}, got {value}")
+    if args.out is not None:
+        out = Path(args.out)
+        if out.is_dir():
+            raise CommandError(f"--out {out} is a folder; give the parquet file's path, e.g. {out / 'data.parquet'}")
+        if out.exists() and not args.force:
+            raise CommandError(f"--out {out} exists; pass --force to overwrite it or choose another path")
+        check_writable(out.parent, "--out")
+    else:
+        check_writable(Path(args.cache_dir) if args.cache_dir else default_cache_dir(), "--cache-dir")
     path = generate_dataset(
         args.schema,
         rows=args.rows,
@@ -431,7 +448,7 @@ def run(args: argparse.Namespace) -> int:
         row_group_size=args.row_group_size,
         cache_dir=args.cache_dir,
         force=args.force,
-        progress=not args.no_progress,
+        progress=not args.no_progress and interactive(),  # no bar in logs or CI
         out=args.out,
     )
     meta = pq.ParquetFile(path).metadata

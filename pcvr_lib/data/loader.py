@@ -1,7 +1,10 @@
 """The data loader: parquet row groups -> Arrow -> convert -> cache -> split filter -> augment.
 
-Batches never cross row groups: row group g of n rows gives batches b = 0 .. ceil(n / batch_size) - 1,
-keyed (file, g, b); the key is also the cache key. Two modes:
+Split first, then batch: batches never cross row groups, and within row group g the rows of the chosen
+split side are cut into batches b = 0 .. ceil(side rows / batch_size) - 1, keyed (file, g, b); the key is
+also the cache key. So every batch holds exactly `batch_size` rows of the side except the last one of each
+row group. A batch is converted as the contiguous span of rows from its first to its last side row, then
+the rows of the other side are dropped (the converter numbers rows by position). Two modes:
 
 - `sweep`: `passes` scans over the row groups that hold rows of the chosen split side (row-group order
   shuffled per pass by the seed when `shuffle=True`), each batch of a group in order;
@@ -139,8 +142,8 @@ class _Pipeline:
         return getattr(self, name).read_row_group(group, columns=self.loader.columns, use_threads=True)
 
     def _slice(self, table: pa.Table, key: BatchKey) -> pa.Table:
-        start = key[2] * self.loader.batch_size
-        return table.slice(start, min(self.loader.batch_size, table.num_rows - start))
+        start, stop = self.loader.spans[key]
+        return table.slice(start - int(self.loader.row_group_offsets[key[1]]), stop - start)
 
     def _reader(self, items: Sequence[tuple[int, int, BatchKey]], out: queue.Queue, stop: threading.Event):
         """Read-ahead thread: for each run of items in the same row group, decode it unless all cached."""
@@ -344,8 +347,8 @@ class PcvrLoader:
         else:
             self.split = None
         self._mask = self.split.mask(side) if self.split is not None else None
-        self.batches_per_group = int(-(-self.row_group_rows.max() // self.batch_size))
-        self._keys, self._key_rows = self._eligible_keys()
+        self._keys, self._key_rows, self.spans = self._eligible_keys()
+        self.batches_per_group = max(key[2] for key in self._keys) + 1 if self._keys else 1
         if not self._keys:
             raise LoaderError(f"no rows on the {side!r} side of {self.path}")
         self._plan: list[tuple[int, int, BatchKey]] | None = None
@@ -359,21 +362,21 @@ class PcvrLoader:
 
     # -- planning ----------------------------------------------------------------------------------
     def batch_start(self, key: BatchKey) -> int:
-        return int(self.row_group_offsets[key[1]]) + key[2] * self.batch_size
+        return self.spans[key][0]
 
-    def _eligible_keys(self) -> tuple[list[BatchKey], np.ndarray]:
-        keys, rows = [], []
+    def _eligible_keys(self) -> tuple[list[BatchKey], np.ndarray, dict[BatchKey, tuple[int, int]]]:
+        """Batch keys, their row counts, and the span [start, stop) of file rows each one is cut from."""
+        keys, rows, spans = [], [], {}
         for group, n in enumerate(self.row_group_rows.tolist()):
-            for b in range(-(-n // self.batch_size)):
+            base = int(self.row_group_offsets[group])
+            side_rows = np.arange(n) if self._mask is None else np.flatnonzero(self._mask[base : base + n])
+            for b, first in enumerate(range(0, len(side_rows), self.batch_size)):
+                chunk = side_rows[first : first + self.batch_size]
                 key = (self.file_key, group, b)
-                start = self.batch_start(key)
-                count = min(self.batch_size, n - b * self.batch_size)
-                if self._mask is not None:
-                    count = int(self._mask[start : start + count].sum())
-                if count:
-                    keys.append(key)
-                    rows.append(count)
-        return keys, np.array(rows, dtype=np.int64)
+                keys.append(key)
+                rows.append(len(chunk))
+                spans[key] = (base + int(chunk[0]), base + int(chunk[-1]) + 1)
+        return keys, np.array(rows, dtype=np.int64), spans
 
     def plan_items(self) -> list[tuple[int, int, BatchKey]]:
         """The whole access plan: (pass, position in pass, key), deterministic by seed."""
@@ -398,12 +401,16 @@ class PcvrLoader:
         self._plan = plan
         return plan
 
+    def skip(self, count: int) -> None:
+        """Drop the first `count` items of the plan: a resumed training run continues where it stopped."""
+        self._plan = self.plan_items()[_check_int("count", count, 0):]
+
     def filter_rows(self, batch: Batch, key: BatchKey) -> Batch:
         """Keep the rows of the loader's split side (a no-op without a split or for a batch fully inside)."""
         if self._mask is None:
             return batch
-        start = self.batch_start(key)
-        local = self._mask[start : start + batch.batch_size]
+        start, stop = self.spans[key]
+        local = self._mask[start:stop]
         if local.all():
             return batch
         return batch.select(torch.from_numpy(np.flatnonzero(local)))

@@ -1,9 +1,17 @@
-"""TileLang plumbing shared by the operators: target choice, an in-process kernel cache, compile times.
+"""The one TileLang runtime every kernel uses: target choice, one compile cache, the direct executable.
 
-Kernels are compiled once per key (operator, kernel kind, width class, dtype, launch parameters); the
-row count is a symbolic dimension, so a new M never recompiles. TileLang also keeps compiled kernels on
-disk (TILELANG_CACHE_DIR, default ~/.tilelang/cache), so a second process only loads them.
-Without a GPU the kernels still lower and compile for sm_90 (nvcc), which the CPU tests check.
+- `arch(device, arch_specific)` is the one architecture rule: the device's sm_XY (sm_90 without a device,
+  the H200's, for compile-only checks and precompiling on a CPU machine), with Hopper's arch-specific
+  "a" variant (sm_90a: wgmma, register reallocation) only for kernels that ask for it (attention).
+- `kernel(key, build, arch, pass_configs)` compiles `build()` (a prim_func) once per (key, arch) in this
+  process and records the seconds in `compile_log` (compile, or load from TileLang's disk cache,
+  TILELANG_CACHE_DIR, default ~/.tilelang/cache: a second process only loads).
+- `launcher(key, build, device, ...)` is what a launch calls: the TVM-FFI executable of that kernel (it
+  checks ranks, dtypes and static dims and launches on torch's current stream), skipping the JITKernel
+  wrapper's per-call Python work (H200 run 2: 7.5 us per call against 11.2 us through JITKernel.__call__).
+  Callers look `LAUNCHERS[key + (device index,)]` up first and call this only on a miss.
+The compile arguments (target dict, out_idx, execution backend, pass configs) are part of TileLang's disk
+cache key: they are the ones the kernels were always compiled with, so a cache built before stays valid.
 """
 
 from __future__ import annotations
@@ -14,9 +22,11 @@ from collections.abc import Callable
 
 import torch
 
-COMPILE_SECONDS: dict[tuple, float] = {}
+from pcvr_lib.kernels import compile_log
+
+DEFAULT_ARCH = "sm_90"  # the H200's, when there is no device to ask
 _KERNELS: dict[tuple, object] = {}
-_LAUNCHERS: dict[tuple, Callable] = {}
+LAUNCHERS: dict[tuple, Callable] = {}
 _TORCH_TO_TL = {torch.float16: "float16", torch.bfloat16: "bfloat16", torch.float32: "float32",
                 torch.int32: "int32", torch.int64: "int64"}
 
@@ -25,60 +35,70 @@ def tl_dtype(dtype: torch.dtype) -> str:
     return _TORCH_TO_TL[dtype]
 
 
-def cuda_target(device: torch.device | None = None) -> dict:
-    """The device's architecture when there is one, else sm_90 (the H200's), for compile-only checks."""
-    if device is not None and device.type == "cuda":
-        return {"kind": "cuda", "arch": _arch(device.index if device.index is not None else -1)}
-    return {"kind": "cuda", "arch": "sm_90"}
+def arch(device: torch.device | None = None, arch_specific: bool = False, base: str | None = None) -> str:
+    """sm_XY of `device` (or `base`, e.g. "sm_90a" from the command line, or DEFAULT_ARCH), plus "a" on
+    Hopper when `arch_specific` (and never otherwise: the norms' and embedding's cache entries are sm_90)."""
+    if base is None:
+        base = _device_arch(device.index if device.index is not None else -1) \
+            if device is not None and device.type == "cuda" else DEFAULT_ARCH
+    base = base.removesuffix("a")
+    return base + "a" if arch_specific and base == "sm_90" else base
 
 
 @functools.cache
-def _arch(index: int) -> str:
-    # cached: querying the capability costs microseconds, and the launch path asks on every call
+def _device_arch(index: int) -> str:
     major, minor = torch.cuda.get_device_capability(None if index < 0 else index)
     return f"sm_{major}{minor}"
 
 
-def get_launcher(key: tuple, build: Callable[[], object], device: torch.device | None = None) -> Callable:
-    """A callable launching the kernel for `key` with every parameter (outputs preallocated).
-
-    It is the TVM-FFI executable itself (which checks ranks, dtypes and static dims and launches on
-    torch's current stream), skipping the JITKernel wrapper's per-call Python work; when the adapter
-    does not expose it, the JITKernel is returned.
-    """
-    arch = _arch(device.index if device.index is not None else -1) if device is not None and \
-        device.type == "cuda" else "sm_90"
+def kernel(key: tuple, build: Callable[[], object], arch: str, pass_configs: dict | None = None):
+    """The compiled JITKernel for `key` on `arch`, compiling `build()` on first use (key[0]: kernel name)."""
     full_key = (*key, arch)
-    launch = _LAUNCHERS.get(full_key)
-    if launch is None:
-        launch = _LAUNCHERS[full_key] = executable(get_kernel(key, build, device))
-    return launch
-
-
-def executable(kernel) -> Callable:
-    """The TVM-FFI executable of a compiled JITKernel (every parameter passed, outputs preallocated), or the
-    JITKernel itself when its adapter does not expose one. Saves the wrapper's per-call Python work
-    (H200 run 2: 7.5 us per call against 11.2 us through JITKernel.__call__)."""
-    adapter = getattr(kernel, "adapter", None)
-    return adapter.get_exportable_executable() if hasattr(adapter, "get_exportable_executable") else kernel
-
-
-def get_kernel(key: tuple, build: Callable[[], object], device: torch.device | None = None):
-    """The compiled kernel (JITKernel) for `key`, compiling `build()` (a prim_func) on first use."""
-    target = cuda_target(device)
-    full_key = (*key, target["arch"])
-    kernel = _KERNELS.get(full_key)
-    if kernel is None:
+    compiled = _KERNELS.get(full_key)
+    if compiled is None:
         import tilelang
 
         t0 = time.perf_counter()
-        kernel = tilelang.compile(build(), out_idx=None, target=target, execution_backend="tvm_ffi")
-        COMPILE_SECONDS[full_key] = time.perf_counter() - t0
-        _KERNELS[full_key] = kernel
-    return kernel
+        compiled = tilelang.compile(build(), out_idx=None, target={"kind": "cuda", "arch": arch},
+                                    execution_backend="tvm_ffi", pass_configs=pass_configs)
+        compile_log.record("tilelang", full_key, time.perf_counter() - t0)
+        _KERNELS[full_key] = compiled
+    return compiled
 
 
-def compile_seconds(prefix: tuple) -> float:
-    """Total compile (or disk-cache load) seconds of the kernels whose key starts with `prefix`."""
-    n = len(prefix)
-    return sum(s for k, s in COMPILE_SECONDS.items() if k[:n] == prefix)
+def launcher(key: tuple, build: Callable[[], object], device: torch.device, arch_specific: bool = False,
+             pass_configs: dict | None = None) -> Callable:
+    """The direct-call executable of `kernel(key, ...)` for `device`, kept in LAUNCHERS[(*key, index)]."""
+    compiled = kernel(key, build, arch(device, arch_specific), pass_configs)
+    adapter = getattr(compiled, "adapter", None)
+    launch = adapter.get_exportable_executable() if hasattr(adapter, "get_exportable_executable") else compiled
+    LAUNCHERS[(*key, device.index)] = launch
+    return launch
+
+
+class Kernels:
+    """One op's TileLang kernels: `builders` maps a kernel name ("rms_norm.bwd") to a function of the
+    variant (torch dtypes arrive as TileLang names) returning the prim_func.
+
+    `compile((name, *variant), arch)` compiles one without a device (precompile; `arch` normalised by the
+    rule above); `first((name, *variant, device index), device)` is a launch key's first call, returning
+    the executable it caches in LAUNCHERS. `pass_configs(key)` gives TileLang pass options per variant.
+    """
+
+    def __init__(self, builders: dict[str, Callable], arch_specific: bool = False,
+                 pass_configs: Callable[[tuple], dict | None] = lambda key: None):
+        self.builders = builders
+        self.arch_specific = arch_specific
+        self.pass_configs = pass_configs
+
+    def build(self, key: tuple) -> Callable[[], object]:
+        name, *variant = key
+        args = [tl_dtype(v) if isinstance(v, torch.dtype) else v for v in variant]
+        return lambda: self.builders[name](*args)
+
+    def compile(self, key: tuple, arch_name: str):
+        return kernel(key, self.build(key), arch(base=arch_name, arch_specific=self.arch_specific),
+                      self.pass_configs(key))
+
+    def first(self, key: tuple, device: torch.device) -> Callable:
+        return launcher(key[:-1], self.build(key[:-1]), device, self.arch_specific, self.pass_configs(key[:-1]))

@@ -1,21 +1,40 @@
-"""Triton plumbing shared by the operators: one kernel object that runs compiled on CUDA tensors and
-under Triton's interpreter on CPU tensors when TRITON_INTERPRET=1.
+"""The one Triton launcher every kernel uses: compiled on CUDA tensors, interpreted on CPU tensors.
 
-Triton 3.x reads TRITON_INTERPRET when `@triton.jit` runs, i.e. at import, for our kernels and for
-its own library functions (`tl.sum` is itself a jit function): a test that sets the variable later
-would still get compiled kernels, and an interpreted kernel would fail on `tl.sum` ("Cannot call
-@triton.jit'd outside of the scope of a kernel"). So `kernel(fn)` keeps the Python function and builds
-the compiled JITFunction and the InterpretedFunction lazily, choosing per launch from the tensors'
-device, and an interpreted launch swaps triton's library jit functions for interpreted ones for its
-duration. Tests set the variable with monkeypatch (restored after each test), so nothing leaks.
+`@kernel(do_not_specialize=[...])` replaces `@triton.jit`. It keeps the Python function and builds the
+compiled JITFunction and the InterpretedFunction lazily, so one kernel object serves both. Triton 3.x reads
+TRITON_INTERPRET when `@triton.jit` runs (at import), for our kernels and for its own library functions
+(`tl.sum` is itself a jit function): a test that sets the variable later would still get compiled
+kernels, and an interpreted kernel would fail on `tl.sum`. So the interpreter is chosen per launch from
+the tensors' device, and an interpreted launch swaps triton's library jit functions for interpreted twins
+for its duration. Tests set TRITON_INTERPRET with monkeypatch (the registry's gate for CPU tensors).
+
+`Launcher(kernel, name)` launches one kernel with as little host work as triton allows:
+- the first launch of a key goes through triton's JIT path (binding, specialisation, cache lookup,
+  compile when needed), is timed (compile or disk-cache load, first launch included) into
+  `compile_log`, and its CompiledKernel is kept;
+- later launches with that key call the kept kernel's launcher directly, the very call `JITFunction.run`
+  ends with: one dict lookup, one stream query, one foreign call.
+The key is the caller's and must pin everything triton specialises on (argument dtypes, 16-byte
+alignment of pointers and of the integers it does not exclude, constexprs, launch options) and the
+device. Launch hooks (a profiler's) are honoured by the JIT path: a key first launched while a hook is
+set is never cached, and `forget_compiled()` sends every later launch back through the JIT path once
+(set a hook, then call it). If the direct call fails with a TypeError (a triton whose launcher takes
+other arguments), the launcher uses the JIT path from then on and `fast_path_error` says why.
 """
 
 from __future__ import annotations
 
 import contextlib
 import functools
+import time
 
 import torch
+
+from pcvr_lib.kernels import compile_log
+
+# torch's raw current-stream handle (an int): triton's own getter builds a torch.cuda.Stream per call
+_raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None)
+_LAUNCHERS: list[Launcher] = []
 
 
 class DualKernel:
@@ -42,21 +61,18 @@ class DualKernel:
             self._interpreted = InterpretedFunction(self.fn)
         return self._interpreted
 
-    def for_device(self, device: torch.device):
-        return self.compiled if device.type == "cuda" else _Interpreted(self.interpreted)
+    def compiled_variants(self) -> int:
+        """How many binaries triton's JIT holds for this kernel in this process (all devices)."""
+        if self._compiled is None:
+            return 0
+        return sum(len(cache[0]) for cache in self._compiled.device_caches.values())
 
 
-class _Interpreted:
-    """`kernel[grid](...)` through the interpreter, with triton's library jit functions interpreted."""
-
-    def __init__(self, fn):
-        self.fn = fn
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            with interpreted_triton_library():
-                return self.fn[grid](*args, **kwargs)
-        return launch
+def kernel(do_not_specialize=()):
+    """Decorator: `@kernel(do_not_specialize=["M"])` instead of `@triton.jit`."""
+    def wrap(fn):
+        return DualKernel(fn, do_not_specialize)
+    return wrap
 
 
 @contextlib.contextmanager
@@ -81,54 +97,76 @@ def interpreted_triton_library():
 
 
 class Launcher:
-    """Launches one DualKernel with little host work per call.
+    """Launches one DualKernel: `launcher(key, grid, args, num_warps, num_stages)`, grid a 3-tuple.
 
-    The first launch for a `key` goes through triton's JIT path (binding, specialisation, cache lookup,
-    compile if needed), which returns the CompiledKernel; later launches with the same key call that
-    kernel's launcher directly, the very call JITFunction.run ends with. The key must therefore pin
-    everything triton specialises on: argument dtypes, 16-byte alignment of pointers and of integers
-    that are not excluded (and whether they equal 1), constexprs and launch options. If the direct
-    call fails (a triton version with another launcher signature), every later launch takes the JIT
-    path and `fast_path_error` says why.
+    `num_warps` and `num_stages` (None: triton's default) matter only on a key's first launch; pass them
+    positionally. `jit(...)` launches through triton's JIT path without caching (for arguments the key
+    cannot describe).
     """
 
-    def __init__(self, dual: DualKernel):
+    def __init__(self, dual: DualKernel, name: str):
         self.dual = dual
-        self.compiled_by_key: dict = {}
+        self.name = name
+        self.fast: dict = {}  # key -> (launcher, function handle, packed metadata, device index)
         self.fast_path_error: str | None = None
+        _LAUNCHERS.append(self)
 
-    def __call__(self, key, grid: tuple[int, ...], args: tuple, num_warps: int, device: torch.device):
-        if device.type != "cuda":
-            return self.dual.for_device(device)[grid](*args, num_warps=num_warps)
-        compiled = self.compiled_by_key.get(key)
-        if compiled is not None and self.fast_path_error is None:
+    def __call__(self, key, grid, args, num_warps, num_stages=None):
+        hit = self.fast.get(key)
+        if hit is not None:
+            run, function, packed, device = hit
             try:
-                return _direct_launch(compiled, grid, args, device)
-            except TypeError as exc:  # launcher signature differs in this triton version
+                return run(grid[0], grid[1], grid[2], _raw_stream(device), function, packed, None, None, None,
+                           *args)
+            except TypeError as exc:  # this triton's launcher takes other arguments: JIT path from now on
                 self.fast_path_error = f"{type(exc).__name__}: {exc}"
-        compiled = self.dual.compiled[grid](*args, num_warps=num_warps)
-        self.compiled_by_key[key] = compiled
+                self.fast.clear()
+        return self._first(key, grid, args, num_warps, num_stages)
+
+    def _first(self, key, grid, args, num_warps, num_stages):
+        if not args[0].is_cuda:
+            return self.jit(grid, args, num_warps, num_stages)
+        t0 = time.perf_counter()
+        compiled = self.jit(grid, args, num_warps, num_stages)
+        if not torch.cuda.is_current_stream_capturing():  # (a CUDA graph capture forbids synchronising)
+            torch.cuda.synchronize()
+        compile_log.record("triton", (self.name, *key), time.perf_counter() - t0)
+        if self.fast_path_error is None and _raw_stream is not None and not _hooks_set():
+            self.fast[key] = (compiled.run, compiled.function, compiled.packed_metadata, torch.cuda.current_device())
         return compiled
 
+    def jit(self, grid, args, num_warps, num_stages=None):
+        """One launch through triton's JIT path (compiled on CUDA tensors, interpreted on CPU tensors)."""
+        options = {"num_warps": num_warps}
+        if num_stages is not None:
+            options["num_stages"] = num_stages
+        if args[0].is_cuda:
+            return self.dual.compiled[grid](*args, **options)
+        with interpreted_triton_library():
+            return self.dual.interpreted[grid](*args, **options)
 
-@functools.cache
-def _triton_runtime():
+    def path(self) -> str:
+        """How cached keys launch: "direct", or the reason they take the JIT path."""
+        return self.fast_path_error or "direct"
+
+
+def _hook_active(hook) -> bool:
+    """A launch hook that would run: newer triton keeps an always-present HookChain, empty unless a tool
+    added a hook to it (`is not None` alone made every key uncacheable there: all launches took the JIT path)."""
+    return hook is not None and bool(getattr(hook, "calls", True))
+
+
+def _hooks_set() -> bool:
     from triton import knobs
-    from triton.runtime.driver import driver
 
-    # torch's raw current-stream handle: triton's own getter builds a torch.cuda.Stream object per call
-    raw_stream = getattr(torch._C, "_cuda_getCurrentRawStream", None) or driver.active.get_current_stream
-    return knobs.runtime, raw_stream
+    return _hook_active(knobs.runtime.launch_enter_hook) or _hook_active(knobs.runtime.launch_exit_hook)
 
 
-def _direct_launch(compiled, grid, args, device):
-    runtime, current_stream = _triton_runtime()
-    stream = current_stream(device.index)
-    enter, exit_ = runtime.launch_enter_hook, runtime.launch_exit_hook
-    meta = compiled.launch_metadata(grid, stream, *args) if enter is not None or exit_ is not None else None
-    compiled.run(grid[0], grid[1] if len(grid) > 1 else 1, grid[2] if len(grid) > 2 else 1, stream,
-                 compiled.function, compiled.packed_metadata, meta, enter, exit_, *args)
-    return compiled
+def forget_compiled() -> None:
+    """Drop every launcher's direct-launch cache: the next launch of each key takes triton's JIT path (and
+    calls launch hooks set since)."""
+    for launcher in _LAUNCHERS:
+        launcher.fast.clear()
 
 
 def align_key(*values) -> tuple:
@@ -142,13 +180,6 @@ def align_key(*values) -> tuple:
     return tuple(out)
 
 
-def kernel(do_not_specialize=()):
-    """Decorator: `@kernel(do_not_specialize=["M"])` instead of `@triton.jit`."""
-    def wrap(fn):
-        return DualKernel(fn, do_not_specialize)
-    return wrap
-
-
 @functools.cache
 def sm_count(device_index: int | None) -> int:
     if device_index is None or not torch.cuda.is_available():
@@ -158,3 +189,18 @@ def sm_count(device_index: int | None) -> int:
 
 def next_pow2(n: int) -> int:
     return 1 << (max(1, n) - 1).bit_length()
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)  # (triton.cdiv costs microseconds per call on the host)
+
+
+def launch_paths() -> dict[str, str]:
+    """Every launcher's path for cached keys: {kernel name: "direct" or why the JIT path is used}."""
+    return {launcher.name: launcher.path() for launcher in _LAUNCHERS}
+
+
+def compiled_variants(prefix: str) -> int:
+    """Binaries triton's JIT holds for the launched kernels whose name starts with `prefix` (e.g. "rms_norm"):
+    a recompilation the launchers' keys missed would show here."""
+    return sum(launcher.dual.compiled_variants() for launcher in _LAUNCHERS if launcher.name.startswith(prefix))

@@ -23,11 +23,11 @@ def poison_cuda_allocator(device=None, large_bytes: int = 256 << 20, small_block
 
     Frees the cache first, then allocates one large block (served to later large allocations, which
     split it) and `small_blocks` blocks of 1 MiB (the small-allocation pool), fills them, and frees
-    them back to the cache. No-op without CUDA.
+    them back to the cache. No-op for a CPU device or without CUDA.
     """
-    if not torch.cuda.is_available():
-        return
     device = torch.device(device if device is not None else "cuda")
+    if device.type != "cuda" or not torch.cuda.is_available():  # CPU tensors: torch.empty's fill suffices
+        return
     torch.cuda.synchronize(device)
     torch.cuda.empty_cache()
     free, _total = torch.cuda.mem_get_info(device)
@@ -91,20 +91,6 @@ def grad_param_term_scale(dy: torch.Tensor) -> float:
     gd = dy.detach().double()
     rows = gd.numel() // max(1, gd.shape[-1])
     return float(gd.pow(2).mean().sqrt()) * rows ** 0.5
-
-
-def run_pytest_child(test_file, select: str, env: dict[str, str], cwd, *extra_args: str,
-                     timeout: float = 600) -> subprocess.CompletedProcess:
-    """Run `pytest test_file -k select -q -x` in a child Python with `env` added to this environment.
-
-    For cases that need a variable set before any import (Triton reads TRITON_INTERPRET when its library
-    is imported): the child gets it, this process never sees it. The caller asserts on the result.
-    """
-    return subprocess.run(
-        [sys.executable, "-m", "pytest", str(test_file), "-k", select, "-q", "-x", "-p", "no:cacheprovider",
-         "--benchmark-disable", *extra_args],
-        cwd=cwd, env={**os.environ, **env}, capture_output=True, text=True, timeout=timeout,
-    )
 
 
 _LOOP_BOUND_PROBE = """

@@ -100,3 +100,33 @@ def assert_close(actual: torch.Tensor, expected: torch.Tensor, dtype: torch.dtyp
             f"atol={tol.atol:g}*rms({scale:.3g}) + rtol={tol.rtol:g}*|ref|; max abs error {max_abs:.3g}, "
             f"max rel error {max_rel:.3g}; worst: got {float(af[worst]):.6g}, expected {float(ef[worst]):.6g}"
         )
+
+
+# ------------------------------------------------------------------ the flash-attention rule
+
+# one ulp of the dtype at magnitude 1: the rounding of the result itself
+ULP = {torch.float16: 2.0**-10, torch.bfloat16: 2.0**-7}
+
+
+def flash_rule(actual: torch.Tensor, expected: torch.Tensor, baseline_error: float, dtype: torch.dtype,
+               what: str = "output") -> tuple[float, float]:
+    """flash-attention's own test rule: max |actual - expected| (fp64 reference) must be at most twice the
+    error of the baseline (torch's SDPA in the same dtype, `baseline_error`) plus one ulp of the dtype at
+    the reference's largest magnitude. NaN never passes. Returns (max abs error, max rel error)."""
+    a = actual.detach().to(device=expected.device, dtype=torch.float64)
+    assert not torch.isnan(a).any(), f"{what}: NaN in the result"
+    if expected.numel() == 0:
+        return 0.0, 0.0
+    err = float((a - expected).abs().max())
+    top = float(expected.abs().max())
+    bound = 2.0 * baseline_error + ULP[dtype] * max(top, 1e-3)
+    assert err <= bound, (f"{what}: max error {err:.3g} > 2 x the baseline's {baseline_error:.3g} + ulp*max|ref| "
+                          f"({bound:.3g})")
+    return err, (err / top if top > 0 else err)
+
+
+def max_abs_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """max |actual - expected| in fp64 where the reference lives (0 for empty tensors)."""
+    if expected.numel() == 0:
+        return 0.0
+    return float((actual.detach().to(device=expected.device, dtype=torch.float64) - expected).abs().max())

@@ -70,19 +70,18 @@ def _impl(backend: str, device: torch.device):
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, key_lengths, mode, scale, seed, dropout_p, impl, interpret):
-        o, lse = impl.forward(q, k, v, key_lengths, mode, scale, seed, dropout_p, True, interpret=interpret)
+    def forward(ctx, q, k, v, key_lengths, mode, scale, seed, dropout_p, impl):
+        o, lse = impl.forward(q, k, v, key_lengths, mode, scale, seed, dropout_p, True)
         ctx.save_for_backward(q, k, v, o, lse, key_lengths)
-        ctx.args = (mode, scale, seed, dropout_p, impl, interpret)
+        ctx.args = (mode, scale, seed, dropout_p, impl)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, key_lengths = ctx.saved_tensors
-        mode, scale, seed, dropout_p, impl, interpret = ctx.args
-        dq, dk, dv = impl.backward(do, q, k, v, o, lse, key_lengths, mode, scale, seed, dropout_p,
-                                   interpret=interpret)
-        return dq, dk, dv, None, None, None, None, None, None, None
+        mode, scale, seed, dropout_p, impl = ctx.args
+        dq, dk, dv = impl.backward(do, q, k, v, o, lse, key_lengths, mode, scale, seed, dropout_p)
+        return dq, dk, dv, None, None, None, None, None, None
 
 
 _OK_DTYPES = registry.FLOAT_DTYPES  # float16, bfloat16, float32
@@ -168,10 +167,9 @@ def flash_attention(q, k, v, *, key_lengths=None, causal=False, causal_valid=Fal
         k = k.contiguous()
     if v.stride(3) != 1:
         v = v.contiguous()
-    interpret = not q.is_cuda
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _FlashAttention.apply(q, k, v, key_lengths, mode, scale, seed, p, impl, interpret)
-    return impl.forward(q, k, v, key_lengths, mode, scale, seed, p, False, interpret=interpret)[0]
+        return _FlashAttention.apply(q, k, v, key_lengths, mode, scale, seed, p, impl)
+    return impl.forward(q, k, v, key_lengths, mode, scale, seed, p, False)[0]
 
 
 def _empty_result(q, k, v):

@@ -5,17 +5,17 @@ Batch, heads and both sequence lengths are dynamic symbols (`T.dynamic`), so one
 every length; kernels are cached by (head dim, dtype, mask mode, key lengths, dropout, tile config).
 Inputs must be contiguous (B, H, S, D); the wrapper makes them so.
 
-`compile_only(target)` lowers and compiles every variant for a given target (CI compiles for sm_90 on a
-machine without a GPU).
+Compiled and cached by the shared `_tilelang` runtime, for the device's sm_90a on Hopper (wgmma and
+register reallocation need it). `compile_only(arch)` lowers the three kernels of one variant and compiles
+them with one nvcc call (CI compiles for sm_90a on a machine without a GPU).
 """
 
-
-import functools
 
 import tilelang
 import tilelang.language as T
 
-from .._tilelang import executable, tl_dtype
+from .._tilelang import LAUNCHERS, Kernels
+from .config import TILELANG_BWD_CONFIGS, TILELANG_FWD_CONFIGS
 from .masks import MODE_CODE, length_bucket
 
 _LOG2E = 1.4426950408889634
@@ -48,19 +48,6 @@ def _allowed(mode, row, col, qlen, kv_len, sq, skv):
     if mode == 2:
         return (col <= row) & (col < kv_len) & (row < sq)
     return (((col <= row) & (row < qlen)) | (col == row)) & (col < skv) & (row < sq)
-
-
-# (block_M, block_N, threads, num_stages) per (head dim, bucket of Sq)
-FWD_CONFIGS = {
-    (32, 0): (64, 64, 128, 1), (64, 0): (64, 64, 128, 1), (128, 0): (64, 64, 128, 1),
-    (32, 1): (128, 128, 256, 2), (64, 1): (128, 128, 256, 2), (128, 1): (128, 128, 256, 2),
-    (32, 2): (128, 128, 256, 2), (64, 2): (128, 128, 256, 2), (128, 2): (128, 128, 256, 2),
-}
-BWD_CONFIGS = {  # shared by the dQ kernel (rows x keys) and the dK/dV kernel (keys x rows)
-    (32, 0): (64, 64, 128, 1), (64, 0): (64, 64, 128, 1), (128, 0): (64, 64, 128, 1),
-    (32, 1): (64, 64, 128, 2), (64, 1): (64, 64, 128, 2), (128, 1): (64, 64, 128, 2),
-    (32, 2): (64, 64, 128, 2), (64, 2): (64, 64, 128, 2), (128, 2): (64, 64, 128, 2),
-}
 
 
 def _padded(sq: int) -> int:
@@ -335,22 +322,14 @@ def bwd_dkdv_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
 _PROGRAMS = {"fwd": fwd_program, "dq": bwd_dq_program, "dkdv": bwd_dkdv_program}
 
 
-@functools.cache
-def compiled(which: str, D: int, dtype: str, mode: int, has_kl: bool, dropout: bool, config: tuple,
-             target=None):
-    """The compiled kernel `which` ("fwd", "dq", "dkdv") for one variant (cached for the process)."""
-    program = _PROGRAMS[which](D, dtype, mode, has_kl, dropout, *config)
-    return tilelang.compile(program, target=target or _device_target(), execution_backend="tvm_ffi",
-                            pass_configs=_pass_configs(config))
+def _program(which: str):
+    def build(D, dtype, mode, has_kl, dropout, config):
+        return _PROGRAMS[which](D, dtype, mode, has_kl, dropout, *config)
+    return build
 
 
-@functools.cache
-def _device_target():
-    """The current GPU as a TileLang target; Hopper as sm_90a (wgmma and register reallocation need it)."""
-    import torch
-
-    major, minor = torch.cuda.get_device_capability()
-    return {"kind": "cuda", "arch": f"sm_{major}{minor}{'a' if major == 9 else ''}"}
+KERNELS = Kernels({f"flash_attention.{which}": _program(which) for which in _PROGRAMS}, arch_specific=True,
+                  pass_configs=lambda key: _pass_configs(key[6]))
 
 
 def lower_source(which: str, D: int, dtype: str, mode: int, has_kl: bool, dropout: bool, config: tuple,
@@ -374,7 +353,7 @@ def compile_only(arch: str = "sm_90a", D: int = 64, dtype: str = "bfloat16", mod
 
     target = {"kind": "cuda", "arch": arch}
     jobs = [(which, D, dtype, mode, has_kl, dropout,
-             FWD_CONFIGS[(D, bucket)] if which == "fwd" else BWD_CONFIGS[(D, bucket)], target)
+             TILELANG_FWD_CONFIGS[(D, bucket)] if which == "fwd" else TILELANG_BWD_CONFIGS[(D, bucket)], target)
             for which in ("fwd", "dq", "dkdv")]
     sources = [lower_source(*job) for job in jobs]
     root = os.path.dirname(tilelang.__file__)
@@ -392,12 +371,6 @@ def compile_only(arch: str = "sm_90a", D: int = 64, dtype: str = "bfloat16", mod
     return {"fwd": sources[0], "dq": sources[1], "dkdv": sources[2], "cubin_bytes": size}
 
 
-@functools.cache
-def launcher(which: str, D: int, dtype: str, mode: int, has_kl: bool, dropout: bool, config: tuple):
-    """The direct-call executable of `compiled(...)` on the local GPU (no JITKernel wrapper per call)."""
-    return executable(compiled(which, D, dtype, mode, has_kl, dropout, config))
-
-
 _dummy_kl: dict = {}
 
 
@@ -413,37 +386,38 @@ def _kl_arg(key_lengths, device):
 
 
 def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p: float, store_lse: bool,
-            interpret: bool = False, config=None):
+            config=None):
     import torch
 
-    if interpret:
-        raise RuntimeError("flash_attention: the tilelang backend has no interpreter; it needs CUDA tensors")
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
     B, H, Sq, D = q.shape
-    cfg = config or FWD_CONFIGS[(D, length_bucket(Sq))]
-    kernel = launcher("fwd", D, tl_dtype(q.dtype), MODE_CODE[mode], key_lengths is not None,
-                      dropout_p > 0.0, cfg)
+    cfg = config or TILELANG_FWD_CONFIGS[(D, length_bucket(Sq))]
+    key = ("flash_attention.fwd", D, q.dtype, MODE_CODE[mode], key_lengths is not None, dropout_p > 0.0, cfg,
+           q.get_device())
+    exe = LAUNCHERS.get(key) or KERNELS.first(key, q.device)
     o = torch.empty_like(q)
     lse = torch.empty((B, H, _padded(Sq)), dtype=torch.float32, device=q.device)
-    kernel(q, k, v, o, lse, _kl_arg(key_lengths, q.device), scale * _LOG2E, seed,
+    exe(q, k, v, o, lse, _kl_arg(key_lengths, q.device), scale * _LOG2E, seed,
            int(round(dropout_p * (1 << 24))), 1.0 / (1.0 - dropout_p))
     return o, lse
 
 
 def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: int, dropout_p: float,
-             interpret: bool = False, config=None):
+             config=None):
     import torch
 
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
     B, H, Sq, D = q.shape
-    cfg = config or BWD_CONFIGS[(D, length_bucket(Sq))]
-    variant = (D, tl_dtype(q.dtype), MODE_CODE[mode], key_lengths is not None, dropout_p > 0.0, cfg)
+    cfg = config or TILELANG_BWD_CONFIGS[(D, length_bucket(Sq))]
+    variant = (D, q.dtype, MODE_CODE[mode], key_lengths is not None, dropout_p > 0.0, cfg, q.get_device())
     dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
     delta = torch.empty((B, H, _padded(Sq)), dtype=torch.float32, device=q.device)
     kl = _kl_arg(key_lengths, q.device)
     scalars = (scale * _LOG2E, scale, seed, int(round(dropout_p * (1 << 24))), 1.0 / (1.0 - dropout_p))
-    launcher("dq", *variant)(q, k, v, o, do, dq, lse, delta, kl, *scalars)
-    launcher("dkdv", *variant)(q, k, v, do, dk, dv, lse, delta, kl, *scalars)
+    key = ("flash_attention.dq", *variant)
+    (LAUNCHERS.get(key) or KERNELS.first(key, q.device))(q, k, v, o, do, dq, lse, delta, kl, *scalars)
+    key = ("flash_attention.dkdv", *variant)
+    (LAUNCHERS.get(key) or KERNELS.first(key, q.device))(q, k, v, do, dk, dv, lse, delta, kl, *scalars)
     return dq, dk, dv

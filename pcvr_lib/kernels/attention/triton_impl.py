@@ -12,25 +12,25 @@ Dropout uses the counter hash of masks.py (`keep = hash(seed, b*H+h, i*Skv+j) >>
 out inline: the kernels contain no nested @triton.jit helpers so that the same source runs compiled and
 under TRITON_INTERPRET=1 (the interpreter executes a kernel as Python with its module's globals).
 
-The kernels are wrapped by `kernels(interpret)`, built once per mode: a test may switch the interpreter on
-for itself without the module being imported under it. Sequence lengths, key lengths and the seed are not
+The kernels are `_triton.kernel`s launched by the shared `_triton.Launcher` (compiled on CUDA tensors,
+interpreted on CPU tensors under TRITON_INTERPRET=1). Sequence lengths, key lengths and the seed are not
 specialised on, so a new sequence length does not recompile.
 """
 
 from __future__ import annotations
 
-import functools
-import os
-
 import torch
 import triton
 import triton.language as tl
 
+from .._triton import Launcher, cdiv, kernel
+from .config import TRITON_BWD_DQ_CONFIGS, TRITON_BWD_KV_CONFIGS, TRITON_FWD_CONFIGS
 from .masks import MODE_CODE, length_bucket
 
 _RUNTIME_INTS = ["H", "Sq", "Skv", "seed", "drop_threshold"]
 
 
+@kernel(do_not_specialize=_RUNTIME_INTS)
 def _attn_fwd(
     Q, K, V, O, LSE, KL,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
@@ -153,6 +153,7 @@ def _attn_fwd(
         tl.store(LSE + bh.to(tl.int64) * Sq + offs_m, lse, mask=row_ok)
 
 
+@kernel(do_not_specialize=_RUNTIME_INTS)
 def _attn_bwd_dq(
     Q, K, V, O, DO, DQ, LSE, DELTA, KL,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som, sdob, sdoh, sdom,
@@ -261,6 +262,7 @@ def _attn_bwd_dq(
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
 
 
+@kernel(do_not_specialize=_RUNTIME_INTS)
 def _attn_bwd_dkdv(
     Q, K, V, DO, DK, DV, LSE, DELTA, KL,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom,
@@ -379,77 +381,15 @@ def _attn_bwd_dkdv(
     tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
 
 
-@functools.cache
-def kernels(interpret: bool):
-    """(fwd, bwd_dq, bwd_dkdv) jitted for the compiler or, with interpret=True, for the interpreter.
-
-    triton decides between the two when a function is decorated, from TRITON_INTERPRET, so the variable
-    is set for exactly the duration of the decoration.
-    """
-    saved = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
-    try:
-        return tuple(
-            triton.jit(fn, do_not_specialize=_RUNTIME_INTS) if not interpret else triton.jit(fn)
-            for fn in (_attn_fwd, _attn_bwd_dq, _attn_bwd_dkdv)
-        )
-    finally:
-        if saved is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = saved
-
-
 # ---------------------------------------------------------------------------------------------------------
 # launch wrappers
 
-# (BLOCK_M, BLOCK_N, num_warps, num_stages) per (head dim, bucket of Sq). Buckets 1 and 2: the winners of
-# `python -m pcvr_lib.kernels.attention.tune` on the H200 (2026-12-01, bf16, device time; notes/attention.md):
-# forward B16 H8 S1024 D64 (128, 64, 8, 3) 126 us against 137 us for the earlier (128, 64, 4, 3) (second sweep,
-# with warm-up; the first, cold one had ranked (128, 64, 4, 4) first); at B4 H16 S4096 D128 the earlier
-# (128, 64, 8, 3) stayed best. Bucket 1 takes bucket 2's configs (not tuned).
-FWD_CONFIGS = {
-    (32, 0): (64, 64, 4, 2), (64, 0): (64, 64, 4, 2), (128, 0): (64, 64, 4, 2),
-    (32, 1): (128, 64, 8, 3), (64, 1): (128, 64, 8, 3), (128, 1): (128, 64, 8, 3),
-    (32, 2): (128, 64, 8, 3), (64, 2): (128, 64, 8, 3), (128, 2): (128, 64, 8, 3),
-}
-# dq kernel (rows x keys) and dkdv kernel (queries x keys): (BLOCK_M, BLOCK_N, num_warps, num_stages).
-# Tuned on the H200 (whole backward, device time): S1024 D64 dq (64, 64, 4, 2) + dK/dV (32, 64, 4, 3) against
-# (128, 64, 8, 2) + (64, 128, 8, 2): 479 -> 438 and 450 -> 431 us; S4096 D128 dq (64, 64, 4, 2) against
-# (64, 64, 8, 2): 6241 -> 4236 us (the 8-warp config had been picked from ptxas spill counts of triton 3.9,
-# not timed), dK/dV (64, 128, 8, 2) against (32, 64, 4, 2): 6241 -> 5928 us.
-BWD_DQ_CONFIGS = {
-    (32, 0): (64, 64, 4, 2), (64, 0): (64, 64, 4, 2), (128, 0): (64, 64, 8, 2),
-    (32, 1): (64, 64, 4, 2), (64, 1): (64, 64, 4, 2), (128, 1): (64, 64, 4, 2),
-    (32, 2): (64, 64, 4, 2), (64, 2): (64, 64, 4, 2), (128, 2): (64, 64, 4, 2),
-}
-BWD_KV_CONFIGS = {
-    (32, 0): (64, 64, 4, 2), (64, 0): (64, 64, 4, 2), (128, 0): (32, 64, 4, 2),
-    (32, 1): (32, 64, 4, 3), (64, 1): (32, 64, 4, 3), (128, 1): (64, 128, 8, 2),
-    (32, 2): (32, 64, 4, 3), (64, 2): (32, 64, 4, 3), (128, 2): (64, 128, 8, 2),
-}
-
-
-# Launch fast path. triton's `fn[grid](...)` re-derives the specialisation of ~30 arguments at every call
-# (several microseconds, more than the PCVR-sized kernel itself). Once a variant has been launched through
-# it with every pointer 16-byte aligned, every stride a multiple of 16 and every index within int32 (the
-# specialisation all later calls with such arguments share), its compiled kernel is kept here and later
-# calls go straight to its launcher. Other arguments always take triton's own path. Launch hooks (e.g. a
-# profiler's) are not called on the fast path.
-_FAST: dict = {}
-
-
-def _launch(fn, grid, args: tuple, key, fast: bool, warps: int, stages: int) -> None:
-    if fast:
-        hit = _FAST.get(key)
-        if hit is not None:
-            run, function, packed = hit
-            stream = torch._C._cuda_getCurrentRawStream(key[0])
-            run(grid[0], grid[1], 1, stream, function, packed, None, None, None, *args)
-            return
-    compiled = fn[grid](*args, num_warps=warps, num_stages=stages)
-    if fast and compiled is not None and triton.knobs.runtime.launch_enter_hook is None:
-        _FAST[key] = (compiled.run, compiled.function, compiled.packed_metadata)
+# The shared launcher's direct path serves calls whose every pointer is 16-byte aligned, every stride a
+# multiple of 16 and every index within int32: the one specialisation all such calls share, so the key below
+# need not spell out alignment. Other arguments take triton's JIT path at every call.
+_launch_fwd = Launcher(_attn_fwd, "flash_attention.fwd")
+_launch_dq = Launcher(_attn_bwd_dq, "flash_attention.bwd_dq")
+_launch_dkdv = Launcher(_attn_bwd_dkdv, "flash_attention.bwd_dkdv")
 
 
 def _fast_ok(tensors, strides) -> bool:
@@ -458,22 +398,17 @@ def _fast_ok(tensors, strides) -> bool:
         bits |= t.data_ptr()
     for x in strides:
         bits |= x
-    return not (bits & 15) and tensors[0].numel() < 2**31 and tensors[1].numel() < 2**31
-
-
-def _cdiv(a: int, b: int) -> int:
-    return -(-a // b)  # (triton.cdiv costs microseconds per call on the host)
+    return not (bits & 15) and tensors[0].is_cuda and tensors[0].numel() < 2**31 and tensors[1].numel() < 2**31
 
 
 def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p: float,
-            store_lse: bool, interpret: bool = False, config=None):
+            store_lse: bool, config=None):
     """O (and the base-2 LSE, (B*H, Sq) fp32, when store_lse) for contiguous-last-dim q, k, v."""
-    fwd = kernels(interpret)[0]
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     o = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B * H, Sq), dtype=torch.float32, device=q.device) if store_lse else o
-    bm, bn, warps, stages = config or FWD_CONFIGS[(D, length_bucket(Sq))]
+    bm, bn, warps, stages = config or TRITON_FWD_CONFIGS[(D, length_bucket(Sq))]
     has_kl = key_lengths is not None
     dropout = dropout_p > 0.0
     qs, ks, vs = q.stride(), k.stride(), v.stride()
@@ -482,17 +417,18 @@ def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p:
     args = (q, k, v, o, lse, key_lengths if has_kl else o, *strides,
             H, Sq, Skv, scale * 1.4426950408889634, seed, _threshold(dropout_p), 1.0 / (1.0 - dropout_p),
             code, has_kl, dropout, store_lse, bm, bn, D)
-    fast = not interpret and _fast_ok((q, k, v, key_lengths) if has_kl else (q, k, v), strides)
-    key = (torch._C._cuda_getDevice() if fast else -1, 0, q.dtype, code, has_kl, dropout, store_lse, bm, bn, D,
-           warps, stages)
-    _launch(fwd, (_cdiv(Sq, bm), B * H), args, key, fast, warps, stages)
+    grid = (cdiv(Sq, bm), B * H, 1)
+    if _fast_ok((q, k, v, key_lengths) if has_kl else (q, k, v), strides):
+        key = (q.get_device(), q.dtype, code, has_kl, dropout, store_lse, bm, bn, D, warps, stages)
+        _launch_fwd(key, grid, args, warps, stages)
+    else:
+        _launch_fwd.jit(grid, args, warps, stages)
     return o, (lse if store_lse else None)
 
 
 def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: int, dropout_p: float,
-             interpret: bool = False, dq_config=None, kv_config=None):
+             dq_config=None, kv_config=None):
     """(dQ, dK, dV): two launches, dQ (which also writes delta = rowsum(dO*O)) then dK/dV."""
-    _, k_dq, k_kv = kernels(interpret)
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     if do.stride(-1) != 1:
@@ -511,18 +447,24 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
     s_do = (dos[0], dos[1], dos[2])
     common = (H, Sq, Skv, scale * 1.4426950408889634, scale, seed, _threshold(dropout_p), 1.0 / (1.0 - dropout_p),
               code, has_kl, dropout)
-    fast = not interpret and _fast_ok((q, k, v, do, kl), s_qkv + s_do)
-    dev = torch._C._cuda_getDevice() if fast else -1
+    fast = _fast_ok((q, k, v, do, kl), s_qkv + s_do)
+    dev = q.get_device()
 
-    bm, bn, warps, stages = dq_config or BWD_DQ_CONFIGS[(D, length_bucket(Sq))]
+    bm, bn, warps, stages = dq_config or TRITON_BWD_DQ_CONFIGS[(D, length_bucket(Sq))]
     args = (q, k, v, o, do, dq, lse, delta, kl, *s_qkv, *s_o, *s_do, *common, bm, bn, D)
-    key = (dev, 1, q.dtype, code, has_kl, dropout, bm, bn, D, warps, stages)
-    _launch(k_dq, (_cdiv(Sq, bm), B * H), args, key, fast, warps, stages)
+    grid = (cdiv(Sq, bm), B * H, 1)
+    if fast:
+        _launch_dq((dev, q.dtype, code, has_kl, dropout, bm, bn, D, warps, stages), grid, args, warps, stages)
+    else:
+        _launch_dq.jit(grid, args, warps, stages)
 
-    bm, bn, warps, stages = kv_config or BWD_KV_CONFIGS[(D, length_bucket(Sq))]
+    bm, bn, warps, stages = kv_config or TRITON_BWD_KV_CONFIGS[(D, length_bucket(Sq))]
     args = (q, k, v, do, dk, dv, lse, delta, kl, *s_qkv, *s_do, *common, bm, bn, D)
-    key = (dev, 2, q.dtype, code, has_kl, dropout, bm, bn, D, warps, stages)
-    _launch(k_kv, (_cdiv(Skv, bn), B * H), args, key, fast, warps, stages)
+    grid = (cdiv(Skv, bn), B * H, 1)
+    if fast:
+        _launch_dkdv((dev, q.dtype, code, has_kl, dropout, bm, bn, D, warps, stages), grid, args, warps, stages)
+    else:
+        _launch_dkdv.jit(grid, args, warps, stages)
     return dq, dk, dv
 
 
@@ -537,8 +479,8 @@ def compile_for(arch: int, which: str, D: int, dtype: str = "bf16", mode: str = 
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = dict(zip(("fwd", "dq", "dkdv"), kernels(False), strict=True))[which]
-    tables = {"fwd": FWD_CONFIGS, "dq": BWD_DQ_CONFIGS, "dkdv": BWD_KV_CONFIGS}
+    fn = {"fwd": _attn_fwd, "dq": _attn_bwd_dq, "dkdv": _attn_bwd_dkdv}[which].compiled
+    tables = {"fwd": TRITON_FWD_CONFIGS, "dq": TRITON_BWD_DQ_CONFIGS, "dkdv": TRITON_BWD_KV_CONFIGS}
     bm, bn, warps, stages = config or tables[which][(D, 0)]
     constexprs = {"MODE": MODE_CODE[mode], "HAS_KL": has_kl, "DROPOUT": dropout, "BLOCK_M": bm, "BLOCK_N": bn,
                   "HEAD_DIM": D}

@@ -6,8 +6,9 @@
 Times device time (CUDA events, median, no L2 flush, after 0.1 s of warm-up calls) of each candidate for
 the forward kernel and each backward kernel of both backends, after checking the candidate's output against
 the current default's.
-TileLang candidates are compiled in parallel processes first. The winners are copied by hand into the
-config tables (FWD_CONFIGS / BWD_*_CONFIGS), with the table in notes/attention.md.
+TileLang candidates are compiled in parallel processes first (`python -m pcvr_lib.kernels.precompile
+flash_attention --tune` builds them into the disk cache ahead, on any machine). The winners are copied by hand into the
+config tables of config.py, with the table in notes/attention.md.
 """
 
 import argparse
@@ -17,7 +18,7 @@ import time
 
 import torch
 
-from .._tilelang import tl_dtype
+from .. import _tilelang, precompile
 from . import tilelang_impl as ti
 from . import triton_impl as tr
 
@@ -58,7 +59,7 @@ def _time(fn, reps=20, warm_s=0.1) -> float:
 def _compile_tl(key):
     t0 = time.perf_counter()
     try:
-        ti.compiled(*key)
+        precompile.compile_variant("flash_attention", key[:-1], key[-1])
         return key, time.perf_counter() - t0, None
     except Exception as exc:  # noqa: BLE001 - a candidate that does not compile is reported and skipped
         return key, time.perf_counter() - t0, f"{type(exc).__name__}: {str(exc).strip().splitlines()[-1][:200]}"
@@ -72,14 +73,14 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-tilelang", action="store_true")
     args = parser.parse_args(argv)
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
-    dname = tl_dtype(dtype)
+    arch = _tilelang.arch(torch.device("cuda"), arch_specific=True)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
 
     if not args.skip_tilelang:
         keys = []
         for *_, D in shapes:
-            keys += [("fwd", D, dname, 1, False, False, c) for c in TILELANG_FWD[D]]
-            keys += [(w, D, dname, 1, False, False, c) for c in TILELANG_BWD[D] for w in ("dq", "dkdv")]
+            keys += [("fwd", D, dtype, 1, False, False, c, arch) for c in TILELANG_FWD[D]]
+            keys += [(w, D, dtype, 1, False, False, c, arch) for c in TILELANG_BWD[D] for w in ("dq", "dkdv")]
         with mp.get_context("spawn").Pool(args.workers) as pool:
             for key, seconds, error in pool.imap_unordered(_compile_tl, keys):
                 print(f"tilelang compile {key[0]} D{key[1]} {key[-1]}: {seconds:.1f}s {error or ''}", flush=True)

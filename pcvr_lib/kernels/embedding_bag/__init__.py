@@ -1,18 +1,142 @@
-"""embedding_bag_mean: torch, Triton, TileLang and CUDA C++ (cuembed) backends; see dispatch.py."""
+"""`embedding_bag_mean`: the one entry point (explicit backend, no silent fallback) and its autograd Function.
 
-from .dispatch import BACKENDS, ID_DTYPES, OP, WEIGHT_DTYPES, backend_status, check_inputs, embedding_bag_mean
+Backends: "torch" (F.embedding_bag on sanitized ids, reference.py), "triton", "tilelang" (forward and
+backward) and "cuembed" (CUDA C++, forward only).
+
+Training path of the GPU backends: forward kernel + sparse (COO) or dense weight gradient.
+
+Sparse gradient: an uncoalesced COO tensor (V, D) with exactly B*L entries, entry b*L + l for bag b,
+position l: (id, grad_out[b] / count[b]) when the id is valid (0 < id < V), else (anchor[b], zeros),
+where anchor[b] is a valid id of the same bag (the padding row 0 only for a bag with no valid id).
+So the rows that appear are the touched rows (plus row 0 with zero values when a bag is all padding),
+duplicates are NOT merged (`grad.coalesce()` sums them; the zero entries change no sum), and the
+length is known without looking at the data: no device-to-host synchronisation (torch's sparse
+embedding_bag backward synchronises to drop padding; on the H200 host that wait alone cost hundreds
+of microseconds per step).
+
+Dense gradient: fp32 (V, D) buffer, fp32 atomics, cast to the weight dtype (one extra pass when the
+weight is not fp32).
+"""
+
+from __future__ import annotations
+
+import importlib
+
+import torch
+
+from .. import registry
 from .reference import reference_forward, reference_weight_grad, sanitize_ids, torch_embedding_bag_mean
 
-__all__ = [
-    "BACKENDS",
-    "ID_DTYPES",
-    "WEIGHT_DTYPES",
-    "check_inputs",
-    "embedding_bag_mean",
-    "reference_forward",
-    "reference_weight_grad",
-    "sanitize_ids",
-    "torch_embedding_bag_mean",
-    "backend_status",
-    "OP",
-]
+__all__ = ["BACKENDS", "ID_DTYPES", "OP", "WEIGHT_DTYPES", "backend_status", "check_inputs", "embedding_bag_mean",
+           "reference_forward", "reference_weight_grad", "sanitize_ids", "torch_embedding_bag_mean"]
+
+OP = "embedding_bag_mean"
+BACKENDS = ("torch", "triton", "tilelang", "cuembed")
+WEIGHT_DTYPES = registry.FLOAT_DTYPES  # float16, bfloat16, float32
+ID_DTYPES = (torch.int32, torch.int64)
+_WEIGHT_DTYPES = frozenset(WEIGHT_DTYPES)
+_ID_DTYPES = frozenset(ID_DTYPES)
+_MODULES = {"triton": "triton_impl", "tilelang": "tilelang_impl", "cuembed": "cuembed"}
+_IMPL: dict[str, object] = {}
+
+
+def _cuembed_problem(device: torch.device) -> str | None:
+    problem = registry.nvcc_problem(device)
+    if problem is None and torch.version.cuda is None:
+        problem = "this torch build has no CUDA support"
+    return problem
+
+
+registry.register_op(OP, {"torch": None, "triton": None, "tilelang": None, "cuembed": _cuembed_problem})
+
+
+def backend_status(backend: str, device=None) -> tuple[bool, str]:
+    """(ok, reason) from the shared registry."""
+    return registry.backend_status(OP, backend, device)
+
+
+def _impl(backend: str, device: torch.device):
+    impl = _IMPL.get(backend)
+    if impl is None:
+        registry.require_backend(OP, backend, device)
+        impl = importlib.import_module(f".{_MODULES[backend]}", __package__)
+        _IMPL[backend] = impl
+    return impl
+
+
+def check_inputs(weight: torch.Tensor, ids: torch.Tensor, backend: str = "torch") -> None:
+    """Every input error with a message naming it (also used when the fast checks below fail)."""
+    registry.validate_backend(OP, backend)
+    registry.check_inputs(OP, weight, ids, backend=backend)
+    if weight.dim() != 2:
+        raise ValueError(f"{OP}: weight must be 2-D (V, D), got shape {tuple(weight.shape)}")
+    if ids.dim() != 2:
+        raise ValueError(f"{OP}: ids must be 2-D (B, L), got shape {tuple(ids.shape)}")
+    if ids.dtype not in ID_DTYPES:
+        raise TypeError(f"{OP}: ids must be int32 or int64, got {ids.dtype}")
+    if weight.dtype not in WEIGHT_DTYPES:
+        raise TypeError(f"{OP}: weight must be float16, bfloat16 or float32, got {weight.dtype}")
+    if backend != "torch" and not weight.is_contiguous():
+        raise ValueError(f"{OP}: weight must be contiguous (copying an embedding table on every call would "
+                         "cost more than the lookup); call .contiguous() once")
+
+
+def embedding_bag_mean(weight: torch.Tensor, ids: torch.Tensor, *, backend: str = "torch",
+                       sparse_grad: bool = False) -> torch.Tensor:
+    """Mean of weight rows over each bag of ids, ignoring every id outside (0, V).
+
+    weight (V, D) float16/bfloat16/float32; ids (B, L) int32/int64 -> (B, D) in weight's dtype, fp32
+    accumulation. Id 0 is padding; ids >= V and negative ids are ignored the same way; an empty bag gives
+    zeros. With grad enabled and weight.requires_grad, the weight gradient is dense (V, D), or a COO
+    tensor of the touched rows when sparse_grad=True (duplicates not merged; see EmbeddingBagMeanFunction).
+    Backends: "torch" (F.embedding_bag), "triton", "tilelang" (forward + backward) and "cuembed"
+    (CUDA C++, forward only: it raises when a gradient is required).
+    """
+    if backend == "torch":
+        check_inputs(weight, ids, backend)
+        return torch_embedding_bag_mean(weight, ids, sparse_grad)
+    # Fast path: a handful of attribute reads; any failure re-runs the full checks for the message.
+    if not (weight.is_cuda and ids.is_cuda and weight.dim() == 2 and ids.dim() == 2
+            and weight.get_device() == ids.get_device() and weight.dtype in _WEIGHT_DTYPES
+            and ids.dtype in _ID_DTYPES and weight.is_contiguous()):
+        check_inputs(weight, ids, backend)
+    impl = _IMPL.get(backend) or _impl(backend, weight.device)
+    if not ids.is_contiguous():
+        ids = ids.contiguous()
+    if not (ids.numel() and weight.shape[0]):
+        # degenerate shapes (no bag, no position or no row): every bag is empty; torch's op covers them
+        return torch_embedding_bag_mean(weight, ids, sparse_grad)
+    if weight.requires_grad and torch.is_grad_enabled():
+        if backend == "cuembed":
+            raise RuntimeError(f"{OP}: backend 'cuembed' is forward-only; use 'triton' or 'tilelang' when the "
+                               "weight requires a gradient (or call it under torch.no_grad())")
+        return EmbeddingBagMeanFunction.apply(weight, ids, impl, bool(sparse_grad))
+    if backend == "cuembed":
+        return impl.forward(weight, ids)
+    return impl.forward(weight, ids, False)[0]
+
+
+class EmbeddingBagMeanFunction(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, weight, ids, impl, sparse_grad):
+        out, counts = impl.forward(weight, ids, True)
+        ctx.impl = impl
+        ctx.sparse_grad = sparse_grad
+        ctx.num_rows = weight.shape[0]
+        ctx.weight_dtype = weight.dtype
+        ctx.save_for_backward(ids, counts)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        grad_out = grad_out.contiguous()
+        impl = ctx.impl
+        num_rows = ctx.num_rows
+        ids, counts = ctx.saved_tensors
+        if ctx.sparse_grad:
+            indices, values = impl.backward_sparse(ids, counts, grad_out, num_rows, ctx.weight_dtype)
+            grad = torch.sparse_coo_tensor(indices.unsqueeze(0), values, (num_rows, grad_out.shape[1]),
+                                           check_invariants=False)
+        else:
+            grad = impl.backward_dense(ids, counts, grad_out, num_rows, ctx.weight_dtype)
+        return grad, None, None, None

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import torch
 
-from .common import compile_seconds
+from .. import compile_log
 
 SOURCE = Path(__file__).with_name("cuembed.cu")
 _DTYPE_CODE = {torch.float32: 0, torch.float16: 1, torch.bfloat16: 2}
@@ -75,7 +75,7 @@ def _library(device: torch.device) -> ctypes.CDLL:
             is_python_module=False,
             verbose=False,
         )
-        compile_seconds[("cuembed", "build", cc)] = time.perf_counter() - t0
+        compile_log.record("cuembed", ("embedding_bag_mean.build", cc), time.perf_counter() - t0)
         lib = ctypes.CDLL(str(path))
         lib.pcvr_embag_mean_fwd.restype = ctypes.c_int
         lib.pcvr_embag_mean_fwd.argtypes = [

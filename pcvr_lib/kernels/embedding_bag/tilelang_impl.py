@@ -5,24 +5,18 @@ a group of TPR threads owns one bag, each thread VEC consecutive columns loaded 
 Per chunk of UNROLL bag positions the ids are read and checked first, then all UNROLL row loads are
 issued unconditionally (an invalid id reads row 0, which stays in L1), then accumulated under the
 mask, so UNROLL independent loads per thread are in flight. B, L, V (and the COO length) are TileLang
-dynamic symbols: one compiled kernel serves every batch size and bag length. Kernels are cached by
-(kind, D, dtypes, vector width); the compiled callable is the TVM-FFI executable itself (one foreign
-call per launch, the current torch stream is picked up by TVM-FFI's DLPack exchange).
+dynamic symbols: one compiled kernel serves every batch size and bag length. Kernels are compiled and
+cached by the shared `_tilelang` runtime per (kind, D, dtypes, vector width); a launch calls the TVM-FFI
+executable itself (one foreign call, on torch's current stream).
 """
 
 
-import threading
-import time
-
 import torch
 
-from .._tilelang import tl_dtype
-from .common import compile_seconds
+from .._tilelang import LAUNCHERS, Kernels
 
 THREADS = 128
 UNROLL = 4
-_CACHE: dict[tuple, object] = {}
-_LOCK = threading.Lock()
 
 
 def _geometry(dim: int, vec: int) -> tuple[int, int, int]:
@@ -170,70 +164,12 @@ def build_backward_dense(dim: int, dtype: str, idx_dtype: str):
     return bwd_dense
 
 
-def compile_kernel(func, target=None):
-    """tilelang.compile with the TVM-FFI runtime; target None means the local GPU."""
-    import tilelang
-
-    return tilelang.compile(func, target=target if target is not None else "auto", execution_backend="tvm_ffi")
-
-
-def _finish(kernel):
-    getter = getattr(getattr(kernel, "adapter", None), "_get_executable", None)
-    return getter() if getter is not None else kernel  # the raw FFI function skips the Python wrapper
-
-
-def precompile(specs, workers: int = 16) -> float:
-    """Compile many kernels concurrently (nvcc runs in parallel); returns the wall seconds.
-
-    specs: (weight dtype, ids dtype, dim, vec, kind) with kind in fwd | fwd_train | bwd_sparse | bwd_dense.
-    Each kernel's own compile time is recorded in compile_seconds as usual."""
-    from concurrent.futures import ThreadPoolExecutor
-
-    todo = {}
-    for wdt, idt, dim, vec, kind in specs:
-        key, build = _spec(wdt, idt, dim, vec, kind)
-        if key not in _CACHE:
-            todo[key] = build
-
-    def one(item):
-        key, build = item
-        t0 = time.perf_counter()
-        exe = _finish(compile_kernel(build()))
-        return key, exe, time.perf_counter() - t0
-
-    t0 = time.perf_counter()
-    with ThreadPoolExecutor(max_workers=max(1, workers)) as pool:
-        for key, exe, seconds in pool.map(one, todo.items()):
-            compile_seconds[("tilelang", key[0]) + key] = seconds
-            _CACHE[key] = exe
-    return time.perf_counter() - t0
-
-
-def _spec(wdt, idt, dim, vec, kind):
-    """(cache key, builder) of one kernel variant; the same keys the launch functions use."""
-    w, i = tl_dtype(wdt), tl_dtype(idt)
-    if kind in ("fwd", "fwd_train"):
-        train = kind == "fwd_train"
-        return ("fwd", dim, wdt, idt, vec, train), lambda: build_forward(dim, w, i, vec, train)
-    if kind == "bwd_sparse":
-        return ("bwd_sparse", dim, wdt, idt, vec), lambda: build_backward_sparse(dim, w, i, vec)
-    if kind == "bwd_dense":
-        return ("bwd_dense", dim, wdt, idt), lambda: build_backward_dense(dim, w, i)
-    raise ValueError(f"unknown TileLang kernel kind {kind!r}")
-
-
-def _executable(kind: str, key: tuple, build):
-    exe = _CACHE.get(key)
-    if exe is not None:
-        return exe
-    with _LOCK:
-        exe = _CACHE.get(key)
-        if exe is None:
-            t0 = time.perf_counter()
-            exe = _finish(compile_kernel(build()))
-            compile_seconds[("tilelang", kind) + key] = time.perf_counter() - t0
-            _CACHE[key] = exe
-    return exe
+KERNELS = Kernels({
+    "embedding_bag_mean.fwd": lambda dim, w, i, vec: build_forward(dim, w, i, vec, False),
+    "embedding_bag_mean.fwd_train": lambda dim, w, i, vec: build_forward(dim, w, i, vec, True),
+    "embedding_bag_mean.bwd_sparse": build_backward_sparse,
+    "embedding_bag_mean.bwd_dense": lambda dim, w, i, vec: build_backward_dense(dim, w, i),
+})
 
 
 def forward(weight: torch.Tensor, ids: torch.Tensor, save_counts: bool):
@@ -241,9 +177,9 @@ def forward(weight: torch.Tensor, ids: torch.Tensor, save_counts: bool):
     dim = weight.shape[1]
     out = weight.new_empty((batch, dim))
     vec = vector_width(dim, weight.element_size(), weight.data_ptr())
-    key = ("fwd", dim, weight.dtype, ids.dtype, vec, save_counts)
-    exe = _CACHE.get(key) or _executable(
-        "fwd", key, _spec(weight.dtype, ids.dtype, dim, vec, "fwd_train" if save_counts else "fwd")[1])
+    key = ("embedding_bag_mean.fwd_train" if save_counts else "embedding_bag_mean.fwd", dim, weight.dtype,
+           ids.dtype, vec, ids.get_device())
+    exe = LAUNCHERS.get(key) or KERNELS.first(key, ids.device)
     if save_counts:
         counts = weight.new_empty((batch,), dtype=torch.int32)
         exe(weight, ids, out, counts)
@@ -259,17 +195,14 @@ def backward_sparse(ids, counts, grad_out, num_rows: int, weight_dtype):
     indices = torch.empty((batch * bag,), dtype=torch.int64, device=ids.device)
     values = g.new_empty((batch * bag, dim))
     vec = vector_width(dim, g.element_size(), g.data_ptr())
-    key = ("bwd_sparse", dim, weight_dtype, ids.dtype, vec)
-    exe = _CACHE.get(key) or _executable("bwd_sparse", key, _spec(weight_dtype, ids.dtype, dim, vec, "bwd_sparse")[1])
-    exe(ids, counts, g, indices, values, num_rows)
+    key = ("embedding_bag_mean.bwd_sparse", dim, weight_dtype, ids.dtype, vec, ids.get_device())
+    (LAUNCHERS.get(key) or KERNELS.first(key, ids.device))(ids, counts, g, indices, values, num_rows)
     return indices, values
 
 
 def backward_dense(ids, counts, grad_out, num_rows: int, weight_dtype):
     dim = grad_out.shape[1]
     grad = torch.zeros((num_rows, dim), dtype=torch.float32, device=ids.device)
-    key = ("bwd_dense", dim, grad_out.dtype, ids.dtype)
-    exe = _executable("bwd_dense", key, lambda: build_backward_dense(dim, tl_dtype(grad_out.dtype),
-                                                                     tl_dtype(ids.dtype)))
-    exe(ids, counts, grad_out, grad)
+    key = ("embedding_bag_mean.bwd_dense", dim, grad_out.dtype, ids.dtype, 1, ids.get_device())
+    (LAUNCHERS.get(key) or KERNELS.first(key, ids.device))(ids, counts, grad_out, grad)
     return grad if weight_dtype == torch.float32 else grad.to(weight_dtype)

@@ -8,13 +8,11 @@ Design (see notes/kernels-embedding.md):
   not recompile); D is a compile-time constant so row offsets are provably multiples of D and the row
   loads become 16-byte vector loads.
 - Ids are read in their own dtype (int32 or int64): no conversion pass on the host or the device.
-- After the first launch the compiled kernel is called directly (`CompiledKernel[grid](...)`), which
-  skips Triton's per-call argument binding and cache-key hashing (several microseconds per call).
+- Launched through the shared `_triton.Launcher`: after a key's first launch the compiled kernel is called
+  directly, which skips Triton's per-call argument binding and cache-key hashing.
 """
 
 from __future__ import annotations
-
-import time
 
 import torch
 
@@ -23,8 +21,9 @@ try:  # the package is optional: the registry reports it missing
 except ImportError:  # pragma: no cover - exercised only where triton is absent
     tl = None
 
+from .._triton import Launcher
 from .._triton import kernel as dual_kernel
-from .common import compile_seconds, launch_config
+from .config import launch_config
 
 if tl is not None:
 
@@ -152,15 +151,6 @@ if tl is not None:
                           mask=valid[:, :, None] & dmask[None, None, :], sem="relaxed")
 
 
-# (kernel name, constexprs, dtypes, 16-byte alignment of the pointers) -> CompiledKernel
-_COMPILED: dict[tuple, object] = {}
-
-
-def _align_key(a: torch.Tensor, b: torch.Tensor) -> tuple:
-    """Device index and the 16-byte alignment of both pointers (Triton specialises on it)."""
-    return a.get_device(), a.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0
-
-
 _CONFIGS: dict[tuple, object] = {}
 
 
@@ -173,69 +163,47 @@ def _config(batch, bag, dim, elem_bytes):
     return cfg
 
 
-def _stream(device_index: int) -> int:
-    return torch._C._cuda_getCurrentRawStream(device_index)
+def _align_key(a: torch.Tensor, b: torch.Tensor) -> tuple:
+    """Device index and the 16-byte alignment of both pointers (Triton specialises on it)."""
+    return a.get_device(), a.data_ptr() % 16 == 0, b.data_ptr() % 16 == 0
+
+
+if tl is not None:
+    _launch_fwd = Launcher(_fwd_kernel, "embedding_bag_mean.fwd")
+    _launch_bwd_sparse = Launcher(_bwd_sparse_kernel, "embedding_bag_mean.bwd_sparse")
+    _launch_bwd_dense = Launcher(_bwd_dense_kernel, "embedding_bag_mean.bwd_dense")
 
 
 def forward(weight: torch.Tensor, ids: torch.Tensor, save_counts: bool, cfg=None):
     """(out, counts or None); counts are int32 valid-id counts per bag, kept for the backward.
-    `cfg` overrides the launch heuristic (used by the tile sweep in sweep.py)."""
+    `cfg` overrides the launch heuristic (used by the tile sweep)."""
     num_rows, dim = weight.shape
     batch, bag = ids.shape
     out = weight.new_empty((batch, dim))
     counts = weight.new_empty((batch,), dtype=torch.int32) if save_counts else out
     cfg = cfg or _config(batch, bag, dim, weight.element_size())
-    grid = -(-batch // cfg.block_b)
+    grid = (-(-batch // cfg.block_b), 1, 1)
     args = (weight, ids, out, counts, batch, bag, num_rows, dim, cfg.block_b, cfg.block_l, cfg.block_d,
             save_counts)
-    key = ("fwd", weight.dtype, ids.dtype, dim, cfg.block_b, cfg.block_l, save_counts,
-           _align_key(weight, ids), cfg.num_warps)
-    _launch_with_warps("fwd", _fwd_kernel, grid, args, key, cfg.num_warps)
+    key = (weight.dtype, ids.dtype, dim, cfg.block_b, cfg.block_l, save_counts, _align_key(weight, ids),
+           cfg.num_warps)
+    _launch_fwd(key, grid, args, cfg.num_warps)
     return out, (counts if save_counts else None)
 
 
-_RAW_RUN = [True]  # False once CompiledKernel.run's positional layout turned out different
-
-
-def _launch_with_warps(name, kernel, grid, args, key, num_warps):
-    """Launch with all arguments positional. On CUDA the first launch per key compiles through Triton's
-    JIT and keeps the CompiledKernel; later launches call its launcher directly with torch's current
-    stream (no per-call binding, hashing, device or stream lookups through Triton's driver).
-    CPU tensors (only under TRITON_INTERPRET=1) go through the interpreter."""
-    ck = _COMPILED.get(key)
-    if ck is not None:
-        if _RAW_RUN[0]:
-            try:
-                ck.run(grid, 1, 1, _stream(args[0].get_device()), ck.function, ck.packed_metadata, None, None,
-                       None, *args)
-                return
-            except TypeError:  # another Triton's launcher layout: use its public runner from now on
-                _RAW_RUN[0] = False
-        ck[(grid, 1, 1)](*args)
-        return
-    if not args[0].is_cuda:
-        kernel.interpreted[(grid,)](*args, num_warps=num_warps)
-        return
-    t0 = time.perf_counter()
-    ck = kernel.compiled[(grid,)](*args, num_warps=num_warps)
-    torch.cuda.synchronize()
-    compile_seconds[("triton", name) + key] = time.perf_counter() - t0
-    _COMPILED[key] = ck
-
-
 def backward_sparse(ids, counts, grad_out, num_rows: int, weight_dtype):
-    """Fixed-size COO pieces (indices int64 [B*L], values [B*L, D] in the weight dtype); see autograd.py."""
+    """Fixed-size COO pieces (indices int64 [B*L], values [B*L, D] in the weight dtype); layout in __init__."""
     batch, bag = ids.shape
     dim = grad_out.shape[1]
     indices = torch.empty((batch * bag,), dtype=torch.int64, device=ids.device)
     values = grad_out.new_empty((batch * bag, dim), dtype=weight_dtype)
     cfg = _config(batch, bag, dim, 4)
-    grid = -(-batch // cfg.block_b)
+    grid = (-(-batch // cfg.block_b), 1, 1)
     args = (ids, counts, grad_out, indices, values, batch, bag, num_rows, dim, cfg.block_b, cfg.block_l,
             cfg.block_d)
-    key = ("bwd_sparse", grad_out.dtype, weight_dtype, ids.dtype, dim, cfg.block_b, cfg.block_l,
-           _align_key(ids, grad_out), cfg.num_warps)
-    _launch_with_warps("bwd_sparse", _bwd_sparse_kernel, grid, args, key, cfg.num_warps)
+    key = (grad_out.dtype, weight_dtype, ids.dtype, dim, cfg.block_b, cfg.block_l, _align_key(ids, grad_out),
+           cfg.num_warps)
+    _launch_bwd_sparse(key, grid, args, cfg.num_warps)
     return indices, values
 
 
@@ -245,9 +213,8 @@ def backward_dense(ids, counts, grad_out, num_rows: int, weight_dtype):
     dim = grad_out.shape[1]
     grad = torch.zeros((num_rows, dim), dtype=torch.float32, device=ids.device)
     cfg = _config(batch, bag, dim, 4)
-    grid = -(-batch // cfg.block_b)
+    grid = (-(-batch // cfg.block_b), 1, 1)
     args = (ids, counts, grad_out, grad, batch, bag, num_rows, dim, cfg.block_b, cfg.block_l, cfg.block_d)
-    key = ("bwd_dense", grad_out.dtype, ids.dtype, dim, cfg.block_b, cfg.block_l, _align_key(ids, grad_out),
-           cfg.num_warps)
-    _launch_with_warps("bwd_dense", _bwd_dense_kernel, grid, args, key, cfg.num_warps)
+    key = (grad_out.dtype, ids.dtype, dim, cfg.block_b, cfg.block_l, _align_key(ids, grad_out), cfg.num_warps)
+    _launch_bwd_dense(key, grid, args, cfg.num_warps)
     return grad if weight_dtype == torch.float32 else grad.to(weight_dtype)

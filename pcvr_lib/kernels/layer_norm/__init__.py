@@ -14,17 +14,10 @@ import torch.nn.functional as F
 from pcvr_lib import kernels
 from pcvr_lib.kernels import registry
 from pcvr_lib.kernels.rms_norm.common import backend_module, check_norm_inputs, rows_view
+from pcvr_lib.kernels.rms_norm.workload import layer_norm_reference
 
 OP = "layer_norm"
 registry.register_op(OP, ["torch", "triton", "tilelang"])
-
-
-def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float = 1e-5):
-    """fp64 reference (biased variance, as F.layer_norm)."""
-    xd = x.double()
-    mean = xd.mean(-1, keepdim=True)
-    var = (xd - mean).pow(2).mean(-1, keepdim=True)
-    return (xd - mean) * torch.rsqrt(var + eps) * weight.double() + bias.double()
 
 
 class _LayerNormFunction(torch.autograd.Function):

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 from pcvr_lib import kernels
 from pcvr_lib.kernels import registry
 from pcvr_lib.kernels.rms_norm.common import backend_module, check_norm_inputs, rows_view
+from pcvr_lib.kernels.rms_norm.workload import rms_norm_reference
 
 OP = "rms_norm"
 registry.register_op(OP, ["torch", "triton", "tilelang"])
@@ -28,12 +29,6 @@ def rms_norm_formula(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -
     xf = x.float()
     y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
     return y.to(x.dtype)
-
-
-def rms_norm_reference(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
-    """fp64 reference (on whatever device and with whatever autograd the inputs carry)."""
-    xd, wd = x.double(), weight.double()
-    return xd * torch.rsqrt(xd.pow(2).mean(-1, keepdim=True) + eps) * wd
 
 
 class _RMSNormFunction(torch.autograd.Function):

@@ -45,10 +45,15 @@ def backend_module(op: str, backend: str, device: torch.device, package: str):
     mod = _LOADED.get(key)
     if mod is None:
         registry.require_backend(op, backend, device)
-        mod = importlib.import_module(f"{package}.{backend}_kernels")
+        mod = importlib.import_module(f"{package}.{backend}_impl")
         if device.type == "cuda":  # CPU (interpreter) availability depends on the environment: recheck
             _LOADED[key] = mod
     return mod
+
+
+def forget_backends() -> None:
+    """Drop the per-device record of checked backend modules: the next call checks availability again."""
+    _LOADED.clear()
 
 
 def rows_view(x: torch.Tensor) -> torch.Tensor:
@@ -57,3 +62,12 @@ def rows_view(x: torch.Tensor) -> torch.Tensor:
         return x
     x2 = x.reshape(-1, x.shape[-1])
     return x2 if x2.is_contiguous() else x2.contiguous()
+
+
+def norm_kernels(op: str, build_forward, build_backward):
+    """The TileLang kernels of one norm: inference forward, training forward (saves statistics), backward."""
+    from pcvr_lib.kernels._tilelang import Kernels
+
+    return Kernels({f"{op}.fwd_infer": lambda n, dtype: build_forward(n, dtype, False),
+                    f"{op}.fwd_train": lambda n, dtype: build_forward(n, dtype, True),
+                    f"{op}.bwd": build_backward})

@@ -1,13 +1,10 @@
-"""Pieces shared by the embedding-bag backends: launch heuristics and the compile-time record."""
+"""The embedding-bag launch configuration (Triton's tile shape; TileLang's geometry is in tilelang_impl)."""
 
 from __future__ import annotations
 
 from typing import NamedTuple
 
 from .._triton import next_pow2
-
-# (backend, kernel, ...cache key) -> seconds the first (compiling) call took, launch included.
-compile_seconds: dict[tuple, float] = {}
 
 # Elements of gathered rows one program keeps in flight per chunk: enough independent 16-byte loads
 # per thread to cover DRAM latency, few enough registers for several programs per SM.

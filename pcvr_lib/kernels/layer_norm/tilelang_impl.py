@@ -5,8 +5,9 @@ out of the variance; M and G are symbolic, so the row count never recompiles."""
 import tilelang.language as T
 import torch
 
-from pcvr_lib.kernels._tilelang import get_kernel, get_launcher, tl_dtype
+from pcvr_lib.kernels._tilelang import LAUNCHERS
 from pcvr_lib.kernels._triton import sm_count
+from pcvr_lib.kernels.rms_norm.common import norm_kernels
 from pcvr_lib.kernels.rms_norm.config import block_config, next_pow2, paired_rows, persistent_programs
 
 
@@ -110,33 +111,19 @@ def build_backward(n: int, dtype: str):
     return ln_bwd
 
 
-def forward_kernel(n: int, dtype: torch.dtype, save_stats: bool, device=None):
-    name = tl_dtype(dtype)
-    return get_kernel(("layer_norm", "fwd", n, name, save_stats), lambda: build_forward(n, name, save_stats),
-                      device)
-
-
-def _launcher(kind, n: int, dtype: torch.dtype, device, *params):
-    name = tl_dtype(dtype)
-    if kind == "fwd":
-        return get_launcher(("layer_norm", "fwd", n, name, *params), lambda: build_forward(n, name, *params), device)
-    return get_launcher(("layer_norm", "bwd", n, name), lambda: build_backward(n, name), device)
-
-
-def backward_kernel(n: int, dtype: torch.dtype, device=None):
-    name = tl_dtype(dtype)
-    return get_kernel(("layer_norm", "bwd", n, name), lambda: build_backward(n, name), device)
+KERNELS = norm_kernels("layer_norm", build_forward, build_backward)
 
 
 def forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, save_stats: bool):
     m, n = x2.shape
     y = torch.empty_like(x2)
-    kernel = _launcher("fwd", n, x2.dtype, x2.device, save_stats)
+    key = ("layer_norm.fwd_train" if save_stats else "layer_norm.fwd_infer", n, x2.dtype, x2.get_device())
+    exe = LAUNCHERS.get(key) or KERNELS.first(key, x2.device)
     if not save_stats:
-        kernel(x2, weight, bias, y, eps)
+        exe(x2, weight, bias, y, eps)
         return y, None
     mean, rstd = paired_rows(m, x2.device).unbind(0)
-    kernel(x2, weight, bias, y, mean, rstd, eps)
+    exe(x2, weight, bias, y, mean, rstd, eps)
     return y, (mean, rstd)
 
 
@@ -146,6 +133,7 @@ def backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, mean: tor
     programs = persistent_programs(m, block_m, sm_count(x2.device.index))
     dx = torch.empty_like(x2)
     partial = paired_rows(programs * n, x2.device).view(2, programs, n)
-    _launcher("bwd", n, x2.dtype, x2.device)(dy, x2, weight, mean, rstd, dx, partial[0], partial[1])
+    key = ("layer_norm.bwd", n, x2.dtype, x2.get_device())
+    (LAUNCHERS.get(key) or KERNELS.first(key, x2.device))(dy, x2, weight, mean, rstd, dx, partial[0], partial[1])
     sums = partial.sum(1).to(weight.dtype)
     return dx, sums[0], sums[1]

@@ -9,10 +9,9 @@ so one compile serves a whole width class (BLOCK_N = next power of two).
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
-from pcvr_lib.kernels._triton import Launcher, align_key, kernel, next_pow2, sm_count
+from pcvr_lib.kernels._triton import Launcher, align_key, cdiv, kernel, next_pow2, sm_count
 from pcvr_lib.kernels.rms_norm.config import block_config, persistent_programs
 
 
@@ -62,8 +61,8 @@ def _rms_bwd(DY, X, W, RSTD, DX, DWP, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
     tl.store(DWP + pid * N + cols, tl.sum(dw, axis=0), mask=cmask)
 
 
-_launch_fwd = Launcher(_rms_fwd)
-_launch_bwd = Launcher(_rms_bwd)
+_launch_fwd = Launcher(_rms_fwd, "rms_norm.fwd")
+_launch_bwd = Launcher(_rms_bwd, "rms_norm.bwd")
 
 
 def forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, save_rstd: bool):
@@ -73,8 +72,8 @@ def forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, save_rstd: bool)
     y = torch.empty_like(x2)
     rstd = torch.empty(m, dtype=torch.float32, device=x2.device) if save_rstd else y
     args = (x2, weight, y, rstd, m, n, eps, block_m, next_pow2(n), save_rstd)
-    key = (next_pow2(n), block_m, num_warps, align_key(x2, weight, y, rstd, n), save_rstd)
-    _launch_fwd(key, (triton.cdiv(m, block_m),), args, num_warps, x2.device)
+    key = (x2.get_device(), next_pow2(n), block_m, num_warps, align_key(x2, weight, y, rstd, n), save_rstd)
+    _launch_fwd(key, (cdiv(m, block_m), 1, 1), args, num_warps)
     return y, (rstd if save_rstd else None)
 
 
@@ -86,12 +85,8 @@ def backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: tor
     dx = torch.empty_like(x2)
     partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
     args = (dy, x2, weight, rstd, dx, partial, m, n, block_m, next_pow2(n))
-    key = (next_pow2(n), block_m, num_warps, align_key(dy, x2, weight, rstd, dx, partial, n))
-    _launch_bwd(key, (programs,), args, num_warps, x2.device)
+    key = (x2.get_device(), next_pow2(n), block_m, num_warps, align_key(dy, x2, weight, rstd, dx, partial, n))
+    _launch_bwd(key, (programs, 1, 1), args, num_warps)
     return dx, partial.sum(0).to(weight.dtype)
 
 
-def launch_paths() -> dict[str, str]:
-    """How each kernel was last launched: "direct" or the reason the JIT path is used."""
-    return {name: launcher.fast_path_error or "direct"
-            for name, launcher in (("fwd", _launch_fwd), ("bwd", _launch_bwd))}

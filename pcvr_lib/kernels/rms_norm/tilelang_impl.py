@@ -11,8 +11,9 @@ of every row and emits vector loads (a symbolic width gives guarded scalar code)
 import tilelang.language as T
 import torch
 
-from pcvr_lib.kernels._tilelang import get_kernel, get_launcher, tl_dtype
+from pcvr_lib.kernels._tilelang import LAUNCHERS
 from pcvr_lib.kernels._triton import sm_count
+from pcvr_lib.kernels.rms_norm.common import norm_kernels
 from pcvr_lib.kernels.rms_norm.config import block_config, next_pow2, persistent_programs
 
 
@@ -96,32 +97,19 @@ def build_backward(n: int, dtype: str):
     return rms_bwd
 
 
-def forward_kernel(n: int, dtype: torch.dtype, save_rstd: bool, device=None):
-    name = tl_dtype(dtype)
-    return get_kernel(("rms_norm", "fwd", n, name, save_rstd), lambda: build_forward(n, name, save_rstd), device)
-
-
-def _launcher(kind, n: int, dtype: torch.dtype, device, *params):
-    name = tl_dtype(dtype)
-    if kind == "fwd":
-        return get_launcher(("rms_norm", "fwd", n, name, *params), lambda: build_forward(n, name, *params), device)
-    return get_launcher(("rms_norm", "bwd", n, name), lambda: build_backward(n, name), device)
-
-
-def backward_kernel(n: int, dtype: torch.dtype, device=None):
-    name = tl_dtype(dtype)
-    return get_kernel(("rms_norm", "bwd", n, name), lambda: build_backward(n, name), device)
+KERNELS = norm_kernels("rms_norm", build_forward, build_backward)
 
 
 def forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, save_rstd: bool):
     m, n = x2.shape
     y = torch.empty_like(x2)
-    kernel = _launcher("fwd", n, x2.dtype, x2.device, save_rstd)
+    key = ("rms_norm.fwd_train" if save_rstd else "rms_norm.fwd_infer", n, x2.dtype, x2.get_device())
+    exe = LAUNCHERS.get(key) or KERNELS.first(key, x2.device)
     if not save_rstd:
-        kernel(x2, weight, y, eps)
+        exe(x2, weight, y, eps)
         return y, None
     rstd = torch.empty(m, dtype=torch.float32, device=x2.device)
-    kernel(x2, weight, y, rstd, eps)
+    exe(x2, weight, y, rstd, eps)
     return y, rstd
 
 
@@ -131,5 +119,6 @@ def backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: tor
     programs = persistent_programs(m, block_m, sm_count(x2.device.index))
     dx = torch.empty_like(x2)
     partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
-    _launcher("bwd", n, x2.dtype, x2.device)(dy, x2, weight, rstd, dx, partial)
+    key = ("rms_norm.bwd", n, x2.dtype, x2.get_device())
+    (LAUNCHERS.get(key) or KERNELS.first(key, x2.device))(dy, x2, weight, rstd, dx, partial)
     return dx, partial.sum(0).to(weight.dtype)

@@ -1,14 +1,13 @@
 """LayerNorm in Triton: forward (optionally saving mean and 1/std) and backward (dx + per-program
-dw/db partials). Tiling and specialisation as RMSNorm's (see pcvr_lib.kernels.rms_norm.triton_kernels):
+dw/db partials). Tiling and specialisation as RMSNorm's (see pcvr_lib.kernels.rms_norm.triton_impl):
 one compile per width class, none per row count."""
 
 from __future__ import annotations
 
 import torch
-import triton
 import triton.language as tl
 
-from pcvr_lib.kernels._triton import Launcher, align_key, kernel, next_pow2, sm_count
+from pcvr_lib.kernels._triton import Launcher, align_key, cdiv, kernel, next_pow2, sm_count
 from pcvr_lib.kernels.rms_norm.config import block_config, paired_rows, persistent_programs
 
 
@@ -67,8 +66,8 @@ def _ln_bwd(DY, X, W, MEAN, RSTD, DX, DWP, DBP, M, N, BLOCK_M: tl.constexpr,
     tl.store(DBP + pid * N + cols, tl.sum(db, axis=0), mask=cmask)
 
 
-_launch_fwd = Launcher(_ln_fwd)
-_launch_bwd = Launcher(_ln_bwd)
+_launch_fwd = Launcher(_ln_fwd, "layer_norm.fwd")
+_launch_bwd = Launcher(_ln_bwd, "layer_norm.bwd")
 
 
 def forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: float, save_stats: bool):
@@ -81,8 +80,9 @@ def forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: flo
     else:
         mean = rstd = y  # never touched: SAVE_STATS is a compile-time False
     args = (x2, weight, bias, y, mean, rstd, m, n, eps, block_m, next_pow2(n), save_stats)
-    key = (next_pow2(n), block_m, num_warps, align_key(x2, weight, bias, y, mean, rstd, n), save_stats)
-    _launch_fwd(key, (triton.cdiv(m, block_m),), args, num_warps, x2.device)
+    key = (x2.get_device(), next_pow2(n), block_m, num_warps, align_key(x2, weight, bias, y, mean, rstd, n),
+           save_stats)
+    _launch_fwd(key, (cdiv(m, block_m), 1, 1), args, num_warps)
     return y, ((mean, rstd) if save_stats else None)
 
 
@@ -94,13 +94,8 @@ def backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, mean: tor
     dx = torch.empty_like(x2)
     partial = paired_rows(programs * n, x2.device).view(2, programs, n)
     args = (dy, x2, weight, mean, rstd, dx, partial[0], partial[1], m, n, block_m, next_pow2(n))
-    key = (next_pow2(n), block_m, num_warps, align_key(*args[:8], n))
-    _launch_bwd(key, (programs,), args, num_warps, x2.device)
+    key = (x2.get_device(), next_pow2(n), block_m, num_warps, align_key(*args[:8], n))
+    _launch_bwd(key, (programs, 1, 1), args, num_warps)
     sums = partial.sum(1).to(weight.dtype)
     return dx, sums[0], sums[1]
 
-
-def launch_paths() -> dict[str, str]:
-    """How each kernel was last launched: "direct" or the reason the JIT path is used."""
-    return {name: launcher.fast_path_error or "direct"
-            for name, launcher in (("fwd", _launch_fwd), ("bwd", _launch_bwd))}

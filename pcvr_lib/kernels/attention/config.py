@@ -1,0 +1,43 @@
+"""Tile configurations of the attention kernels per (head dim, bucket of Sq) (masks.length_bucket: Sq <= 128,
+<= 512, longer). Triton: (BLOCK_M, BLOCK_N, num_warps, num_stages); TileLang: (block_M, block_N, threads,
+num_stages). `python -m pcvr_lib.kernels.attention.tune` sweeps candidates; winners are copied here.
+"""
+
+# (BLOCK_M, BLOCK_N, num_warps, num_stages) per (head dim, bucket of Sq). Buckets 1 and 2: the winners of
+# `python -m pcvr_lib.kernels.attention.tune` on the H200 (2026-12-01, bf16, device time; notes/attention.md):
+# forward B16 H8 S1024 D64 (128, 64, 8, 3) 126 us against 137 us for the earlier (128, 64, 4, 3) (second sweep,
+# with warm-up; the first, cold one had ranked (128, 64, 4, 4) first); at B4 H16 S4096 D128 the earlier
+# (128, 64, 8, 3) stayed best. Bucket 1 takes bucket 2's configs (not tuned).
+TRITON_FWD_CONFIGS = {
+    (32, 0): (64, 64, 4, 2), (64, 0): (64, 64, 4, 2), (128, 0): (64, 64, 4, 2),
+    (32, 1): (128, 64, 8, 3), (64, 1): (128, 64, 8, 3), (128, 1): (128, 64, 8, 3),
+    (32, 2): (128, 64, 8, 3), (64, 2): (128, 64, 8, 3), (128, 2): (128, 64, 8, 3),
+}
+# dq kernel (rows x keys) and dkdv kernel (queries x keys): (BLOCK_M, BLOCK_N, num_warps, num_stages).
+# Tuned on the H200 (whole backward, device time): S1024 D64 dq (64, 64, 4, 2) + dK/dV (32, 64, 4, 3) against
+# (128, 64, 8, 2) + (64, 128, 8, 2): 479 -> 438 and 450 -> 431 us; S4096 D128 dq (64, 64, 4, 2) against
+# (64, 64, 8, 2): 6241 -> 4236 us (the 8-warp config had been picked from ptxas spill counts of triton 3.9,
+# not timed), dK/dV (64, 128, 8, 2) against (32, 64, 4, 2): 6241 -> 5928 us.
+TRITON_BWD_DQ_CONFIGS = {
+    (32, 0): (64, 64, 4, 2), (64, 0): (64, 64, 4, 2), (128, 0): (64, 64, 8, 2),
+    (32, 1): (64, 64, 4, 2), (64, 1): (64, 64, 4, 2), (128, 1): (64, 64, 4, 2),
+    (32, 2): (64, 64, 4, 2), (64, 2): (64, 64, 4, 2), (128, 2): (64, 64, 4, 2),
+}
+TRITON_BWD_KV_CONFIGS = {
+    (32, 0): (64, 64, 4, 2), (64, 0): (64, 64, 4, 2), (128, 0): (32, 64, 4, 2),
+    (32, 1): (32, 64, 4, 3), (64, 1): (32, 64, 4, 3), (128, 1): (64, 128, 8, 2),
+    (32, 2): (32, 64, 4, 3), (64, 2): (32, 64, 4, 3), (128, 2): (64, 128, 8, 2),
+}
+
+
+# (block_M, block_N, threads, num_stages) per (head dim, bucket of Sq)
+TILELANG_FWD_CONFIGS = {
+    (32, 0): (64, 64, 128, 1), (64, 0): (64, 64, 128, 1), (128, 0): (64, 64, 128, 1),
+    (32, 1): (128, 128, 256, 2), (64, 1): (128, 128, 256, 2), (128, 1): (128, 128, 256, 2),
+    (32, 2): (128, 128, 256, 2), (64, 2): (128, 128, 256, 2), (128, 2): (128, 128, 256, 2),
+}
+TILELANG_BWD_CONFIGS = {  # shared by the dQ kernel (rows x keys) and the dK/dV kernel (keys x rows)
+    (32, 0): (64, 64, 128, 1), (64, 0): (64, 64, 128, 1), (128, 0): (64, 64, 128, 1),
+    (32, 1): (64, 64, 128, 2), (64, 1): (64, 64, 128, 2), (128, 1): (64, 64, 128, 2),
+    (32, 2): (64, 64, 128, 2), (64, 2): (64, 64, 128, 2), (128, 2): (64, 64, 128, 2),
+}

@@ -1,0 +1,153 @@
+"""The attention workload: the cases the accuracy tests and the benchmarks run, their inputs, the fp64
+reference, FLOPs and bytes, and the kernel variants those cases need (the manifest of
+`python -m pcvr_lib.kernels.precompile flash_attention`).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from .config import TILELANG_BWD_CONFIGS, TILELANG_FWD_CONFIGS
+from .masks import MODE_CODE, allowed_mask, length_bucket, mode_name
+
+# mask name -> (uses key lengths, causal, causal_valid)
+MODES = {
+    "none": (False, False, False),
+    "key_lengths": (True, False, False),
+    "causal": (False, True, False),
+    "causal_kl": (True, True, False),
+    "causal_valid": (True, False, True),
+}
+DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+# accuracy_tests/test_attention.py, on a GPU: (B, H, Sq, Skv, D, dtype, mode, dropout p)
+GPU_CASES = (
+    [(5, 2, sq, skv, 64, dt, mode, 0.0) for (sq, skv) in [(17, 17), (127, 129)]
+     for dt in ("fp16", "bf16") for mode in MODES]
+    + [(5, 2, 129, 127, 64, "bf16", mode, 0.0) for mode in MODES]
+    + [(5, 2, 65, 65, d, "bf16", "key_lengths", 0.0) for d in (32, 128)]
+    + [(5, 2, 1, 1, 64, "fp16", "causal_valid", 0.0), (5, 2, 1, 17, 64, "fp16", "key_lengths", 0.0),
+       (2, 2, 1000, 1000, 64, "fp16", "causal_valid", 0.0), (2, 2, 1000, 1000, 64, "bf16", "none", 0.0),
+       (2, 1, 600, 1000, 128, "bf16", "none", 0.0)]
+    + [(5, 2, 33, 47, 64, dt, mode, 0.3) for dt in ("fp16", "bf16") for mode in ("key_lengths", "causal_valid")]
+)
+# TileLang compiles each variant (head dim, dtype, mask mode, dropout, tile config) for seconds, so its GPU
+# matrix covers every mode, head dim, bucket, odd length and dropout once, not every combination.
+TILELANG_CASES = (
+    [(5, 2, 17, 17, 64, "bf16", mode, 0.0) for mode in MODES]
+    + [(5, 2, 127, 129, 64, "fp16", "key_lengths", 0.0), (5, 2, 1, 17, 64, "fp16", "key_lengths", 0.0),
+       (5, 2, 1, 1, 64, "bf16", "causal_valid", 0.0), (5, 2, 65, 65, 32, "bf16", "key_lengths", 0.0),
+       (2, 2, 1000, 1000, 64, "bf16", "none", 0.0), (2, 1, 600, 1000, 128, "bf16", "none", 0.0),
+       (5, 2, 33, 47, 64, "bf16", "causal_valid", 0.3)]
+)
+# the row-count test's calls (bucket 0, fp16, key lengths)
+RECOMPILE_CASE = (2, 2, 100, 100, 64, "fp16", "key_lengths", 0.0)
+
+# perf_tests/test_kernels_attention.py: name, B, H, S, D, masks, directions (the targets of issue 4)
+PERF_SHAPES = [
+    ("B8xH8xS128xD64", 8, 8, 128, 64, ("key_lengths", "none"), ("fwd", "fwd+bwd")),
+    ("B64xH8xS256xD64", 64, 8, 256, 64, ("none", "key_lengths"), ("fwd",)),
+    ("B16xH8xS1024xD64", 16, 8, 1024, 64, ("none",), ("fwd", "fwd+bwd")),
+    ("B4xH16xS4096xD128", 4, 16, 4096, 128, ("none",), ("fwd", "fwd+bwd")),
+]
+# TileLang's benchmark cases are the targets' (PCVR with key lengths, and the two long shapes)
+PERF_TILELANG_SKIP = {("B8xH8xS128xD64", "none"), ("B64xH8xS256xD64", "none"), ("B64xH8xS256xD64", "key_lengths")}
+CPU_PERF_SHAPES = [("B2xH2xS16xD32", 2, 2, 16, 32, ("key_lengths",), ("fwd", "fwd+bwd"))]
+
+
+def key_lengths(batch: int, skv: int) -> torch.Tensor:
+    """Key lengths covering an all-padding row (0), full rows, a partial row and an over-long one."""
+    pattern = [0, skv, skv // 2 + 1, skv + 5, 1]
+    return torch.tensor([pattern[i % len(pattern)] for i in range(batch)], dtype=torch.int32)
+
+
+def inputs(B, H, Sq, Skv, D, dtype, seed) -> list[torch.Tensor]:
+    """[q, k, v, grad_out] drawn on the CPU from `seed`."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randn(B, H, Sq, D, generator=g)
+    k = torch.randn(B, H, Skv, D, generator=g)
+    v = torch.randn(B, H, Skv, D, generator=g)
+    do = torch.randn(B, H, Sq, D, generator=g)
+    return [t.to(dtype) for t in (q, k, v, do)]
+
+
+def reference(q, k, v, key_lengths, causal, causal_valid, keep=None, p=0.0) -> torch.Tensor:
+    """fp64 attention with the mask of masks.py, where the inputs live, one batch row at a time (the score
+    matrix of one row only); rows without a key are zeros. `keep`: dropout's keep mask with rate p."""
+    B, H, Sq, D = q.shape
+    Skv = k.shape[2]
+    outs = []
+    for b in range(B):
+        kl = key_lengths[b:b + 1] if key_lengths is not None else None
+        allowed = allowed_mask(1, Sq, Skv, kl, causal, causal_valid, q.device)
+        scores = torch.matmul(q[b:b + 1].double(), k[b:b + 1].double().transpose(-1, -2)) / math.sqrt(D)
+        has_key = allowed.any(dim=-1, keepdim=True)
+        probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0), dim=-1)
+        probs = probs * has_key
+        if keep is not None:
+            probs = probs * keep[b:b + 1] / (1.0 - p)
+        outs.append(torch.matmul(probs, v[b:b + 1].double()))
+    return torch.cat(outs)
+
+
+def flops(B, H, S, D, mask: str, direction: str) -> int:
+    """4*B*H*S*S*D forward, 3.5x that for fwd+bwd, half for the causal masks (key padding not subtracted)."""
+    n = 4 * B * H * S * S * D
+    if direction != "fwd":
+        n = int(n * 3.5)
+    _, causal, causal_valid = MODES[mask]
+    return n // 2 if causal or causal_valid else n
+
+
+def bytes_moved(B, H, S, D, elem_bytes: int, direction: str) -> int:
+    return 4 * B * H * S * D * elem_bytes * (1 if direction == "fwd" else 2)
+
+
+def variants(backend: str) -> list[tuple]:
+    """(D, dtype, mask mode, dropout, length bucket) of every case of `backend` in the suites."""
+    cases = GPU_CASES if backend == "triton" else TILELANG_CASES
+    out = {(D, DTYPES[dt], mode, p > 0, length_bucket(sq)) for (_, _, sq, _, D, dt, mode, p) in cases}
+    _, _, sq, _, D, dt, mode, p = RECOMPILE_CASE
+    out.add((D, DTYPES[dt], mode, False, length_bucket(sq)))
+    for name, _, _, S, D, masks, _ in PERF_SHAPES:
+        for mask in masks:
+            if backend == "triton" or (name, mask) not in PERF_TILELANG_SKIP:
+                out.update((D, dt, mask, False, length_bucket(S)) for dt in DTYPES.values())
+    return sorted(out, key=str)
+
+
+def tilelang_variants(tune: bool = False) -> list[tuple]:
+    """(kernel, D, dtype, mode code, key lengths, dropout, tile config) of the TileLang kernels the suites
+    use (and, with `tune`, tune.py's candidates: bf16, no mask)."""
+    out = set()
+    for D, dtype, mode, dropout, bucket in variants("tilelang"):
+        use_kl, causal, causal_valid = MODES[mode]
+        code = MODE_CODE[mode_name(True if use_kl else None, causal, causal_valid)]
+        out.add(("fwd", D, dtype, code, use_kl, dropout, TILELANG_FWD_CONFIGS[(D, bucket)]))
+        out.update((w, D, dtype, code, use_kl, dropout, TILELANG_BWD_CONFIGS[(D, bucket)]) for w in ("dq", "dkdv"))
+    if tune:
+        from .tune import TILELANG_BWD, TILELANG_FWD
+
+        for D in TILELANG_FWD:
+            out.update(("fwd", D, torch.bfloat16, 1, False, False, c) for c in TILELANG_FWD[D])
+            out.update((w, D, torch.bfloat16, 1, False, False, c) for c in TILELANG_BWD[D] for w in ("dq", "dkdv"))
+    return sorted(out, key=str)
+
+
+def run_once(backend: str, D: int, dtype: torch.dtype, mode: str, dropout: bool, bucket: int) -> None:
+    """Inference forward, training forward and backward of one variant on tiny CUDA tensors (compiles it)."""
+    from . import flash_attention
+
+    S = {0: 64, 1: 256, 2: 640}[bucket]
+    use_kl, causal, causal_valid = MODES[mode]
+    q, k, v = (torch.randn(1, 1, S, D, device="cuda", dtype=dtype) for _ in range(3))
+    kl = torch.tensor([S - 3], device="cuda", dtype=torch.int32) if use_kl else None
+    args = dict(key_lengths=kl, causal=causal, causal_valid=causal_valid, dropout_p=0.25 if dropout else 0.0,
+                training=dropout, backend=backend, generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        flash_attention(q, k, v, **args)
+    q.requires_grad_()
+    flash_attention(q, k, v, **args).sum().backward()
+    torch.cuda.synchronize()
