@@ -44,9 +44,12 @@ test: setup
 	$(PYTEST) accuracy_tests smoke_tests perf_tests --benchmark-disable -q
 
 # The benchmark suite: pytest-benchmark JSON in $(BENCH_JSON), a copy stored under .benchmarks/, a summary.
+# DATA_SCALE=300 runs the data cases on the seed's 300x data (300,000 rows; --data-scale full); ci/default too.
+DATA_SCALE ?=
+DATA_SCALE_FLAG = $(if $(filter 300,$(DATA_SCALE)),--data-scale full,$(if $(DATA_SCALE),--data-scale $(DATA_SCALE)))
 bench: setup
 	mkdir -p $(RESULTS)
-	$(PYTEST) perf_tests --benchmark-only --benchmark-autosave --benchmark-json=$(BENCH_JSON) -q
+	$(PYTEST) perf_tests --benchmark-only --benchmark-autosave --benchmark-json=$(BENCH_JSON) $(DATA_SCALE_FLAG) -q
 	$(PYTHON) -m pcvr_lib report $(BENCH_JSON)
 
 accuracy: setup

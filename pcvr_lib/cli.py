@@ -25,6 +25,7 @@ import traceback
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("pcvr_lib.data.generate", "write demo-like PCVR parquet data from a schema"),
+    "inspect": ("pcvr_lib.data.inspect_file", "what a parquet file holds: rows, list order, nulls, out-of-vocab"),
     "report": ("pcvr_lib.report", "summarise a pytest-benchmark JSON file"),
     "compare": ("pcvr_lib.report", "run the perf suite and compare it with a stored run (regression gate)"),
     "train": ("pcvr_lib.train", "train a PCVR model: checkpoints, training_summary/telemetry JSON"),
