@@ -33,6 +33,7 @@ NUM_TIME_BUCKETS = 64  # 0 = padding, 1..63 = request - event time classes
 TIME_BOUNDARIES_SEC = np.geomspace(5.0, 31_536_000.0, NUM_TIME_BUCKETS - 1)
 NUM_SEQ_STATS = 6
 BACKENDS = ("torch", "triton", "tilelang")
+BACKEND_OPTIONS = ("attention_backend", "rms_norm_backend", "embedding_backend")  # model options naming one
 
 
 # --------------------------------------------------------------------------------------------- config
@@ -49,8 +50,11 @@ class ModelConfig:
     seq_emb_skip_threshold: int | None = None  # the sequence features' own threshold (None: the same)
     vocab_cap: int | None = None  # smoke reduction: at most this many rows per feature table (hashed)
     dropout: float = 0.0
+    # operator backends (torch / triton / tilelang): attention; RMSNorm and LayerNorm (one norm family);
+    # the embedding-bag mean of the multi-valued sparse fields
     attention_backend: str = "torch"
     rms_norm_backend: str = "torch"
+    embedding_backend: str = "torch"
 
     def validate(self) -> None:
         for name in ("d_model", "num_blocks", "num_heads", "emb_dim", "emb_skip_threshold", "vocab_cap",
@@ -68,7 +72,7 @@ class ModelConfig:
             raise ValueError(f"model config head width d_model/num_heads={self.d_model // self.num_heads} must be even")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model config dropout must be in [0, 1), got {self.dropout!r}")
-        for name in ("attention_backend", "rms_norm_backend"):
+        for name in BACKEND_OPTIONS:
             if getattr(self, name) not in BACKENDS:
                 raise ValueError(f"model config {name} must be one of {BACKENDS}, got {getattr(self, name)!r}")
 
@@ -199,6 +203,32 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, backend=self.backend)
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm whose forward runs `pcvr_lib.kernels.layer_norm` with the model's norm backend (same
+    parameters and state-dict keys, so checkpoints do not depend on the backend)."""
+
+    backend: str = "torch"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "torch":
+            return super().forward(x)
+        from pcvr_lib import kernels
+
+        return kernels.layer_norm(x, self.weight, self.bias, self.eps, backend=self.backend)
+
+
+def route_layer_norms(model: nn.Module, backend: str) -> None:
+    """Make every affine nn.LayerNorm over one dimension in `model` a `LayerNorm` on `backend`, in place
+    (the models build plain nn.LayerNorm; `build_model` calls this). Parameters and hooks are unchanged."""
+    for parent in model.modules():
+        for child in parent.children():
+            if type(child) is nn.LayerNorm and child.elementwise_affine and child.bias is not None \
+                    and len(child.normalized_shape) == 1:
+                child.__class__ = LayerNorm  # same attributes and parameters; only forward differs
+            if isinstance(child, LayerNorm):
+                child.backend = backend
 
 
 class MultiHeadAttention(nn.Module):
@@ -473,9 +503,10 @@ class FeatureEmbeddings(nn.Module):
 
     def __init__(self, schema: Schema, emb_dim: int, vocab_cap: int | None = None, *, threshold: int = 1_000_000,
                  hash_large: bool = False, seq_threshold: int | None = None, columns: int = 1,
-                 sides: tuple[str, ...] = ("user", "item")):
+                 sides: tuple[str, ...] = ("user", "item"), backend: str = "torch"):
         super().__init__()
         self.emb_dim = emb_dim
+        self.backend = backend  # embedding-bag mean of the multi-valued fields (`fields`)
         self.vocab_cap = vocab_cap
         self.columns = columns
         next_row = 1  # row 0 = padding
@@ -510,6 +541,14 @@ class FeatureEmbeddings(nn.Module):
             self.register_buffer(f"{side}_feature", torch.tensor(feature_of, dtype=torch.long), persistent=False)
             setattr(self, f"{side}_features", len(group))
             setattr(self, f"{side}_multi", any(f.dim > 1 for f in group))
+            # bags for kernels.embedding_bag_mean: feature f's slots, padded with slot D (a zero column)
+            width = max((f.dim for f in group), default=1)
+            bags = torch.full((len(group), width), len(bases), dtype=torch.long)
+            start = 0
+            for index, feat in enumerate(group):
+                bags[index, :feat.dim] = torch.arange(start, start + feat.dim)
+                start += feat.dim
+            self.register_buffer(f"{side}_bags", bags, persistent=False)
         for domain in schema.domains:
             bases, mods, keep = [], [], []
             for feat in domain.side_features:
@@ -550,9 +589,16 @@ class FeatureEmbeddings(nn.Module):
         rows = self._side_rows(batch, side)
         if self.columns > 1:
             rows = rows.transpose(1, 2)  # [B, C, D]
-        emb = self.table(rows)  # [B, (C,) D, E]
         if not getattr(self, f"{side}_multi"):
-            return emb
+            return self.table(rows)  # [B, (C,) D, E]: one id per feature, no mean to take
+        if self.backend != "torch":
+            from pcvr_lib import kernels
+
+            bags = F.pad(rows, (0, 1))[..., getattr(self, f"{side}_bags")]  # [B, (C,) n, width]; 0 = no id
+            mean = kernels.embedding_bag_mean(self.table.weight, bags.reshape(-1, bags.shape[-1]),
+                                              backend=self.backend, sparse_grad=self.table.sparse)
+            return mean.view(*bags.shape[:-1], self.emb_dim)
+        emb = self.table(rows)  # [B, (C,) D, E]
         feature = getattr(self, f"{side}_feature")
         n = getattr(self, f"{side}_features")
         axis = rows.dim() - 1
@@ -621,7 +667,7 @@ def embeddings_for(schema: Schema, config: ModelConfig, columns: int = 1,
     """The feature tables of a model config (its thresholds, hashing and the smoke's cap)."""
     return FeatureEmbeddings(schema, config.emb_dim, config.vocab_cap, threshold=config.emb_skip_threshold,
                              hash_large=config.emb_hash_large, seq_threshold=config.seq_emb_skip_threshold,
-                             columns=columns, sides=sides)
+                             columns=columns, sides=sides, backend=config.embedding_backend)
 
 
 class FeatureEncoder(nn.Module):

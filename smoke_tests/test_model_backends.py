@@ -1,0 +1,46 @@
+"""The models on our kernels: the Triton backend of the norms (RMSNorm and LayerNorm) and of the
+embedding-bag mean gives the torch backend's logits (and so its loss), before and after one training
+step, on CPU under Triton's interpreter.
+
+Attention stays on torch here: the model runs in fp32, which flash_attention computes in bf16, and the
+interpreter cannot run bf16 (numpy has no bf16); the attention kernels are checked in fp16 under the
+interpreter by accuracy_tests/test_attention.py and the model-level routing on the H200 by
+perf_tests/test_models.py (its check before timing)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pcvr_lib.kernels import registry
+from pcvr_lib.kernels.tolerance import assert_close
+from pcvr_lib.models import model_names
+from pcvr_lib.models.step import ModelStep
+from smoke_tests.model_checks import demo_schema, random_batch
+
+TINY = {"vocab_cap": 64, "d_model": 48, "num_heads": 2, "num_blocks": 1}
+
+
+def _logits(name, schema, batch, **backends):
+    """Logits before and after one training step (the loss a step sees is their BCE: logits are the
+    stricter check, a loss averages small differences away)."""
+    step = ModelStep(name, schema, batch, "torch", config={**TINY, **backends})
+    before = step.infer()
+    torch.manual_seed(1)  # the same dropout draws on every backend
+    step.train_step()
+    return before, step.infer()
+
+
+@pytest.mark.parametrize("name", model_names())
+def test_triton_norms_and_embedding_give_the_torch_loss(name, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("CPU interpreter check; on a GPU perf_tests/test_models.py checks every backend")
+    if registry.package_problem("triton"):
+        pytest.skip(f"triton: {registry.package_problem('triton')}")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # restored after the test
+    schema = demo_schema(max_len=6)
+    batch = random_batch(schema, batch=4, seed=3)
+    expected = _logits(name, schema, batch)
+    actual = _logits(name, schema, batch, rms_norm_backend="triton", embedding_backend="triton")
+    for what, a, e in zip(("initial logits", "logits after one step"), actual, expected, strict=True):
+        assert_close(a, e, torch.float32, what=f"{name} {what}, triton vs torch")
