@@ -205,6 +205,18 @@ class RMSNorm(nn.Module):
         return rms_norm(x, self.weight, self.eps, backend=self.backend)
 
 
+def bag_mean(table: nn.Embedding, rows: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+    """[..., L] table rows (0 = padding / no id) -> [..., E]: the mean embedding of each bag's non-zero
+    rows, 0 for an empty bag. The one place models switch the embedding-bag backend."""
+    if backend == "torch":
+        return masked_mean(table(rows), rows > 0, dim=-2)
+    from pcvr_lib import kernels
+
+    mean = kernels.embedding_bag_mean(table.weight, rows.reshape(-1, rows.shape[-1]), backend=backend,
+                                      sparse_grad=table.sparse)
+    return mean.view(*rows.shape[:-1], table.embedding_dim)
+
+
 class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm whose forward runs `pcvr_lib.kernels.layer_norm` with the model's norm backend (same
     parameters and state-dict keys, so checkpoints do not depend on the backend)."""
@@ -591,13 +603,9 @@ class FeatureEmbeddings(nn.Module):
             rows = rows.transpose(1, 2)  # [B, C, D]
         if not getattr(self, f"{side}_multi"):
             return self.table(rows)  # [B, (C,) D, E]: one id per feature, no mean to take
-        if self.backend != "torch":
-            from pcvr_lib import kernels
-
+        if self.backend != "torch":  # the same mean through the kernel: one bag per (row, feature)
             bags = F.pad(rows, (0, 1))[..., getattr(self, f"{side}_bags")]  # [B, (C,) n, width]; 0 = no id
-            mean = kernels.embedding_bag_mean(self.table.weight, bags.reshape(-1, bags.shape[-1]),
-                                              backend=self.backend, sparse_grad=self.table.sparse)
-            return mean.view(*bags.shape[:-1], self.emb_dim)
+            return bag_mean(self.table, bags, self.backend)
         emb = self.table(rows)  # [B, (C,) D, E]
         feature = getattr(self, f"{side}_feature")
         n = getattr(self, f"{side}_features")
