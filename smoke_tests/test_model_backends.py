@@ -9,6 +9,8 @@ perf_tests/test_models.py (its check before timing)."""
 
 from __future__ import annotations
 
+import argparse
+
 import pytest
 import torch
 
@@ -16,6 +18,7 @@ from pcvr_lib.kernels import registry
 from pcvr_lib.kernels.tolerance import assert_close
 from pcvr_lib.models import model_names
 from pcvr_lib.models.step import ModelStep
+from pcvr_lib.train import TrainError, add_backend_arguments, backend_overrides
 from smoke_tests.model_checks import demo_schema, random_batch
 
 TINY = {"vocab_cap": 64, "d_model": 48, "num_heads": 2, "num_blocks": 1}
@@ -44,3 +47,16 @@ def test_triton_norms_and_embedding_give_the_torch_loss(name, monkeypatch):
     actual = _logits(name, schema, batch, rms_norm_backend="triton", embedding_backend="triton")
     for what, a, e in zip(("initial logits", "logits after one step"), actual, expected, strict=True):
         assert_close(a, e, torch.float32, what=f"{name} {what}, triton vs torch")
+
+
+def test_backend_flags_set_the_model_options_and_refuse_a_contradiction():
+    parser = argparse.ArgumentParser()
+    add_backend_arguments(parser)
+    args = parser.parse_args(["--attention-backend", "triton", "--embedding-backend", "tilelang"])
+    assert backend_overrides(args, {"d_model": 32}) == {
+        "d_model": 32, "attention_backend": "triton", "embedding_backend": "tilelang"}
+    assert backend_overrides(args, {"attention_backend": "triton"})["attention_backend"] == "triton"
+    with pytest.raises(TrainError, match="--attention-backend triton contradicts --model-config's"):
+        backend_overrides(args, {"attention_backend": "torch"})
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--rms-norm-backend", "cuda"])
