@@ -126,9 +126,11 @@ def attention(
     """
     if backend != "torch":
         if window is not None or global_query is not None or mask is not None:
+            # tokenformer's sliding window + global target query and symbiosis's role mask: torch only
+            # until the kernel lands (issue 12); refused, never run on torch behind the caller's back
             raise ValueError(
-                f"attention backend {backend!r}: sliding-window / global-query masks have no kernel; "
-                "use attention_backend='torch' for this model"
+                f"attention backend {backend!r}: the sliding-window / global-query and role masks are torch "
+                "only until their kernel lands; use attention_backend='torch' for this model"
             )
         from pcvr_lib import kernels
 
