@@ -134,6 +134,8 @@ def attention(
             )
         from pcvr_lib import kernels
 
+        if key_lengths is not None:  # the kernels' length 0 gives zeros; here it counts as 1 (as on torch)
+            key_lengths = key_lengths.clamp(min=1)
         return kernels.flash_attention(
             q, k, v, key_lengths=key_lengths, causal=causal, causal_valid=causal and key_lengths is not None,
             backend=backend,
