@@ -6,8 +6,8 @@
 - Sequences: per domain the common tokenizer at full length plus sinusoidal positions.
 - Block (x num_blocks):
   1. CrossSummary: `summary_queries` learned queries attend over all domains at once (their valid events
-     packed to the front: one key length per row); s = LN(sigmoid(MLP[q_1..q_n, r]) * mean(q_1..q_n, r)) with r the mean over domains of
-     each domain's newest token.
+     packed to the front: one key length per row); s = LN(sigmoid(MLP[q_1..q_n, r]) * mean(q_1..q_n, r))
+     with r the mean over domains of each domain's newest token.
   2. [NS; s]: pre-LN self-attention, then pre-LN FFN (4x SiLU); s is then discarded.
   3. ctx = sigmoid(MLP(mean NS)) * mean NS.
   4. Per domain (weights shared by the domains): the personalised FFN p = x + FFN(x * sigmoid(W_g ctx) +
