@@ -60,3 +60,19 @@ def test_backend_flags_set_the_model_options_and_refuse_a_contradiction():
         backend_overrides(args, {"attention_backend": "torch"})
     with pytest.raises(SystemExit):
         parser.parse_args(["--rms-norm-backend", "cuda"])
+
+
+def test_models_report_view_compares_the_fastest_backend_with_torch():
+    from pcvr_lib.report import models_view
+
+    def case(backend, per_call_us, device_us, torch_ops=()):
+        return {"name": f"test_model[model=tokenformer,backend={backend},phase=train_step]",
+                "stats": {"median": device_us * 1e-6},
+                "extra_info": {"stat": "device", "per_call_us": per_call_us, "device_us": device_us,
+                               "torch_ops": list(torch_ops)}}
+
+    text = models_view({"benchmarks": [case("torch", 1200.0, 900.0), case("triton", 1000.0, 700.0, ["attention"]),
+                                       case("tilelang", 800.0, 750.0, ["attention"])]})
+    row = next(line for line in text.splitlines() if line.startswith("tokenformer"))
+    assert "1200 [900]" in row and "800 [750]" in row and "1.50x (tilelang)" in row
+    assert row.rstrip().endswith("attention")
