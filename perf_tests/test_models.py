@@ -68,8 +68,9 @@ def _step(name: str, backend: str, schema, batch) -> ModelStep:
                      device="cuda" if CUDA else "cpu")
 
 
-def _check(name: str, backend: str, schema, batch) -> dict:
-    """The backend against torch: logits at init, then the loss after one step. Returns the errors."""
+def _check(name: str, backend: str, schema, batch) -> tuple[ModelStep, dict]:
+    """The backend against torch: logits at init, then the loss after one step. Returns the backend's
+    ModelStep (one step on: the timed calls continue from it) and the losses."""
     ref, ours = _step(name, "torch", schema, batch), _step(name, backend, schema, batch)
     assert_close(ours.infer(), ref.infer(), torch.bfloat16, what=f"{name} {backend} logits at init")
     losses = []
@@ -81,7 +82,7 @@ def _check(name: str, backend: str, schema, batch) -> dict:
     expected, actual = losses
     assert abs(actual - expected) <= (tol.atol + tol.rtol) * abs(expected), (
         f"{name} {backend}: loss after one step {actual!r}, torch backend {expected!r}")
-    return {"loss_after_step": actual, "torch_loss_after_step": expected}
+    return ours, {"loss_after_step": actual, "torch_loss_after_step": expected}
 
 
 CASES = [pytest.param(m, b, p, id=f"model={m},backend={b},phase={p}")
@@ -102,16 +103,19 @@ def test_model(benchmark, name, backend, phase):
     info = {"batch": batch.batch_size,
             "torch_ops": [ATTENTION_ON_TORCH[name]] if backend != "torch" and name in ATTENTION_ON_TORCH else []}
     if backend != "torch":
-        info.update(_check(name, backend, schema, batch))
-    step = _step(name, backend, schema, batch)
+        step, losses = _check(name, backend, schema, batch)
+        info.update(losses)
+    else:
+        step = _step(name, backend, schema, batch)
     call = step.train_step if phase == "train_step" else step.infer
     info["parameters"] = step.model.parameter_counts()
     benchmark.extra_info.update(info)
     if not CUDA:
         timing.bench_cpu(benchmark, call, rounds=3)
         return
-    result = timing.bench_gpu(benchmark, call, graph=False, rounds=10, warmup_rounds=2, flush_l2_cache=False,
-                              l2="warm")
+    # milliseconds per call: one call per profiled round, few host samples (the case must stay ~1-2 s)
+    result = timing.bench_gpu(benchmark, call, graph=False, rounds=5, warmup_rounds=1, calls=1, l2="warm",
+                              host_samples=5)
     per_call = result.get("per_call_us")
     if per_call:
         if backend == "torch":
