@@ -102,7 +102,7 @@ for s in "$@"; do
       step perf_attention 150 $PYTEST perf_tests/test_kernels_attention.py --benchmark-only \
         --benchmark-json="$OUT/attention.json" ;;
     perf_models)  # model x backend x phase (perf_tests/test_models.py), checked against torch first
-      step perf_models 240 $PYTEST perf_tests/test_models.py --benchmark-only --durations=10 \
+      step perf_models 150 $PYTEST perf_tests/test_models.py --benchmark-only --durations=10 \
         --benchmark-json="$OUT/models.json" ;;
     smoke_triton|smoke_tilelang)  # the smoke with every operator switch on one backend (numerics end to end)
       b=${s#smoke_}
