@@ -21,7 +21,7 @@ from pcvr_lib.models.step import ModelStep
 from pcvr_lib.train import TrainError, add_backend_arguments, backend_overrides
 from smoke_tests.model_checks import demo_schema, random_batch
 
-TINY = {"vocab_cap": 64, "d_model": 48, "num_heads": 2, "num_blocks": 1}
+TINY = {"vocab_cap": 64, "d_model": 48, "num_heads": 2, "num_blocks": 1, "emb_dim": 16}
 
 
 def _logits(name, schema, batch, **backends):
@@ -42,7 +42,7 @@ def test_triton_norms_and_embedding_give_the_torch_loss(name, monkeypatch):
         pytest.skip(f"triton: {registry.package_problem('triton')}")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # restored after the test
     schema = demo_schema(max_len=6)
-    batch = random_batch(schema, batch=4, seed=3)
+    batch = random_batch(schema, batch=2, seed=3)
     expected = _logits(name, schema, batch)
     actual = _logits(name, schema, batch, rms_norm_backend="triton", embedding_backend="triton")
     for what, a, e in zip(("initial logits", "logits after one step"), actual, expected, strict=True):
