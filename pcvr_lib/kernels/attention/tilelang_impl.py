@@ -386,7 +386,8 @@ def _kl_arg(key_lengths, device):
 
 
 def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p: float, store_lse: bool,
-            config=None):
+            config=None, extra=None):
+    # extra (the window and roles masks) is always None here: the entry point refuses them for TileLang
     import torch
 
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -403,7 +404,7 @@ def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p:
 
 
 def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: int, dropout_p: float,
-             config=None):
+             config=None, extra=None):
     import torch
 
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
