@@ -365,7 +365,7 @@ def _attn_bwd_dkdv(
         q_mid = q_hi
     elif MODE == 4:
         # window: rows [n_start, n_start + BLOCK_N - 1 + W) see these keys (padded rows: only their own key);
-        # then the global rows [qlen - G, qlen) past that band, in a second masked loop
+        # then the global rows [qlen - G, qlen) outside [q_lo, q_mid), in a second masked loop
         q_lo = (n_start // BLOCK_M) * BLOCK_M
         q_mid = tl.minimum(Sq, n_start + BLOCK_N - 1 + W)
         q_hi = tl.where(n_start < kv_len, tl.minimum(Sq, qlen), 0)
@@ -375,7 +375,7 @@ def _attn_bwd_dkdv(
         q_mid = Sq
     q2_lo = q_mid
     if MODE == 4:
-        q2_lo = (tl.maximum(q_mid, qlen - G) // BLOCK_M) * BLOCK_M
+        q2_lo = (tl.maximum(qlen - G, 0) // BLOCK_M) * BLOCK_M
 
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
@@ -455,8 +455,8 @@ def _attn_bwd_dkdv(
         lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
         delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
         pT = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
-        if MODE == 4:  # global rows past the window band (rows below q_mid were counted in the first loop)
-            glob_row = (offs_m >= q_mid) & (offs_m < qlen) & (offs_m >= qlen - G)
+        if MODE == 4:  # global rows outside the window band (the first loop counted [q_lo, q_mid))
+            glob_row = ((offs_m < q_lo) | (offs_m >= q_mid)) & (offs_m < qlen) & (offs_m >= qlen - G)
             pT = tl.where((offs_n < kv_len)[:, None] & glob_row[None, :], pT, 0.0)
         dpT = tl.dot(v, tl.trans(do))
         if DROPOUT:

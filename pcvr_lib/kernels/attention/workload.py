@@ -10,7 +10,7 @@ import math
 import torch
 
 from .config import TILELANG_BWD_CONFIGS, TILELANG_FWD_CONFIGS
-from .masks import MODE_CODE, allowed_mask, length_bucket, mode_name
+from .masks import MODE_CODE, allowed_mask, length_bucket, mode_name, role_mask
 
 # mask name -> (uses key lengths, causal, causal_valid)
 MODES = {
@@ -21,6 +21,20 @@ MODES = {
     "causal_valid": (True, False, True),
 }
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# the masks no (B, S, S) tensor describes in the kernels (Triton and torch only): name -> window, global
+# queries, key lengths (None: roles). "window": tokenformer's causal window + the global last valid query;
+# "window_g3": three global queries without key lengths; "roles": symbiosis' role rule + key validity.
+STRUCTURED = {"window": (8, 1, True), "window_g3": (5, 3, False), "roles": None}
+
+# symbiosis' roles (models-ii.md section 2): CLS 0, candidate 1, user 2, item 3, dense 4, missing 5,
+# events 6, stats 7. CLS, candidate and stats see every role; field tokens (user, item, dense, missing)
+# every role but events; events every role but user and dense.
+SYMBIOSIS_VISIBILITY = torch.ones(8, 8, dtype=torch.bool)
+SYMBIOSIS_VISIBILITY[2:6, 6] = False
+SYMBIOSIS_VISIBILITY[6, 2] = False
+SYMBIOSIS_VISIBILITY[6, 4] = False
+# the stream of 110 tokens: CLS, candidate, 7 user, 4 item, 3 dense, 3 missing, 90 events, stats
+SYMBIOSIS_LAYOUT = [0, 1] + [2] * 7 + [3] * 4 + [4] * 3 + [5] * 3 + [6] * 90 + [7]
 
 # accuracy_tests/test_attention.py, on a GPU: (B, H, Sq, Skv, D, dtype, mode, dropout p)
 GPU_CASES = (
@@ -63,6 +77,35 @@ def key_lengths(batch: int, skv: int) -> torch.Tensor:
     return torch.tensor([pattern[i % len(pattern)] for i in range(batch)], dtype=torch.int32)
 
 
+def structured_mask(mode: str, B: int, S: int, seed: int = 0, window: int | None = None, device="cpu") -> dict:
+    """flash_attention's keyword arguments of a STRUCTURED mask for a self-attention block of length S.
+    roles: symbiosis' layout at S = 110 (random roles otherwise), ~20% of the keys padding (every key of
+    the last row when B >= 3: its tokens see themselves only)."""
+    if mode == "roles":
+        g = torch.Generator().manual_seed(seed)
+        if S == len(SYMBIOSIS_LAYOUT):
+            roles = torch.tensor(SYMBIOSIS_LAYOUT).expand(B, S).clone()
+        else:
+            roles = torch.randint(0, 8, (B, S), generator=g)
+        valid = torch.rand(B, S, generator=g) > 0.2
+        if B >= 3:
+            valid[-1] = False
+        return {"role_mask": role_mask(roles.to(device), SYMBIOSIS_VISIBILITY.to(device), valid.to(device))}
+    w, n_global, use_kl = STRUCTURED[mode]
+    kw = {"window": window or w, "global_queries": n_global}
+    if use_kl:
+        kw["key_lengths"] = key_lengths(B, S).to(device)
+    return kw
+
+
+def reference_mask(B: int, Sq: int, Skv: int, kw: dict) -> torch.Tensor:
+    """The boolean (B, 1, Sq, Skv) mask equivalent to flash_attention's mask keyword arguments `kw`."""
+    rm = kw.get("role_mask")
+    return allowed_mask(B, Sq, Skv, kw.get("key_lengths"), kw.get("causal", False), kw.get("causal_valid", False),
+                        "cpu" if rm is None else rm.codes.device, kw.get("window"), kw.get("global_queries", 0),
+                        rm.roles if rm else None, rm.visibility if rm else None, rm.key_valid if rm else None)
+
+
 def inputs(B, H, Sq, Skv, D, dtype, seed) -> list[torch.Tensor]:
     """[q, k, v, grad_out] drawn on the CPU from `seed`."""
     g = torch.Generator().manual_seed(seed)
@@ -73,15 +116,19 @@ def inputs(B, H, Sq, Skv, D, dtype, seed) -> list[torch.Tensor]:
     return [t.to(dtype) for t in (q, k, v, do)]
 
 
-def reference(q, k, v, key_lengths, causal, causal_valid, keep=None, p=0.0) -> torch.Tensor:
+def reference(q, k, v, key_lengths, causal, causal_valid, keep=None, p=0.0, mask=None) -> torch.Tensor:
     """fp64 attention with the mask of masks.py, where the inputs live, one batch row at a time (the score
-    matrix of one row only); rows without a key are zeros. `keep`: dropout's keep mask with rate p."""
+    matrix of one row only); rows without a key are zeros. `keep`: dropout's keep mask with rate p.
+    `mask`: a boolean (B, 1, Sq, Skv) mask (reference_mask) instead of key_lengths/causal/causal_valid."""
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     outs = []
     for b in range(B):
-        kl = key_lengths[b:b + 1] if key_lengths is not None else None
-        allowed = allowed_mask(1, Sq, Skv, kl, causal, causal_valid, q.device)
+        if mask is not None:
+            allowed = mask[b:b + 1].to(q.device)
+        else:
+            kl = key_lengths[b:b + 1] if key_lengths is not None else None
+            allowed = allowed_mask(1, Sq, Skv, kl, causal, causal_valid, q.device)
         scores = torch.matmul(q[b:b + 1].double(), k[b:b + 1].double().transpose(-1, -2)) / math.sqrt(D)
         has_key = allowed.any(dim=-1, keepdim=True)
         probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0), dim=-1)
