@@ -69,6 +69,15 @@ PERF_SHAPES = [
 # TileLang's benchmark cases are the targets' (PCVR with key lengths, and the two long shapes)
 PERF_TILELANG_SKIP = {("B8xH8xS128xD64", "none"), ("B64xH8xS256xD64", "none"), ("B64xH8xS256xD64", "key_lengths")}
 CPU_PERF_SHAPES = [("B2xH2xS16xD32", 2, 2, 16, 32, ("key_lengths",), ("fwd", "fwd+bwd"))]
+# the models' shapes (models-ii.md section 5, issue 12), bf16: symbiosis' role mask, the key-length blocks
+# (d 64 / 4 heads), tokenformer's causal window 64 + the global target query (with key lengths)
+MODEL_PERF_SHAPES = [
+    ("B256xH8xS110xD32", 256, 8, 110, 32, ("roles",), ("fwd", "fwd+bwd")),
+    ("B256xH4xS256xD16", 256, 4, 256, 16, ("key_lengths",), ("fwd", "fwd+bwd")),
+    ("B256xH4xS512xD16", 256, 4, 512, 16, ("key_lengths",), ("fwd", "fwd+bwd")),
+    ("B256xH4xS320xD16", 256, 4, 320, 16, ("window",), ("fwd", "fwd+bwd")),
+]
+PERF_WINDOW = 64  # tokenformer's window (one global query: the target)
 
 
 def key_lengths(batch: int, skv: int) -> torch.Tensor:
@@ -162,6 +171,9 @@ def variants(backend: str) -> list[tuple]:
         for mask in masks:
             if backend == "triton" or (name, mask) not in PERF_TILELANG_SKIP:
                 out.update((D, dt, mask, False, length_bucket(S)) for dt in DTYPES.values())
+    if backend == "triton":  # (the window and roles variants compile at their first call: run_once has no inputs)
+        out.update((D, torch.bfloat16, mask, False, length_bucket(S))
+                   for _, _, _, S, D, masks, _ in MODEL_PERF_SHAPES for mask in masks if mask in MODES)
     return sorted(out, key=str)
 
 
