@@ -25,8 +25,8 @@ other arguments), the launcher uses the JIT path from then on and `fast_path_err
 from __future__ import annotations
 
 import contextlib
-import inspect
 import functools
+import inspect
 import time
 
 import torch
