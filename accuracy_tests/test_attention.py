@@ -354,6 +354,29 @@ def test_tilelang_compiles_for_sm90():
         assert str(0x21F0AAAD) in src, f"{which}: the dropout hash is missing"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("D,mode,has_kl,bucket", [(32, 5, False, 0), (16, 4, True, 1)], ids=["roles-D32", "window-D16"])
+def test_tilelang_structured_masks_compile_for_sm90(D, mode, has_kl, bucket):
+    """The roles (symbiosis' shape: bucket 0) and window (tokenformer's: bucket 1, TMA + warp-specialised)
+    kernels lower and compile for sm_90a at the models' head sizes."""
+    problem = registry.package_problem("tilelang")
+    if problem:
+        pytest.skip(f"tilelang: {problem}")
+    import shutil
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("tilelang: nvcc not found (needed to compile for sm_90a)")
+    from pcvr_lib.kernels.attention import tilelang_impl
+
+    sources = tilelang_impl.compile_only("sm_90a", D=D, dtype="bfloat16", mode=mode, has_kl=has_kl, dropout=False,
+                                         bucket=bucket)
+    assert sources["cubin_bytes"] > 0
+    for which in ("fwd", "dq", "dkdv"):
+        assert "__global__" in sources[which], f"{which}: no kernel in the lowered source"
+        if mode == 5:
+            assert "VIS[" in sources[which], f"{which}: the role visibility words are not read"
+
+
 # -------------------------------------------------------------------------------------------------- GPU
 
 GPU_BACKENDS = ["triton", "tilelang"]

@@ -19,7 +19,7 @@ The models' shapes (workload.MODEL_PERF_SHAPES, issue 12: symbiosis' role mask, 
 tokenformer's window + global query), bf16, also time `sdpa` (SDPA's default dispatch with the boolean mask
 built once outside the call, as a model would) and `flex` (torch.compile'd flex_attention with a block mask,
 conftest.flex_peer); their extra_info has `best_peer`, `best_peer_us` and `speedup_vs_best_peer` (the best
-of the SDPA backends and flex; target 1.5x). Their ids carry `set=model` (select them with `-k set=model`).
+of the SDPA backends and flex; target 1.5x). Their ids carry `set=model` (select them with `-k model`).
 FLOPs of the window and roles masks are nominal (the full S x S).
 
 Print the summary table of a saved run: python perf_tests/test_kernels_attention.py RUN.json

@@ -7,8 +7,8 @@
 q (B, H, Sq, D), k and v (B, H, Skv, D), D in {16, 32, 48, 64, 128} (48 runs padded to 64 in the kernels);
 Sq may differ from Skv. `window=W` (with `global_queries=G` and optional key lengths) is tokenformer's causal
 sliding window with global last queries; `role_mask=role_mask(roles, visibility, key_valid)` is symbiosis'
-role rule (self-attention; no key lengths with it). Neither builds a (B, S, S) mask in the Triton kernels;
-TileLang has only the first four modes. Mask modes and the
+role rule (self-attention; no key lengths with it). Neither builds a (B, S, S) mask in the kernels. Mask
+modes and the
 dropout keep rule are defined in masks.py (key lengths are per batch row, int32 preferred; longer than Skv
 means all keys). fp16 and bf16 run natively; fp32 inputs are computed in bf16 and the output returned as
 fp32 (documented precision: bf16). Rows with no visible key return zeros. Dropout applies only with
@@ -212,8 +212,6 @@ def flash_attention(q, k, v, *, key_lengths=None, causal=False, causal_valid=Fal
         extra = (window, global_queries, None, None)
     elif role_mask is not None:
         extra = (0, 0, role_mask.codes, role_mask.words)
-    if extra is not None and backend == "tilelang":
-        raise NotImplementedError(f"{OP}: backend 'tilelang' has no {mode} mask yet (triton and torch have it)")
     D = q.shape[3]
     if D in _PADDED:  # zero columns change no score; the padded output columns are dropped
         pad = _PADDED[D] - D

@@ -46,6 +46,12 @@ GPU_CASES = (
        (2, 2, 1000, 1000, 64, "fp16", "causal_valid", 0.0), (2, 2, 1000, 1000, 64, "bf16", "none", 0.0),
        (2, 1, 600, 1000, 128, "bf16", "none", 0.0)]
     + [(5, 2, 33, 47, 64, dt, mode, 0.3) for dt in ("fp16", "bf16") for mode in ("key_lengths", "causal_valid")]
+    # issue 12: head dims 16 and 48 in every mode, the structured masks at the models' shapes and odd ones
+    + [(5, 2, 37, 37, d, "bf16", mode, 0.0) for d in (16, 48) for mode in (*MODES, *STRUCTURED)]
+    + [(3, 2, 110, 110, 32, "bf16", "roles", 0.0), (4, 2, 320, 320, 16, "bf16", "window", 0.0),
+       (5, 1, 130, 130, 16, "fp16", "window_g3", 0.0), (5, 2, 130, 130, 48, "bf16", "key_lengths", 0.0),
+       (3, 2, 600, 600, 16, "bf16", "window", 0.0), (3, 2, 300, 300, 64, "bf16", "roles", 0.0)]
+    + [(5, 2, 45, 45, 16, "bf16", mode, 0.3) for mode in ("window", "roles")]
 )
 # TileLang compiles each variant (head dim, dtype, mask mode, dropout, tile config) for seconds, so its GPU
 # matrix covers every mode, head dim, bucket, odd length and dropout once, not every combination.
@@ -55,6 +61,10 @@ TILELANG_CASES = (
        (5, 2, 1, 1, 64, "bf16", "causal_valid", 0.0), (5, 2, 65, 65, 32, "bf16", "key_lengths", 0.0),
        (2, 2, 1000, 1000, 64, "bf16", "none", 0.0), (2, 1, 600, 1000, 128, "bf16", "none", 0.0),
        (5, 2, 33, 47, 64, "bf16", "causal_valid", 0.3)]
+    # issue 12: head dims 16 and 48, the structured masks (the models' shapes and a multi-tile one)
+    + [(5, 2, 37, 37, 16, "bf16", "key_lengths", 0.0), (5, 2, 37, 37, 48, "bf16", "causal_valid", 0.0),
+       (3, 2, 110, 110, 32, "bf16", "roles", 0.0), (4, 2, 320, 320, 16, "bf16", "window", 0.0),
+       (5, 1, 130, 130, 16, "bf16", "window_g3", 0.0)]
 )
 # the row-count test's calls (bucket 0, fp16, key lengths)
 RECOMPILE_CASE = (2, 2, 100, 100, 64, "fp16", "key_lengths", 0.0)
@@ -161,19 +171,32 @@ def bytes_moved(B, H, S, D, elem_bytes: int, direction: str) -> int:
     return 4 * B * H * S * D * elem_bytes * (1 if direction == "fwd" else 2)
 
 
+def mask_spec(mode: str) -> tuple[bool, int]:
+    """(uses key lengths, kernel mode code) of a mask name of MODES or STRUCTURED."""
+    if mode == "roles":
+        return False, MODE_CODE["roles"]
+    if mode in STRUCTURED:
+        return STRUCTURED[mode][2], MODE_CODE["window"]
+    use_kl, causal, causal_valid = MODES[mode]
+    return use_kl, MODE_CODE[mode_name(True if use_kl else None, causal, causal_valid)]
+
+
+def _padded_dim(D: int) -> int:
+    return 64 if D == 48 else D  # the entry point pads head dim 48 to 64
+
+
 def variants(backend: str) -> list[tuple]:
     """(D, dtype, mask mode, dropout, length bucket) of every case of `backend` in the suites."""
     cases = GPU_CASES if backend == "triton" else TILELANG_CASES
-    out = {(D, DTYPES[dt], mode, p > 0, length_bucket(sq)) for (_, _, sq, _, D, dt, mode, p) in cases}
+    out = {(_padded_dim(D), DTYPES[dt], mode, p > 0, length_bucket(sq)) for (_, _, sq, _, D, dt, mode, p) in cases}
     _, _, sq, _, D, dt, mode, p = RECOMPILE_CASE
     out.add((D, DTYPES[dt], mode, False, length_bucket(sq)))
     for name, _, _, S, D, masks, _ in PERF_SHAPES:
         for mask in masks:
             if backend == "triton" or (name, mask) not in PERF_TILELANG_SKIP:
                 out.update((D, dt, mask, False, length_bucket(S)) for dt in DTYPES.values())
-    if backend == "triton":  # (the window and roles variants compile at their first call: run_once has no inputs)
-        out.update((D, torch.bfloat16, mask, False, length_bucket(S))
-                   for _, _, _, S, D, masks, _ in MODEL_PERF_SHAPES for mask in masks if mask in MODES)
+    out.update((D, torch.bfloat16, mask, False, length_bucket(S))
+               for _, _, _, S, D, masks, _ in MODEL_PERF_SHAPES for mask in masks)
     return sorted(out, key=str)
 
 
@@ -182,8 +205,7 @@ def tilelang_variants(tune: bool = False) -> list[tuple]:
     use (and, with `tune`, tune.py's candidates: bf16, no mask)."""
     out = set()
     for D, dtype, mode, dropout, bucket in variants("tilelang"):
-        use_kl, causal, causal_valid = MODES[mode]
-        code = MODE_CODE[mode_name(True if use_kl else None, causal, causal_valid)]
+        use_kl, code = mask_spec(mode)
         out.add(("fwd", D, dtype, code, use_kl, dropout, TILELANG_FWD_CONFIGS[(D, bucket)]))
         out.update((w, D, dtype, code, use_kl, dropout, TILELANG_BWD_CONFIGS[(D, bucket)]) for w in ("dq", "dkdv"))
     if tune:
@@ -200,11 +222,15 @@ def run_once(backend: str, D: int, dtype: torch.dtype, mode: str, dropout: bool,
     from . import flash_attention
 
     S = {0: 64, 1: 256, 2: 640}[bucket]
-    use_kl, causal, causal_valid = MODES[mode]
     q, k, v = (torch.randn(1, 1, S, D, device="cuda", dtype=dtype) for _ in range(3))
-    kl = torch.tensor([S - 3], device="cuda", dtype=torch.int32) if use_kl else None
-    args = dict(key_lengths=kl, causal=causal, causal_valid=causal_valid, dropout_p=0.25 if dropout else 0.0,
-                training=dropout, backend=backend, generator=torch.Generator().manual_seed(0))
+    if mode in STRUCTURED:
+        args = structured_mask(mode, 1, S, device="cuda")
+    else:
+        use_kl, causal, causal_valid = MODES[mode]
+        kl = torch.tensor([S - 3], device="cuda", dtype=torch.int32) if use_kl else None
+        args = dict(key_lengths=kl, causal=causal, causal_valid=causal_valid)
+    args.update(dropout_p=0.25 if dropout else 0.0, training=dropout, backend=backend,
+                generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         flash_attention(q, k, v, **args)
     q.requires_grad_()
