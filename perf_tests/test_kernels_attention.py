@@ -59,7 +59,7 @@ GPU_SHAPES = workload.PERF_SHAPES
 TILELANG_SKIP = workload.PERF_TILELANG_SKIP
 SHAPES = GPU_SHAPES if CUDA else workload.CPU_PERF_SHAPES
 # the models' shapes: the peers a model would call (SDPA with its boolean mask, flex_attention), then ours
-MODEL_BACKENDS = ("sdpa", "sdpa_efficient", "sdpa_cudnn", "flex", "triton") if CUDA else ("sdpa", "flex")
+MODEL_BACKENDS = ("sdpa", "sdpa_efficient", "sdpa_cudnn", "flex", "triton", "tilelang") if CUDA else ("sdpa", "flex")
 PEERS = (*SDPA, "sdpa", "flex", "torch")
 
 
@@ -268,12 +268,13 @@ def summary(path: str) -> str:
         case = f"{e['shape']} {e['dtype']} {e['dir']}"
         rows.setdefault(case, {})[e["backend"]] = e
     lines = [f"{'case':<52} {'best SDPA us':>14} {'flex us':>8} {'triton us [dev]':>18} {'x':>6} "
-             f"{'tilelang us [dev]':>18} {'x':>6} {'x peer':>6}"]
+             f"{'tilelang us [dev]':>18} {'x':>6} {'x peer tri/tl':>13}"]
     for case, by in rows.items():
         sd = [(e["per_call_us"], b) for b, e in by.items() if b in (*SDPA, "torch", "sdpa") and "per_call_us" in e]
         best = f"{min(sd)[0]:.1f} {min(sd)[1].replace('sdpa_', '')}" if sd else "-"
         flex = f"{by['flex']['per_call_us']:.1f}" if "per_call_us" in by.get("flex", {}) else "-"
-        peer = by.get("triton", {}).get("speedup_vs_best_peer")
+        peer = "/".join(f"{by[b]['speedup_vs_best_peer']:.2f}" if "speedup_vs_best_peer" in by.get(b, {}) else "-"
+                        for b in ("triton", "tilelang"))
         cols = []
         for b in ("triton", "tilelang"):
             e = by.get(b)
@@ -283,8 +284,8 @@ def summary(path: str) -> str:
                 cols.append(f"{e.get('speedup_vs_torch', float('nan')):.2f}")
             else:
                 cols += ["-", "-"]
-        peer = f"{peer:.2f}" if peer is not None else "-"
-        lines.append(f"{case:<52} {best:>14} {flex:>8} {cols[0]:>18} {cols[1]:>6} {cols[2]:>18} {cols[3]:>6} {peer:>6}")
+        lines.append(f"{case:<52} {best:>14} {flex:>8} {cols[0]:>18} {cols[1]:>6} {cols[2]:>18} {cols[3]:>6} "
+                     f"{peer:>13}")
     return "\n".join(lines)
 
 
