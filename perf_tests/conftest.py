@@ -87,10 +87,11 @@ class sdpa_only:  # noqa: N801 - used like a function: `with sdpa_only("sdpa_fla
         cuda.enable_cudnn_sdp(self.saved[3])
 
 
-def flex_peer(kw: dict, B: int, H: int, S: int, device):
+def flex_peer(kw: dict, B: int, H: int, S: int, device, compile: bool = True):
     """torch's flex_attention (compiled, one compile per case) with the block mask of flash_attention's mask
     keyword arguments `kw` (key lengths, window + global queries, or a role mask; self-attention of length S):
-    a callable (q, k, v) -> out. The block mask is built here, outside any timed call."""
+    a callable (q, k, v) -> out. The block mask is built here, outside any timed call. compile=False: eager
+    flex_attention (the CPU test of the mask functions)."""
     from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
     rm = kw.get("role_mask")
@@ -116,7 +117,9 @@ def flex_peer(kw: dict, B: int, H: int, S: int, device):
                 return in_window | is_global | (i == j)
         else:
             raise ValueError(f"flex_peer: no block mask for {sorted(kw)} (key lengths, window, role_mask only)")
-    torch._dynamo.reset()  # a fresh compile per case
     block_mask = create_block_mask(mask_mod, B, None, S, S, device=device)
-    compiled = torch.compile(flex_attention, dynamic=False)
-    return lambda q, k, v: compiled(q, k, v, block_mask=block_mask)
+    attend = flex_attention
+    if compile:
+        torch._dynamo.reset()  # a fresh compile per case
+        attend = torch.compile(flex_attention, dynamic=False)
+    return lambda q, k, v: attend(q, k, v, block_mask=block_mask)

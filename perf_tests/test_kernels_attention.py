@@ -222,7 +222,7 @@ def test_attention_perf(benchmark, backend, shape, mask, dtype, direction):
                            rounds=20, graph=(direction == "fwd"))
     if not benchmark.enabled:
         return
-    sdpa_times = {b: t for b, t in kb.session_times().get(key, {}).items() if b in (*SDPA, "torch")}
+    sdpa_times = {b: t for b, t in kb.session_times().get(key, {}).items() if b in (*SDPA, "torch", "sdpa")}
     extra = {"flops_note": "causal: half the full FLOPs" if causal else "full FLOPs (key padding not subtracted)"}
     if "tflops" in info and info.get("matmul_ceiling_tflops"):
         extra["fraction_of_matmul_ceiling"] = round(info["tflops"] / info["matmul_ceiling_tflops"], 4)
@@ -251,6 +251,22 @@ def cpu_case(benchmark, backend, shape, mask, dtype, direction):
     ref = reference(q, k, v, do, attn_mask, direction)
     for a, r in zip(got, ref, strict=True):
         assert float((a.double() - r).abs().max()) < 0.05 * max(float(r.abs().max()), 1e-3)
+
+
+@pytest.mark.parametrize("mask", ["key_lengths", "window", "roles"])
+def test_flex_peer_mask_matches_reference(mask):
+    """The flex peer's mask functions define the same mask as masks.py (eager flex_attention on the CPU)."""
+    B, H, S, D = 3, 2, 110, 16
+    if mask == "roles":
+        kw = workload.structured_mask("roles", B, S)
+    else:
+        kw = {"key_lengths": torch.tensor([S, 50, 1], dtype=torch.int32)}
+        if mask == "window":
+            kw.update(window=8, global_queries=1)
+    q, k, v, _ = workload.inputs(B, H, S, S, D, torch.float32, seed=5)
+    got = flex_peer(kw, B, H, S, "cpu", compile=False)(q, k, v)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=workload.reference_mask(B, S, S, kw))
+    assert float((got - expected).abs().max()) < 1e-4
 
 
 # ---------------------------------------------------------------------------------------- summary table
