@@ -9,16 +9,22 @@ PYTHON := $(VENV)/bin/python
 PYTEST := $(PYTHON) -m pytest
 RESULTS ?= results
 BENCH_JSON ?= $(RESULTS)/bench.json
-# pytest-benchmark comparison: the stored run to compare with (default: the newest of this machine)
-COMPARE_WITH ?=
-COMPARE_FAIL ?= median:15%
+# make compare: the base run (a JSON path, a stored run number, or latest = the newest autosaved run) and
+# the tests to run; thresholds come from .benchmarks/<machine>/noise.json (make noise)
+COMPARE_WITH ?= latest
+COMPARE_TESTS ?= perf_tests
+NOISE_RUNS ?= 3
+# make ab: the base tree (a git revision or a directory) for interleaved A-B-B-A runs
+BASE ?= HEAD
+AB_ROUNDS ?= 2
+REPORT_VIEW ?= summary
 SMOKE_MODELS ?= all
 SMOKE_SEEDS ?= 17,42,97
 SMOKE_STEPS ?= 20
 SMOKE_DEVICE ?= cpu
 SMOKE_OUT ?= smoke_runs
 
-.PHONY: setup test bench accuracy smoke compare report data lint clean
+.PHONY: setup test bench accuracy smoke compare noise ab report data lint clean
 
 setup: $(VENV)/.installed
 
@@ -42,9 +48,12 @@ test: setup
 	$(PYTEST) accuracy_tests smoke_tests perf_tests --benchmark-disable -q
 
 # The benchmark suite: pytest-benchmark JSON in $(BENCH_JSON), a copy stored under .benchmarks/, a summary.
+# DATA_SCALE=300 runs the data cases on the seed's 300x data (300,000 rows; --data-scale full); ci/default too.
+DATA_SCALE ?=
+DATA_SCALE_FLAG = $(if $(filter 300,$(DATA_SCALE)),--data-scale full,$(if $(DATA_SCALE),--data-scale $(DATA_SCALE)))
 bench: setup
 	mkdir -p $(RESULTS)
-	$(PYTEST) perf_tests --benchmark-only --benchmark-autosave --benchmark-json=$(BENCH_JSON) -q
+	$(PYTEST) perf_tests --benchmark-only --benchmark-autosave --benchmark-json=$(BENCH_JSON) $(DATA_SCALE_FLAG) -q
 	$(PYTHON) -m pcvr_lib report $(BENCH_JSON)
 
 accuracy: setup
@@ -54,13 +63,22 @@ smoke: setup
 	$(PYTHON) -m pcvr_lib smoke --models $(SMOKE_MODELS) --seeds $(SMOKE_SEEDS) --steps $(SMOKE_STEPS) \
 		--device $(SMOKE_DEVICE) --out $(SMOKE_OUT)
 
-# Runs the perf suite and compares it with a stored run of the same machine; refuses when there is none.
+# Runs the perf suite, then `pcvr diff` against a stored run of the same machine: device/CPU time and host
+# time gated with noise-floor thresholds; exit 1 on a regression or a missing case, 2 when it refuses.
 compare: setup
-	$(PYTHON) -m pcvr_lib compare $(if $(COMPARE_WITH),--with $(COMPARE_WITH)) --fail $(COMPARE_FAIL) \
-		--output $(RESULTS)/compare.json perf_tests
+	$(PYTHON) -m pcvr_lib diff $(COMPARE_WITH) --run $(RESULTS)/compare.json --json $(RESULTS)/diff.json \
+		--tests $(COMPARE_TESTS)
+
+# Runs the suite NOISE_RUNS times and stores the spread per case and group in .benchmarks/<machine>/noise.json.
+noise: setup
+	$(PYTHON) -m pcvr_lib noise --runs $(NOISE_RUNS) --work $(RESULTS)/noise $(COMPARE_TESTS)
+
+# Interleaved A-B-B-A runs of BASE (git revision or directory) and this tree, bootstrap interval per case.
+ab: setup
+	$(PYTHON) -m pcvr_lib compare --base $(BASE) --rounds $(AB_ROUNDS) --work $(RESULTS)/ab $(COMPARE_TESTS)
 
 report: setup
-	$(PYTHON) -m pcvr_lib report $(BENCH_JSON)
+	$(PYTHON) -m pcvr_lib report $(BENCH_JSON) --view $(REPORT_VIEW)
 
 data: setup
 	$(PYTHON) -m pcvr_lib generate --schema fixtures/sample_1000_raw.schema.json --rows 1000 --multiplier 30

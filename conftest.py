@@ -53,3 +53,12 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     from pcvr_lib.timing import update_machine_info
 
     update_machine_info(machine_info)
+
+
+def pytest_benchmark_update_json(config, benchmarks, output_json):
+    """Every case records a fingerprint of its workload (pcvr_lib.compare.WORKLOAD_KEYS), so a comparison
+    flags a case whose workload changed under the same id instead of comparing two different things."""
+    from pcvr_lib.compare import fingerprint
+
+    for bench in output_json["benchmarks"]:
+        bench.setdefault("extra_info", {}).setdefault("fingerprint", fingerprint(bench["extra_info"]))

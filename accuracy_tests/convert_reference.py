@@ -1,6 +1,13 @@
 """A slow, obviously-right per-row converter written from data.md section 2 (with the project's list-order
-decision: lists are chronological, newest last; both modes keep the newest events). The tests compare
-pcvr_lib.data.convert.Converter with it. Plain Python over `to_pylist()`; no numpy tricks.
+decisions: each row's order is told from its event times, or given; both modes keep the newest events,
+oldest first). The tests compare pcvr_lib.data.convert.Converter with it. Plain Python over `to_pylist()`;
+no numpy tricks.
+
+List order per row ("auto"): the positive event times, in list order, never decreasing (and not all equal)
+-> newest last; never increasing -> newest first; both directions -> not monotonic (sorted by time, stable,
+or rejected); fewer than two distinct positive times -> the batch's majority of the rows that tell
+(newest last on a tie). Chronological event numbers ("canon", oldest first): the list as stored, reversed,
+or the stable sort by time.
 
 Returns a dict of numpy arrays in the Batch layout:
   user/item: int_values, int_missing, dense_values, dense_missing
@@ -21,11 +28,27 @@ class ReferenceOOB(Exception):
     pass
 
 
+class ReferenceNonMonotonic(Exception):
+    pass
+
+
+def row_order(ts) -> str:
+    """'newest_last', 'newest_first', 'non_monotonic' or 'too_short' from one row's event times."""
+    positive = [t for t in ts if t > 0]
+    up = any(a < b for a, b in zip(positive, positive[1:], strict=False))
+    down = any(a > b for a, b in zip(positive, positive[1:], strict=False))
+    if up and down:
+        return "non_monotonic"
+    return "newest_last" if up else ("newest_first" if down else "too_short")
+
+
 def _column(data, name):
     return data.column(name).to_pylist()
 
 
-def reference_convert(data, schema: Schema, *, training=True, strict=False, clip_oov=True) -> dict:
+def reference_convert(
+    data, schema: Schema, *, training=True, strict=False, clip_oov=True, list_order="auto", non_monotonic="sort"
+) -> dict:
     rows = data.num_rows
     out: dict = {"oob": {}}
 
@@ -91,11 +114,27 @@ def reference_convert(data, schema: Schema, *, training=True, strict=False, clip
         values = np.zeros((rows, len(side_feats), L), dtype=np.int64)
         timestamps = np.zeros((rows, L), dtype=np.int64)
         lengths = np.zeros(rows, dtype=np.int64)
+        if list_order == "auto":
+            kinds = [row_order(ts_col[r] or []) for r in range(rows)]
+            first = kinds.count("newest_first") > kinds.count("newest_last")
+            fallback = "newest_first" if first else "newest_last"
+            kinds = [fallback if k == "too_short" else k for k in kinds]
+        else:
+            kinds = [list_order.replace("-", "_")] * rows
         for r in range(rows):
             ts = ts_col[r] or []
-            if strict:
-                valid = [j for j, t in enumerate(ts) if 0 < t < request[r]]
-                chosen = valid[-L:]  # the last L valid events
+            kind = kinds[r]
+            if kind == "non_monotonic" and non_monotonic == "error":
+                raise ReferenceNonMonotonic(domain.ts_feature.column)
+            if kind == "newest_last":
+                canon = list(range(len(ts)))
+            elif kind == "newest_first":
+                canon = list(reversed(range(len(ts))))
+            else:
+                canon = sorted(range(len(ts)), key=lambda j: ts[j])  # stable: ties keep list order
+            if strict or kind == "non_monotonic":
+                # the newest L (valid) events by time; every side column takes the same event numbers
+                chosen = [j for j in canon if not strict or 0 < ts[j] < request[r]][-L:]
                 lengths[r] = len(chosen)
                 for p, j in enumerate(chosen):
                     timestamps[r, p] = ts[j]
@@ -104,13 +143,14 @@ def reference_convert(data, schema: Schema, *, training=True, strict=False, clip
                     cell = col[r] or []
                     per_feature.append([cell[j] if j < len(cell) else 0 for j in chosen])
             else:
-                kept_ts = ts[-L:]  # the newest L events
+                # each column its own newest L elements, oldest first
+                def newest(cell, L=L, kind=kind):
+                    return cell[-L:] if kind == "newest_last" else list(reversed(cell[:L]))
+
+                kept_ts = newest(ts)
                 for p, t in enumerate(kept_ts):
                     timestamps[r, p] = t
-                per_feature = []
-                for col in side_cols:
-                    cell = col[r] or []
-                    per_feature.append(cell[-L:])
+                per_feature = [newest(col[r] or []) for col in side_cols]
                 lengths[r] = max((len(x) for x in per_feature), default=len(kept_ts))  # no side feature: the ts list
             for f, feat in enumerate(side_feats):
                 for p, x in enumerate(per_feature[f]):

@@ -11,9 +11,18 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from accuracy_tests.convert_reference import ReferenceOOB, reference_convert
+from accuracy_tests.convert_reference import ReferenceNonMonotonic, ReferenceOOB, reference_convert, row_order
 from pcvr_lib.data import convert as convert_module
-from pcvr_lib.data.convert import Converter, NativeUnavailable, OutOfVocabError, native_library
+from pcvr_lib.data.convert import (
+    LIST_ORDERS,
+    NON_MONOTONIC_POLICIES,
+    ORDER_CLASSES,
+    Converter,
+    NativeUnavailable,
+    OutOfVocabError,
+    classify_list_order,
+    native_library,
+)
 from pcvr_lib.data.generate import generate_dataset
 from pcvr_lib.data.parquet import DataError, MissingColumnError, expected_columns, open_dataset
 from pcvr_lib.schema import load_schema
@@ -111,11 +120,12 @@ def demo_batches(demo_schema, data_cache_dir):
 @pytest.mark.parametrize("training", [True, False], ids=["train", "eval"])
 def test_matches_reference_on_generated_data(backend, demo_schema, demo_batches, strict, training):
     converter = Converter(demo_schema, backend=backend, training=training, strict_time_filter=strict)
+    applied = strict and training  # strict filtering is for training batches only
     oob = {}
     offset = 0
     for rb in demo_batches:
         batch = converter(rb, row_offset=offset)
-        ref = reference_convert(rb, demo_schema, training=training, strict=strict)
+        ref = reference_convert(rb, demo_schema, training=training, strict=applied)
         compare(batch, ref, demo_schema)
         np.testing.assert_array_equal(batch.row_index.numpy(), np.arange(offset, offset + rb.num_rows))
         offset += rb.num_rows
@@ -125,7 +135,20 @@ def test_matches_reference_on_generated_data(backend, demo_schema, demo_batches,
     assert converter.stats["oob_per_feature"] == oob
     assert converter.stats["oob_total"] == sum(oob.values())
     assert converter.stats["rows"] == offset and converter.stats["batches"] == len(demo_batches)
-    assert converter.stats["strict_time_filter"] is strict and converter.strict_time_filter is strict
+    assert converter.stats["strict_time_filter"] is applied and converter.strict_time_filter is applied
+
+
+def test_strict_filter_on_evaluation_only_when_asked(backend, demo_schema, demo_batches):
+    rb = demo_batches[0]
+    plain = Converter(demo_schema, backend=backend, training=False)(rb)
+    ignored = Converter(demo_schema, backend=backend, training=False, strict_time_filter=True)
+    assert ignored.strict_time_filter is False
+    asked = Converter(demo_schema, backend=backend, training=False, strict_time_filter=True, strict_on_eval=True)
+    ref = reference_convert(rb, demo_schema, training=False, strict=True)
+    compare(asked(rb), ref, demo_schema)
+    got = ignored(rb)
+    for d in demo_schema.domains:
+        assert torch.equal(got.sequences[d.name].values, plain.sequences[d.name].values)
 
 
 def test_numpy_strict_rows_rescanned_in_full(demo_schema, demo_batches, monkeypatch):
@@ -233,7 +256,11 @@ def schema_and_batch(draw):
                     continue
                 n = base_len[r] if draw(st.integers(0, 4)) else draw(st.integers(0, domain.max_len + 3))
                 elems = st.integers(-2, 40) if feat.fid == domain.ts_fid else _ids
-                cells.append([draw(elems) for _ in range(n)])
+                cell = [draw(elems) for _ in range(n)]
+                if feat.fid == domain.ts_fid:  # event times: any order, oldest first, newest first, all tied
+                    shape = draw(st.sampled_from(["any", "up", "down", "tie"]))
+                    cell = {"any": cell, "up": sorted(cell), "down": sorted(cell, reverse=True)}.get(shape, [7] * n)
+                cells.append(cell)
             arrays[feat.column] = pa.array(cells, pa.list_(pa.int64()))
     names = list(arrays)
     perm = draw(st.permutations(names))
@@ -242,12 +269,25 @@ def schema_and_batch(draw):
 
 
 @settings(max_examples=250, deadline=None, suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
-@given(case=schema_and_batch(), strict=st.booleans(), training=st.booleans())
-def test_matches_reference_on_hypothesis_schemas(backend, case, strict, training):
+@given(
+    case=schema_and_batch(),
+    strict=st.booleans(),
+    training=st.booleans(),
+    order=st.sampled_from(LIST_ORDERS),
+    policy=st.sampled_from(NON_MONOTONIC_POLICIES),
+)
+def test_matches_reference_on_hypothesis_schemas(backend, case, strict, training, order, policy):
     schema, rb = case
-    converter = Converter(schema, backend=backend, training=training, strict_time_filter=strict)
+    options = dict(training=training, strict_time_filter=strict, list_order=order, non_monotonic=policy)
+    converter = Converter(schema, backend=backend, **options)
+    applied = strict and training  # strict filtering is for training batches only
+    try:
+        ref = reference_convert(rb, schema, training=training, strict=applied, list_order=order, non_monotonic=policy)
+    except ReferenceNonMonotonic as exc:
+        with pytest.raises(DataError, match=f"column '{exc.args[0]}': row .* neither non-decreasing"):
+            converter(rb)
+        return
     batch = converter(rb)
-    ref = reference_convert(rb, schema, training=training, strict=strict)
     compare(batch, ref, schema)
     assert converter.stats["oob_per_feature"] == ref["oob"]
     assert converter.stats["null_user_id"] == sum(u is None for u in rb.column("user_id").to_pylist())
@@ -258,7 +298,7 @@ def test_matches_reference_on_hypothesis_schemas(backend, case, strict, training
     # a table of several chunks and slices give the same result
     if rb.num_rows >= 2:
         table = pa.Table.from_batches([rb.slice(0, 1), rb.slice(1)])
-        compare(Converter(schema, backend=backend, training=training, strict_time_filter=strict)(table), ref, schema)
+        compare(Converter(schema, backend=backend, **options)(table), ref, schema)
 
 
 # ----------------------------------------------------------------------------------------------
@@ -622,3 +662,134 @@ def test_batches_cross_dataloader_workers_intact(backend, demo_schema, data_cach
     for batch in got:
         want = expected[int(batch.row_index[0])]
         assert all(torch.equal(a, b) for a, b in zip(batch.tensors(), want.tensors(), strict=True))
+
+
+# ----------------------------------------------------------------------------------------------
+# list order: told per row from the event times, or given
+# ----------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def ordered_batches(demo_schema, data_cache_dir):
+    """The same generated events written newest last, newest first and mixed (a seeded half reversed)."""
+    out = {}
+    for order in ("newest-last", "newest-first", "mixed"):
+        path = generate_dataset(
+            demo_schema, rows=200, seed=3, row_group_size=100, cache_dir=data_cache_dir, progress=False,
+            list_order=order,
+        )  # fmt: skip
+        out[order] = list(pq.ParquetFile(path).iter_batches(batch_size=72))
+    return out
+
+
+@pytest.mark.parametrize("strict", [False, True], ids=["nonstrict", "strict"])
+def test_newest_first_and_mixed_files_give_the_newest_last_batches(backend, demo_schema, ordered_batches, strict):
+    """Reversing the lists changes nothing: every order keeps the newest L events, oldest first (the demo
+    schema's L is a multiple of 8, so the AVX-512 reversed copy runs where the CPU has it)."""
+    for order in ("newest-first", "mixed"):
+        converter = Converter(demo_schema, backend=backend, strict_time_filter=strict)
+        for want_rb, rb in zip(ordered_batches["newest-last"], ordered_batches[order], strict=True):
+            want = Converter(demo_schema, backend=backend, strict_time_filter=strict)(want_rb)
+            got = converter(rb)
+            ref = reference_convert(rb, demo_schema, strict=strict)
+            compare(got, ref, demo_schema)
+            for d in demo_schema.domains:
+                # rows too short to tell take the batch's majority order; compare the rows that tell
+                ts = rb.column(d.ts_feature.column)
+                tells = classify_list_order(ts) != 0
+                for key in ("values", "timestamps", "lengths"):
+                    a = getattr(got.sequences[d.name], key).numpy()[tells]
+                    b = getattr(want.sequences[d.name], key).numpy()[tells]
+                    np.testing.assert_array_equal(a, b, err_msg=f"{order} {d.name}.{key}")
+        counts = converter.stats["list_order_rows"]
+        for d in demo_schema.domains:
+            c = counts[d.name]
+            assert sum(c[k] for k in ORDER_CLASSES) == 200 and c["non_monotonic"] == 0 and c["given"] == 0
+            if order == "newest-first":
+                assert c["newest_last"] == 0 and c["newest_first"] > 150
+            else:
+                assert c["newest_last"] > 50 and c["newest_first"] > 50
+
+
+def test_generated_order_detected_per_row(demo_schema, ordered_batches):
+    for order, want in (("newest-last", 1), ("newest-first", 2)):
+        for rb in ordered_batches[order]:
+            for d in demo_schema.domains:
+                cls = classify_list_order(rb.column(d.ts_feature.column))
+                assert set(cls.tolist()) <= {0, want}
+                assert [ORDER_CLASSES[c] for c in cls] == [
+                    row_order(x or []) for x in rb.column(d.ts_feature.column).to_pylist()
+                ]
+
+
+def test_order_rules_ties_and_majority(backend):
+    schema = small_schema()  # domain s: L = 3, side fid 8 (vocab 50)
+    rows = [
+        {"sq_9": [1, 2, 2, 3, 4], "sq_8": [11, 12, 13, 14, 15]},  # ties inside, newest last: 13 14 15
+        {"sq_9": [9, 8, 8, 0, 7], "sq_8": [21, 22, 23, 24, 25]},  # newest first, a tie and a 0 time
+        {"sq_9": [5, 5, 5, 5], "sq_8": [31, 32, 33, 34]},  # all tied: too short to tell -> majority
+        {"sq_9": [0, 6], "sq_8": [41, 42]},  # one positive time: too short to tell -> majority
+        {"sq_9": [3, 1, 2, 9], "sq_8": [1, 2, 3, 4]},  # not monotonic: sorted 1 2 3 9 -> events 1 2 3 kept
+        {"sq_9": [5, 4, 3], "sq_8": [7, 8, 9]},  # newest first
+    ]
+    converter = Converter(schema, backend=backend)
+    seq = converter(make_batch(schema, rows)).sequences["s"]
+    # newest first wins the majority 2:1, so the too-short rows are read newest first (reversed)
+    assert seq.values[:, 0].tolist() == [
+        [13, 14, 15],
+        [23, 22, 21],  # kept 21 22 23 (times 9 8 8), oldest first
+        [33, 32, 31],
+        [42, 41, 0],
+        [3, 1, 4],  # times 2, 3, 9 -> events 2, 0, 3
+        [9, 8, 7],
+    ]
+    assert seq.timestamps.tolist() == [[2, 3, 4], [8, 8, 9], [5, 5, 5], [6, 0, 0], [2, 3, 9], [3, 4, 5]]
+    assert converter.stats["list_order_rows"]["s"] == {
+        "too_short": 2, "newest_last": 1, "newest_first": 2, "non_monotonic": 1, "given": 0,
+    }  # fmt: skip
+    # without a majority for newest first, too-short rows keep the stored order (newest last)
+    seq = Converter(schema, backend=backend)(make_batch(schema, rows[2:4])).sequences["s"]
+    assert seq.values[:, 0].tolist() == [[32, 33, 34], [41, 42, 0]]
+
+
+def test_given_order_is_not_checked(backend):
+    schema = small_schema()
+    rows = [{"sq_9": [3, 1, 2, 9], "sq_8": [1, 2, 3, 4]}, {"sq_9": [1, 2], "sq_8": [5, 6]}]
+    first = Converter(schema, backend=backend, list_order="newest-first")
+    seq = first(make_batch(schema, rows)).sequences["s"]
+    assert seq.values[:, 0].tolist() == [[3, 2, 1], [6, 5, 0]]  # the first L, reversed, whatever the times
+    assert first.stats["list_order_rows"]["s"]["given"] == 2
+    seq = Converter(schema, backend=backend, list_order="newest-last")(make_batch(schema, rows)).sequences["s"]
+    assert seq.values[:, 0].tolist() == [[2, 3, 4], [5, 6, 0]]
+
+
+def test_non_monotonic_rows_rejected_by_the_error_policy(backend):
+    schema = small_schema()
+    rows = [{"sq_9": [1, 2, 3]}, {"sq_9": [3, 1, 2]}]
+    converter = Converter(schema, backend=backend, non_monotonic="error")
+    with pytest.raises(DataError, match=r"column 'sq_9': row 11: .*neither non-decreasing nor non-increasing"):
+        converter(make_batch(schema, rows), row_offset=10)
+    with pytest.raises(ValueError, match="list_order must be one of auto, newest-first, newest-last"):
+        Converter(schema, list_order="oldest-first")
+    with pytest.raises(ValueError, match="non_monotonic must be one of sort, error"):
+        Converter(schema, non_monotonic="drop")
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    cells=st.lists(
+        st.one_of(
+            st.none(),
+            st.lists(st.integers(-2, 30), max_size=40),
+            st.lists(st.integers(-1, 1000), max_size=40).map(sorted),
+            st.lists(st.integers(-1, 1000), max_size=40).map(lambda x: sorted(x, reverse=True)),
+        ),
+        max_size=12,
+    ),
+    cut=st.integers(0, 3),
+)
+def test_order_classes_match_the_reference_on_long_rows(cells, cut):
+    """Rows long enough for the 8-wide compare, with times <= 0 anywhere (bridged), nulls and slices."""
+    array = pa.array(cells, pa.list_(pa.int64()))[cut:]
+    got = [ORDER_CLASSES[c] for c in classify_list_order(array)]
+    assert got == [row_order(x or []) for x in array.to_pylist()]

@@ -11,7 +11,7 @@ import pytest
 
 from pcvr_lib.cli import main as cli_main
 from pcvr_lib.data.convert import Converter
-from pcvr_lib.data.generate import generate_dataset, generate_table, planted_score
+from pcvr_lib.data.generate import generate_dataset, generate_table, generation_info, planted_score
 from pcvr_lib.data.parquet import expected_columns, open_dataset
 from pcvr_lib.schema import SCALAR_COLUMNS, load_schema
 
@@ -177,6 +177,28 @@ def test_multiplier_jitter_and_row_groups(tmp_path):
             assert part.column(name).equals(base.column(name)), name
         dense = [pc.list_flatten(t.column("user_dense_feats_61")).to_numpy() for t in (part, base)]
         np.testing.assert_array_equal(*dense)  # NaN-aware: the values are the same
+    info = generation_info(path)  # written beside the file
+    assert info["rows"] == 120 and info["row_groups"] == 6 and info["bytes"] == path.stat().st_size
+    assert info["seconds"] > 0 and info["peak_rss_bytes"] > 0
+
+
+def test_list_orders_hold_the_same_events(tmp_path):
+    schema = load_schema(DEMO_SCHEMA)
+    tables = {o: generate_table(schema, 60, seed=2, list_order=o) for o in ("newest-last", "newest-first", "mixed")}
+    flipped = 0
+    for domain in schema.domains:
+        for feat in domain.features:
+            last, first, mixed = (tables[o].column(feat.column).to_pylist() for o in tables)
+            for a, b, c in zip(last, first, mixed, strict=True):
+                assert b == (None if a is None else a[::-1])
+                assert c in (a, b)
+                flipped += c != a
+    assert flipped > 0
+    # the other columns are untouched
+    for name in ("user_id", "timestamp", "user_int_feats_1", "label_type"):
+        assert tables["newest-first"].column(name).equals(tables["newest-last"].column(name))
+    with pytest.raises(ValueError, match="list_order must be one of newest-last, newest-first, mixed"):
+        generate_table(schema, 5, list_order="oldest")
 
 
 def test_cache_reuse_force_and_out(tmp_path):

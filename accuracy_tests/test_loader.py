@@ -12,7 +12,7 @@ import torch
 from pcvr_lib.data.cache import belady_hit_count
 from pcvr_lib.data.convert import Converter
 from pcvr_lib.data.generate import generate_table
-from pcvr_lib.data.loader import PRESETS, PcvrLoader
+from pcvr_lib.data.loader import PRESETS, CorruptRowGroupError, PcvrLoader
 from pcvr_lib.schema import load_schema
 
 ROWS, GROUP, BATCH = 400, 100, 64  # 4 row groups of 2 batches (64 + 36 rows)
@@ -208,6 +208,8 @@ def test_workers_give_the_same_batches_in_order(schema, dataset):
         (dict(num_workers=-1), "num_workers must be an integer >= 0"),
         (dict(cache_capacity=0), "cache_capacity must be an integer >= 1"),
         (dict(augmentations=[{"type": "crop", "mode": "middle"}]), "mode must be one of random_tail"),
+        (dict(list_order="oldest"), "list_order must be one of auto, newest-first, newest-last"),
+        (dict(non_monotonic="drop"), "non_monotonic must be one of sort, error"),
     ],
 )
 def test_bad_options_name_the_option(kwargs, match, schema, dataset):
@@ -222,3 +224,106 @@ def test_missing_file_and_bad_parquet(schema, tmp_path):
     empty.write_bytes(b"")
     with pytest.raises(ValueError, match="empty file"):
         PcvrLoader(empty, schema)
+
+
+def test_strict_filter_for_training_batches_only(schema, dataset):
+    """The augment presets ask for the strict filter: it applies to training batches, not to the valid side
+    nor to training=False, unless strict_on_eval asks for it by name."""
+    split = dict(split="timestamp_auto", valid_ratio=0.25)
+    cases = [
+        (dict(side="train", **split), True),
+        (dict(side="valid", **split), False),
+        (dict(training=False), False),
+        (dict(side="valid", strict_on_eval=True, **split), True),
+        (dict(training=False, strict_on_eval=True), True),
+    ]
+    for kwargs, strict in cases:
+        loader = PcvrLoader(dataset, schema, preset="augment", batch_size=BATCH, **kwargs)
+        assert loader.strict_time_filter is strict, kwargs
+        assert loader.strict_time_filter_requested is True
+        first = next(iter(loader))
+        want = Converter(schema, training=loader.training, strict_time_filter=strict, strict_on_eval=True)
+        key = loader.plan_items()[0][2]
+        start, stop = loader.spans[key]  # the file rows the batch is cut from
+        group_start = int(loader.row_group_offsets[key[1]])
+        table = pq.ParquetFile(dataset).read_row_group(key[1]).slice(start - group_start, stop - start)
+        direct = loader.filter_rows(want(table, row_offset=start), key)
+        if not loader.augment_active:  # compare exactly where no augmentation reshapes the batch
+            assert_batches_equal(first, direct)
+
+
+def _reversed_copy(path, out, flip_groups):
+    """The file with every sequence list of the given row groups reversed (newest first)."""
+    import pyarrow as pa
+
+    from pcvr_lib.data.generate import _reverse_rows
+
+    pf = pq.ParquetFile(path)
+    with pq.ParquetWriter(out, pf.schema_arrow) as writer:
+        for g in range(pf.metadata.num_row_groups):
+            table = pf.read_row_group(g)
+            if g in flip_groups:
+                flip = np.ones(table.num_rows, dtype=bool)
+                for i, name in enumerate(table.column_names):
+                    if name.startswith("domain_"):
+                        col = pa.concat_arrays(table.column(i).chunks)
+                        table = table.set_column(i, name, _reverse_rows(col, flip))
+            writer.write_table(table)
+    return out
+
+
+def test_loader_reports_the_list_order_of_the_file(schema, dataset, tmp_path):
+    plain = PcvrLoader(dataset, schema, batch_size=BATCH)
+    want = list(plain)
+    assert set(plain.stats()["list_order_detected"].values()) == {"newest-last"}
+    for flip, detected in (({0, 1, 2, 3}, "newest-first"), ({1, 3}, "mixed")):
+        path = _reversed_copy(dataset, tmp_path / f"flip{len(flip)}.parquet", flip)
+        loader = PcvrLoader(path, schema, batch_size=BATCH, num_workers=0)
+        got = list(loader)
+        stats = loader.stats()
+        assert set(stats["list_order_detected"].values()) == {detected}
+        for name, counts in stats["list_order_rows"].items():
+            assert sum(counts.values()) == ROWS and counts["non_monotonic"] == 0, name
+        # the same events in another order give the same batches (rows too short to tell aside)
+        for a, b in zip(want, got, strict=True):
+            for d in schema.domains:
+                tells = (a.sequences[d.name].lengths > 1).numpy()
+                assert torch.equal(a.sequences[d.name].values[tells], b.sequences[d.name].values[tells])
+    given = PcvrLoader(dataset, schema, batch_size=BATCH, list_order="newest-last")
+    list(given)
+    assert set(given.stats()["list_order_detected"].values()) == {"given"}
+
+
+def test_corrupt_page_names_file_and_row_group(schema, dataset, tmp_path):
+    """A data page zeroed with the footer intact: open_dataset passes (footer fine), the loader fails at
+    the first read of that row group, naming the file and the group, after serving the groups before it."""
+    meta = pq.ParquetFile(dataset).metadata
+    name = schema.domains[-1].side_features[0].column  # a column the loader reads
+    group = meta.row_group(2)
+    chunks = [group.column(i) for i in range(group.num_columns)]
+    column = next(c for c in chunks if c.path_in_schema.startswith(name + "."))
+    bad = tmp_path / "corrupt.parquet"
+    data = bytearray(dataset.read_bytes())
+    start = column.data_page_offset + 64
+    data[start : start + 256] = bytes(256)
+    bad.write_bytes(bytes(data))
+    for workers in (0, 1):
+        loader = PcvrLoader(bad, schema, batch_size=BATCH, num_workers=workers)
+        served = 0
+        match = r"corrupt\.parquet: row group 2 \(file rows 200\.\.299\) cannot be decoded"
+        with pytest.raises(CorruptRowGroupError, match=match) as info:
+            for batch in loader:
+                served += batch.batch_size
+        assert served == 200
+        assert "200 rows served before it" in str(info.value)
+
+
+def test_list_order_flag_on_the_commands_that_load_data():
+    from pcvr_lib.cli import build_parser
+
+    for command, extra in (("train", ["--model", "baseline", "--data", "x", "--run-dir", "r"]), ("val", []),
+                           ("infer", ["--checkpoint", "c"])):  # fmt: skip
+        args = build_parser(command).parse_args([command, *extra, "--list-order", "newest-first"])
+        assert args.list_order == "newest-first"
+        with pytest.raises(SystemExit):
+            build_parser(command).parse_args([command, *extra, "--list-order", "oldest-first"])

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 
@@ -24,15 +26,6 @@ def test_rates_and_bytes():
     assert timing.nbytes(t, t) == 4000
     assert timing.gbps(2e9, 1.0) == pytest.approx(2.0)
     assert timing.tflops(3e12, 1.5) == pytest.approx(2.0)
-
-
-def test_assert_comparable_refuses_different_gpus():
-    h200 = {"gpu": {"name": "NVIDIA H200", "sm_clock_mhz": "1980"}}
-    timing.assert_comparable(h200, {"gpu": {"name": "NVIDIA H200", "sm_clock_mhz": "1500"}})  # clocks ignored
-    with pytest.raises(ValueError, match="different accelerators: 'NVIDIA H200' vs 'NVIDIA H100"):
-        timing.assert_comparable(h200, {"gpu": {"name": "NVIDIA H100 80GB HBM3"}})
-    with pytest.raises(ValueError, match="'no GPU'"):
-        timing.assert_comparable(h200, {"gpu": None})
 
 
 def test_update_machine_info_lists_versions():
@@ -64,12 +57,106 @@ class _FakeEvents:
 
 def test_event_clock_divides_elapsed_time_by_calls(monkeypatch):
     monkeypatch.setattr(torch.cuda, "Event", _FakeEvents)
+    _FakeEvents.durations_ms = [2.0, 4.0, 3.0]
     clock = timing.CudaEventClock(calls=4)
     start = clock()
     end = clock()
     assert end - start == pytest.approx(0.5e-3)  # 2 ms over 4 calls
     start = clock()
     assert clock() - start == pytest.approx(1e-3)
+    # the captured L2 flushes' time (offset) is removed before dividing
+    clock = timing.CudaEventClock(calls=10, offset_s=1e-3)
+    start = clock()
+    assert clock() - start == pytest.approx(0.2e-3)
+
+
+class _FakeProfilerEvent:
+    def __init__(self, name, us, device_type):
+        self.name, self.device_time, self.device_type = name, us, device_type
+
+
+def test_kernel_seconds_sums_device_kernels_and_leaves_out_the_flush():
+    cuda, cpu = torch.autograd.DeviceType.CUDA, torch.autograd.DeviceType.CPU
+    events = [_FakeProfilerEvent("rms_fwd", 4.0, cuda), _FakeProfilerEvent("fill_kernel", 30.0, cuda),
+              _FakeProfilerEvent("rms_fwd", 4.5, cuda), _FakeProfilerEvent("aten::add", 9.0, cpu)]
+    assert timing.kernel_seconds(events) == pytest.approx(38.5e-6)
+    assert timing.kernel_seconds(events, exclude=frozenset({"fill_kernel"})) == pytest.approx(8.5e-6)
+
+
+def test_host_seconds_is_the_median_per_call_of_many_batches():
+    ticks = iter([0.0, 1.0, 1.0, 1.2, 2.0, 2.3, 3.0, 9.0, 10.0, 10.2])  # batches of 10 calls: 1.0 0.2 0.3 6 0.2
+    calls = []
+    host = timing.host_seconds(lambda: calls.append(1), calls=10, samples=5, clock=lambda: next(ticks))
+    assert host == pytest.approx(0.03)  # median 0.3 s per batch / 10 calls: the 6 s outlier does not count
+    assert len(calls) == 50
+
+
+def test_l2_modes_and_rotation_copies():
+    assert timing.resolve_l2_mode(None, True, 1) == "flush"
+    assert timing.resolve_l2_mode(None, False, 1) == "warm"
+    assert timing.resolve_l2_mode(None, True, 8) == "rotate"
+    assert timing.resolve_l2_mode("warm", True, 1) == "warm"
+    with pytest.raises(ValueError, match="needs a sequence of calls"):
+        timing.resolve_l2_mode("rotate", True, 1)
+    with pytest.raises(ValueError, match="l2='cold'"):
+        timing.resolve_l2_mode("cold", True, 1)
+    assert timing.rotation_copies(4 << 20, l2=50 << 20) == 25  # 25 x 4 MB = 100 MB = twice the L2
+    assert timing.rotation_copies(1 << 30, l2=50 << 20) == 2
+
+
+def test_a_rate_above_the_copy_ceiling_is_an_error():
+    assert timing.check_ceiling("case", 4e9, 1e-3, 4800.0) == pytest.approx(4000.0)
+    assert timing.check_ceiling("case", 4.85e9, 1e-3, 4800.0) == pytest.approx(4850.0)  # within the slack
+    with pytest.raises(timing.CeilingExceeded, match="op=x.*5,760 GB/s.*exceeds the measured copy ceiling 4,800"):
+        timing.check_ceiling("op=x", 5.76e9, 1e-3, 4800.0)
+
+
+class _FakeBenchmark:
+    """The pytest-benchmark fixture surface the timers use: pedantic reads `_timer` around the target."""
+
+    def __init__(self, enabled=True):
+        self.enabled = enabled
+        self.extra_info: dict = {}
+        self._timer = None
+        self.samples: list[float] = []
+
+    def pedantic(self, target, setup=None, rounds=1, warmup_rounds=0, iterations=1):
+        result = None
+        for i in range(warmup_rounds + rounds):
+            args, kwargs = (setup() or ((), {})) if setup else ((), {})
+            t0 = self._timer()
+            result = target(*args, **kwargs)
+            elapsed = self._timer() - t0
+            if i >= warmup_rounds:
+                self.samples.append(elapsed)
+        self.samples.sort()
+        median = self.samples[len(self.samples) // 2]
+        self.stats = type("S", (), {"stats": type("T", (), {"median": median})})
+        return result
+
+
+def test_bench_cpu_puts_cpu_time_into_the_statistics():
+    cpu = iter([0.0, 0.5, 1.0, 1.2, 2.0, 2.3])  # 0.5, 0.2, 0.3 s of CPU time per round
+    bench = _FakeBenchmark()
+    probes = iter([0.006] + [0.006, 0.006, 0.012, 0.012, 0.003, 0.003])  # warm-up, then before/after each round
+    out = timing.bench_cpu(bench, lambda: "done", rounds=3, warmup_rounds=0, clock=lambda: next(cpu),
+                           probe=lambda: next(probes))
+    assert out == "done"
+    # each round's CPU time scaled by nominal / probe: 0.5 x 1; 0.2 x 0.5 (the probe took twice as long: a
+    # busy machine); 0.3 x 2 (the probe ran twice as fast)
+    assert sorted(bench.samples) == pytest.approx([0.1, 0.5, 0.6])
+    assert bench.stats.stats.median == pytest.approx(0.5)
+    assert bench.extra_info["stat"] == "cpu" and bench.extra_info["gated"] is True
+    assert bench.extra_info["cpu_raw_min_s"] == pytest.approx(0.2) and bench.extra_info["probe_median_s"] == 0.006
+    assert bench.extra_info["wall_s"] >= 0
+
+
+def test_bench_cpu_passes_setup_arguments():
+    bench = _FakeBenchmark()
+    seen = []
+    timing.bench_cpu(bench, lambda x: seen.append(x), setup=lambda: ((7,), {}), rounds=2, clock=timing.time.thread_time)
+    assert seen == [7, 7, 7]  # one warm-up round and two timed
+    assert bench.extra_info["timer"].startswith("thread_time x 0.006 s / calibration probe")
 
 
 def test_tolerance_nan_never_passes():
@@ -134,21 +221,94 @@ def test_gpu_timer_measures_a_known_duration():
     target_us = 200.0
     cycles = int(cycles_per_us * target_us)
 
-    class Bench:  # the pytest-benchmark fixture surface bench_gpu uses
-        enabled = True
-        extra_info: dict = {}
-
-        def pedantic(self, target, setup, rounds, warmup_rounds, iterations):
-            samples = []
-            for _ in range(rounds):
-                setup()
-                t0 = self._timer()
-                target()
-                samples.append(self._timer() - t0)
-            samples.sort()
-            self.stats = type("S", (), {"stats": type("T", (), {"median": samples[len(samples) // 2]})})
-
-    info = timing.bench_gpu(Bench(), lambda: torch.cuda._sleep(cycles), rounds=9)
+    info = timing.bench_gpu(_FakeBenchmark(), lambda: torch.cuda._sleep(cycles), rounds=9)
+    assert info["stat"] == "device" and info["device_time_method"] == "cuda_graph" and info["l2"] == "flush"
     assert info["device_us"] == pytest.approx(target_us, rel=0.05)
     assert info["per_call_us"] == pytest.approx(target_us, rel=0.10)
     assert info["per_call_over_device"] >= 0.97
+    assert 0 < info["host_us"] < target_us
+
+
+class _FakeGpu:
+    """A CUDA stand-in for bench_gpu on CPU: launches advance a device clock, or are recorded while a
+    graph is being captured and advance it again on every replay; events read the device clock."""
+
+    def __init__(self, monkeypatch):
+        self.clock = 0.0
+        self.capturing = None
+        gpu = self
+
+        class Event:
+            def __init__(self, enable_timing=True):
+                self.t = None
+
+            def record(self):
+                self.t = gpu.clock
+
+            def synchronize(self):
+                pass
+
+            def elapsed_time(self, end):
+                return (end.t - self.t) * 1e3
+
+        class Graph:
+            def __init__(self):
+                self.ops = []
+
+            def replay(self):
+                for seconds in self.ops:
+                    gpu.clock += seconds
+
+        @contextlib.contextmanager
+        def graph(g):
+            gpu.capturing = g
+            yield
+            gpu.capturing = None
+
+        stream = type("Stream", (), {"wait_stream": lambda self, other: None})
+        for name, value in {"Event": Event, "CUDAGraph": Graph, "graph": graph, "Stream": stream,
+                            "stream": lambda s: contextlib.nullcontext(), "current_stream": lambda: stream(),
+                            "synchronize": lambda: None, "_sleep": lambda cycles: self.launch(0.5e-3)}.items():
+            monkeypatch.setattr(torch.cuda, name, value, raising=False)
+        monkeypatch.setattr(timing, "flush_l2", lambda device=None, size=0: self.launch(40e-6))
+
+    def launch(self, seconds):
+        if self.capturing is not None:
+            self.capturing.ops.append(seconds)
+        else:
+            self.clock += seconds
+
+
+def test_bench_gpu_device_time_from_a_graph_of_many_calls_with_the_flushes_subtracted(monkeypatch):
+    gpu = _FakeGpu(monkeypatch)
+    bench = _FakeBenchmark()
+    info = timing.bench_gpu(bench, lambda: gpu.launch(4e-6), rounds=5, warmup_rounds=1)
+    assert info["device_time_method"] == "cuda_graph" and info["l2"] == "flush" and info["stat"] == "device"
+    assert info["calls_per_graph"] == 23  # ceil(1 ms / (4 + 40) us)
+    assert info["device_us"] == pytest.approx(4.0)  # the 40 us flush before every call is subtracted
+    assert info["flush_us_subtracted"] == pytest.approx(40.0)
+    assert bench.stats.stats.median == pytest.approx(4e-6)  # pytest-benchmark's statistic is device time
+    assert info["per_call_us"] == pytest.approx(4.0) and info["per_call_over_device"] == pytest.approx(1.0)
+    assert info["host_us"] >= 0 and info["gated"] is True and bench.extra_info["device_us"] == info["device_us"]
+
+
+def test_bench_gpu_rotates_over_input_copies_and_marks_informational_cases(monkeypatch):
+    gpu = _FakeGpu(monkeypatch)
+    calls = []
+
+    def make(i):
+        return lambda: (calls.append(i), gpu.launch(10e-6))
+
+    info = timing.bench_gpu(_FakeBenchmark(), [make(i) for i in range(4)], rounds=3, gated=False)
+    assert info["l2"] == "rotate" and info["rotations"] == 4 and info["gated"] is False
+    assert info["calls_per_graph"] == 100 and info["flush_us_subtracted"] == 0.0
+    assert info["device_us"] == pytest.approx(10.0)
+    assert set(calls) == {0, 1, 2, 3}
+
+
+def test_bench_gpu_disabled_runs_once_untimed(monkeypatch):
+    gpu = _FakeGpu(monkeypatch)
+    bench = _FakeBenchmark(enabled=False)
+    bench.pedantic = lambda target, **kw: target()
+    info = timing.bench_gpu(bench, lambda: gpu.launch(4e-6), l2="warm")
+    assert info["l2"] == "warm" and "device_us" not in info

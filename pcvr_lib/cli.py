@@ -25,8 +25,11 @@ import traceback
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("pcvr_lib.data.generate", "write demo-like PCVR parquet data from a schema"),
-    "report": ("pcvr_lib.report", "summarise a pytest-benchmark JSON file"),
-    "compare": ("pcvr_lib.report", "run the perf suite and compare it with a stored run (regression gate)"),
+    "inspect": ("pcvr_lib.data.inspect_file", "what a parquet file holds: rows, list order, nulls, out-of-vocab"),
+    "report": ("pcvr_lib.report", "print a pytest-benchmark JSON file as a table (--view summary|cases|optim|data)"),
+    "diff": ("pcvr_lib.compare", "compare two stored benchmark runs against the noise floor (exit 1: regressed)"),
+    "noise": ("pcvr_lib.compare", "run the suite N times (or read runs) and store the noise floor"),
+    "compare": ("pcvr_lib.compare", "interleaved A-B-B-A runs of a base tree and this one, with bootstrap intervals"),
     "train": ("pcvr_lib.train", "train a PCVR model: checkpoints, training_summary/telemetry JSON"),
     "val": ("pcvr_lib.train", "evaluate a checkpoint: evaluation.json, validation_predictions.jsonl"),
     "infer": ("pcvr_lib.train", "score every row with a checkpoint: predictions.json"),

@@ -1,18 +1,16 @@
-"""Read pytest-benchmark JSON: `pcvr report` (summary table) and `pcvr compare` (regression gate).
+"""`pcvr report FILE [--view summary|cases|optim|data]`: the one printer of pytest-benchmark JSON.
 
-`pcvr compare` wraps pytest-benchmark's own `--benchmark-compare` / `--benchmark-compare-fail`, adding
-the checks it lacks: a stored run must exist, come from the same kind of accelerator, and share cases
-with the current suite; otherwise it refuses with exit code 2 and says why.
+Views: `summary` (every case, the extra_info columns it has), `cases` (kernels: one row per case with
+every backend's per-call [device] time and the ratios), `optim` (optimizers), `data` (data pipeline).
+Comparisons of runs live in pcvr_lib/compare.py (`pcvr diff`, `pcvr compare`, `pcvr noise`).
 """
 
 from __future__ import annotations
 
 import json
 import math
-import shutil
-import subprocess
+import re
 import sys
-import tempfile
 from pathlib import Path
 
 # extra_info keys worth a column, in display order, with their header and format.
@@ -22,7 +20,9 @@ SUMMARY_FIELDS = [
     ("ratio_to_copy_floor", "vs copy", "{:.2f}"),
     ("hit_rate", "hit", "{:.1%}"),
     ("speedup_vs_torch", "vs torch", "{:.2f}x"),
+    ("per_call_us", "per-call us", "{:.1f}"),
     ("device_us", "device us", "{:.1f}"),
+    ("host_us", "host us", "{:.1f}"),
     ("gbps", "GB/s", "{:,.0f}"),
     ("fraction_of_copy_ceiling", "% copy", "{:.0%}"),
     ("tflops", "TFLOP/s", "{:.1f}"),
@@ -74,12 +74,13 @@ def summary_rows(data: dict) -> tuple[list[str], list[list[str]]]:
     benches = data["benchmarks"]
     extras = [b.get("extra_info", {}) for b in benches]
     fields = [f for f in SUMMARY_FIELDS if any(_extra_value(e, f[0]) is not None for e in extras)]
-    header = ["group", "case", "median", *[h for _, h, _ in fields]]
+    header = ["group", "case", "stat", "median", *[h for _, h, _ in fields]]
     rows = []
     for bench in sorted(benches, key=lambda b: (b.get("group") or "", b["name"])):
         stats = bench.get("stats") or {}
         extra = bench.get("extra_info", {})
-        cells = [bench.get("group") or "-", bench.get("param") or bench["name"], _format_seconds(stats.get("median"))]
+        cells = [bench.get("group") or "-", bench.get("param") or bench["name"], extra.get("stat", "median"),
+                 _format_seconds(stats.get("median"))]
         for key, _, fmt in fields:
             value = _extra_value(extra, key)
             cells.append(fmt.format(value) if isinstance(value, int | float) else "-")
@@ -109,110 +110,122 @@ def machine_summary(data: dict) -> str:
     return " | ".join(str(p) for p in parts) + (f" | commit {commit}" if commit else "")
 
 
+# ---------------------------------------------------------------- views
+
+
+def case_times(bench: dict) -> tuple[float, float | None, float | None]:
+    """(per-call us, device us, host us) of a GPU case, from new runs (stats = device time) and from
+    runs made before the split (stats = per-call time) alike."""
+    extra = bench.get("extra_info", {})
+    median_us = bench["stats"]["median"] * 1e6
+    per_call = extra.get("per_call_us", median_us) if extra.get("stat") == "device" else median_us
+    return per_call, extra.get("device_us"), extra.get("host_us")
+
+
+KERNEL_PEERS = ("torch", "torch_compile", "liger")
+KERNEL_OURS = ("triton", "tilelang", "cuembed")
+
+
+def cases_view(data: dict) -> str:
+    """Markdown, one row per (direction, op, shape, dtype): every backend's per-call us [device us], the best
+    of ours as a fraction of the copy ceiling and against torch and the best peer (per call), and the
+    Triton/TileLang device-time ratio."""
+    cases: dict = {}
+    for bench in data["benchmarks"]:
+        e = bench.get("extra_info", {})
+        if "op" not in e or "[" in e["op"]:  # tile-sweep variants have their own labels
+            continue
+        shape = e["shape"] + (f",dist={e['dist']}" if "dist" in e else "")
+        per_call, device, _ = case_times(bench)
+        cases.setdefault((e["dir"], e["op"], shape, e["dtype"]), {})[e["backend"]] = (
+            per_call, device, e.get("fraction_of_copy_ceiling"))
+    backends = [b for b in (*KERNEL_PEERS, *KERNEL_OURS) if any(b in by for by in cases.values())]
+    lines = []
+    for direction in sorted({k[0] for k in cases}, key=lambda d: (d != "fwd", d)):
+        lines += [f"\n{direction}: per-call us [device us]\n",
+                  "| op | shape | dtype | " + " | ".join(backends) + " | best ours % copy | vs torch | vs best peer | "
+                  "triton/tilelang device |", "|---" * (len(backends) + 7) + "|"]
+        for (dr, op, shape, dtype), by in cases.items():
+            if dr != direction:
+                continue
+            cells = [f"{by[b][0]:.1f} [{by[b][1]:.1f}]" if b in by and by[b][1] is not None else "-" for b in backends]
+            ours = {b: by[b] for b in KERNEL_OURS if b in by}
+            peers = {b: by[b] for b in KERNEL_PEERS if b in by}
+            best = min(ours, key=lambda b: ours[b][0]) if ours else None
+            peer = min(peers, key=lambda b: peers[b][0]) if peers else None
+            frac = f"{100 * ours[best][2]:.1f}% ({best})" if best and ours[best][2] is not None else "-"
+            vs_torch = f"{by['torch'][0] / ours[best][0]:.2f}x" if best and "torch" in by else "-"
+            vs_peer = f"{peers[peer][0] / ours[best][0]:.2f}x ({peer})" if best and peer else "-"
+            ratio = (f"{ours['triton'][1] / ours['tilelang'][1]:.2f}" if {"triton", "tilelang"} <= ours.keys()
+                     and ours["tilelang"][1] and ours["triton"][1] is not None else "-")
+            lines.append(f"| {op} | {shape} | {dtype} | " + " | ".join(cells) + f" | {frac} | {vs_torch} | {vs_peer} "
+                         f"| {ratio} |")
+    return "\n".join(lines) if lines else "(no kernel cases in this file)"
+
+
+def optim_rows(data: dict) -> list[list]:
+    rows = []
+    for b in data["benchmarks"]:
+        m = re.search(r"optimizer=(\w+),device=(\w+),workload=(\w+)", b.get("name", ""))
+        if not m:
+            continue
+        e = b.get("extra_info", {})
+        kind = "step" if b["name"].startswith("test_optimizer_step") else "train"
+        per_call, device, _ = case_times(b) if m.group(2) == "cuda" else (b["stats"]["median"] * 1e6, None, None)
+        rows.append([m.group(3), m.group(2), kind, m.group(1), per_call, device, e.get("ratio_to_fused_adamw"),
+                     e.get("optimizer_step_us"), e.get("final_loss"), e.get("ns_sigma_min"), e.get("ns_sigma_max"),
+                     e.get("tensors")])
+    return sorted(rows, key=lambda r: (r[0], r[1], r[2], r[4]))
+
+
+def _fmt(x, spec: str) -> str:
+    return "-" if x is None else format(x, spec)
+
+
+def optim_view(data: dict) -> str:
+    rows = [[r[0], r[1], r[2], r[3], f"{r[4]:.1f}", _fmt(r[5], ".1f"), _fmt(r[6], ".2f"), _fmt(r[7], ".1f"),
+             _fmt(r[8], ".4f"), "-" if r[9] is None else f"{r[9]:.2f}-{r[10]:.2f}", _fmt(r[11], "d")]
+            for r in optim_rows(data)]
+    header = ["workload", "dev", "what", "optimizer", "us (cpu: cpu time)", "device us", "x fused", "step us",
+              "loss", "NS sigma", "tensors"]
+    return format_table(header, rows) if rows else "(no optimizer cases in this file)"
+
+
+def data_view(data: dict) -> str:
+    rows = []
+    for b in data["benchmarks"]:
+        e = b.get("extra_info", {})
+        if "rows_per_sec" not in e:
+            continue
+        rows.append([b.get("param") or b["name"], e.get("stat", "wall"), f"{e['rows_per_sec']:,.0f}",
+                     _fmt(e.get("ratio_to_pyarrow_read"), ".2f"), _fmt(e.get("ratio_to_copy_floor"), ".2f"),
+                     _fmt(e.get("cache_hit_rate"), ".1%"), _fmt(e.get("wall_s"), ".3f")])
+    header = ["case", "timer", "rows/s", "vs pyarrow", "vs copy", "hit", "wall s"]
+    return format_table(header, sorted(rows)) if rows else "(no data cases in this file)"
+
+
+VIEWS = {
+    "summary": lambda data: format_table(*summary_rows(data)),
+    "cases": cases_view,
+    "optim": optim_view,
+    "data": data_view,
+}
+
+
 def add_report_arguments(parser) -> None:
     parser.add_argument("json_file", nargs="?", default="results/bench.json", help="pytest-benchmark JSON")
+    parser.add_argument("--view", choices=sorted(VIEWS), default="summary", help="which table (default summary)")
 
 
 def run_report(args) -> int:
     try:
         data = load_benchmark_json(args.json_file)
     except ReportError as exc:
-        print(f"pcvr report: {exc}", file=sys.stderr)
+        print(f"pcvr report: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
     if not data["benchmarks"]:
-        print(f"pcvr report: {args.json_file} holds no benchmark results", file=sys.stderr)
+        print(f"pcvr report: error: {args.json_file} holds no benchmark results", file=sys.stderr)
         return EXIT_REFUSED
     print(machine_summary(data))
-    print(format_table(*summary_rows(data)))
+    print(VIEWS[args.view](data))
     return 0
-
-
-# ---------------------------------------------------------------- compare
-
-
-def machine_id() -> str:
-    from pytest_benchmark.utils import get_machine_id
-
-    return get_machine_id()
-
-
-def current_gpu_name() -> str | None:
-    import torch
-
-    return torch.cuda.get_device_name(0) if torch.cuda.is_available() else None
-
-
-def stored_runs(storage: Path) -> list[Path]:
-    folder = storage / machine_id()
-    return sorted(folder.glob("[0-9][0-9][0-9][0-9]_*.json")) if folder.is_dir() else []
-
-
-def resolve_baseline(storage: Path, wanted: str | None) -> Path:
-    """The stored run to compare with: a JSON path, a run number/id prefix, or the newest stored run."""
-    if wanted and (wanted.endswith(".json") or Path(wanted).is_file()):
-        path = Path(wanted)
-        if not path.is_file():
-            raise ReportError(f"nothing to compare with: {path} does not exist")
-        return path
-    runs = stored_runs(storage)
-    if not runs:
-        raise ReportError(
-            f"nothing to compare with: no stored run under {storage / machine_id()}; run `make bench` first "
-            "(it stores each run), or pass --with path/to/run.json (make compare COMPARE_WITH=path/to/run.json)"
-        )
-    if wanted:
-        matches = [r for r in runs if r.name.startswith(wanted) or r.name[5:].startswith(wanted)]
-        if not matches:
-            names = ", ".join(r.name for r in runs[-5:])
-            raise ReportError(f"nothing to compare with: no stored run matches {wanted!r} (newest: {names})")
-        return matches[-1]
-    return runs[-1]
-
-
-def check_same_accelerator(baseline: dict, baseline_path: Path, gpu_now: str | None) -> None:
-    from pcvr_lib.timing import assert_comparable
-
-    try:
-        assert_comparable(baseline.get("machine_info", {}), {"gpu": {"name": gpu_now} if gpu_now else None})
-    except ValueError as exc:
-        raise ReportError(f"{baseline_path}: {exc}") from exc
-
-
-def add_compare_arguments(parser) -> None:
-    parser.add_argument("--with", dest="baseline", help="stored run number/id prefix or a pytest-benchmark JSON path")
-    parser.add_argument("--fail", nargs="+", default=["median:15%"], help="--benchmark-compare-fail expressions")
-    parser.add_argument("--storage", default=".benchmarks", help="pytest-benchmark storage folder")
-    parser.add_argument("--output", default="results/compare.json", help="where the new run's JSON goes")
-    parser.add_argument("tests", nargs="*", default=["perf_tests"], help="test paths / pytest args")
-
-
-def run_compare(args) -> int:
-    try:
-        baseline_path = resolve_baseline(Path(args.storage), args.baseline)
-        baseline = load_benchmark_json(baseline_path)
-        check_same_accelerator(baseline, baseline_path, current_gpu_name())
-    except ReportError as exc:
-        print(f"pcvr compare: {exc}", file=sys.stderr)
-        return EXIT_REFUSED
-    print(f"pcvr compare: comparing with {baseline_path}")
-    # pytest-benchmark compares only against runs in its storage layout, so the baseline is copied into a
-    # private storage folder as run 0001 of this machine id.
-    with tempfile.TemporaryDirectory() as tmp:
-        run_dir = Path(tmp) / machine_id()
-        run_dir.mkdir()
-        shutil.copy(baseline_path, run_dir / "0001_baseline.json")
-        Path(args.output).parent.mkdir(parents=True, exist_ok=True)
-        cmd = [
-            sys.executable, "-m", "pytest", *args.tests, "--benchmark-only", "-q",
-            f"--benchmark-storage=file://{tmp}", "--benchmark-compare=0001",
-            f"--benchmark-json={args.output}", "--benchmark-compare-fail", *args.fail,
-        ]  # fmt: skip
-        code = subprocess.call(cmd)
-    if Path(args.output).is_file():
-        now = {b["fullname"] for b in load_benchmark_json(args.output)["benchmarks"]}
-        then = {b["fullname"] for b in baseline["benchmarks"]}
-        if not now & then:
-            print(f"pcvr compare: nothing comparable: {baseline_path} shares no case with this run", file=sys.stderr)
-            return EXIT_REFUSED
-        print(f"pcvr compare: {len(now & then)} cases compared, {len(now - then)} new, {len(then - now)} not run now")
-    return code

@@ -90,6 +90,7 @@ class TrainConfig:
     compile: bool = False
     num_workers: int = 0
     log_every: int = 0  # 0: silent
+    list_order: str = "auto"  # sequence list order: auto (told per row from the event times) or given
 
     def to_dict(self) -> dict[str, Any]:
         out = dataclasses.asdict(self)
@@ -270,13 +271,15 @@ def _schema_path(data: Path, schema: str | None) -> Path:
     return beside
 
 
-def _loader(cfg_data: Path, schema, config: TrainConfig, *, for_training: bool = False, **kw):
+def _loader(cfg_data: Path, schema, config: TrainConfig, *, for_training: bool = False, list_order=None, **kw):
     """A loader with the run's converter setting; only training batches get the run's loader preset
-    (cache, augmentations): evaluation and inference read each row once, unaugmented."""
+    (cache, augmentations): evaluation and inference read each row once, unaugmented. The list order is
+    the run's unless `list_order` overrides it (val/infer --list-order)."""
     from pcvr_lib.data.loader import PcvrLoader
 
     preset = config.loader_preset if for_training else "none"
-    return PcvrLoader(cfg_data, schema, preset=preset, strict_time_filter=_strict_time_filter(config), **kw)
+    return PcvrLoader(cfg_data, schema, preset=preset, strict_time_filter=_strict_time_filter(config),
+                      list_order=list_order or config.list_order, **kw)
 
 
 def _strict_time_filter(config: TrainConfig) -> bool:
@@ -827,6 +830,7 @@ def validate(
     batch_size: int = 256,
     device: str = "cpu",
     amp: bool | None = None,
+    list_order: str | None = None,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint (default: the one the run dir's training summary names) on the holdout side
     (`rows="valid"`, the same split as training) or on every row (`rows="all"`); writes evaluation.json,
@@ -847,9 +851,10 @@ def validate(
     with telemetry:
         if rows == "valid":
             loader = _loader(data_path, schema, config, batch_size=batch_size, mode="sweep", split=config.split,
-                             side="valid", valid_ratio=config.valid_ratio, training=True)
+                             side="valid", valid_ratio=config.valid_ratio, training=True, list_order=list_order)
         else:
-            loader = _loader(data_path, schema, config, batch_size=batch_size, mode="sweep", training=True)
+            loader = _loader(data_path, schema, config, batch_size=batch_size, mode="sweep", training=True,
+                             list_order=list_order)
         preds = _score(model, loader, dev, use_amp, folder, data_path, "val")
         metrics = classification_metrics(preds["target"], preds["probability"])
         telemetry.rows, telemetry.batches = len(preds["target"]), preds["batches"]
@@ -897,6 +902,7 @@ def infer(
     batch_size: int = 256,
     device: str = "cpu",
     amp: bool | None = None,
+    list_order: str | None = None,
 ) -> dict[str, Any]:
     """Score every row of the data (labels not read) and write predictions.json
     {"predictions": {sample_key: probability}, "user_ids": {sample_key: user_id}} and
@@ -911,7 +917,8 @@ def infer(
     use_amp = config.amp if amp is None else amp
     telemetry = Telemetry("inference", dev)
     with telemetry:
-        loader = _loader(data_path, schema, config, batch_size=batch_size, mode="sweep", training=False)
+        loader = _loader(data_path, schema, config, batch_size=batch_size, mode="sweep", training=False,
+                         list_order=list_order)
         preds = _score(model, loader, dev, use_amp, folder, data_path, "infer")
         telemetry.rows, telemetry.batches = len(preds["row_index"]), preds["batches"]
     keys = [str(int(k)) for k in preds["row_index"]]
@@ -999,6 +1006,17 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--num-workers", type=int, default=0, help="data loader worker processes (default 0: in-process)")
     add("--log-every", type=int, default=5,
         help="without a terminal (logs, CI): a progress line every N steps, 0 for none (default 5)")
+    _add_list_order(parser, "auto")
+
+
+def _add_list_order(parser: argparse.ArgumentParser, default: str | None) -> None:
+    from pcvr_lib.data.convert import LIST_ORDERS
+
+    parser.add_argument(
+        "--list-order", choices=LIST_ORDERS, default=default,
+        help="sequence list order: auto tells it per row from the event times; newest-first / newest-last for "
+        "data without usable times (default: " + (default or "the order the model was trained with") + ")",
+    )
 
 
 def run_train(args: argparse.Namespace) -> int:
@@ -1012,6 +1030,7 @@ def run_train(args: argparse.Namespace) -> int:
         split=args.split, valid_ratio=args.valid_ratio, loader_preset=args.loader_preset,
         strict_time_filter=args.strict_time_filter, device=args.device,
         amp=args.amp, compile=args.compile, num_workers=args.num_workers, log_every=args.log_every,
+        list_order=args.list_order,
     )
     summary = train(config, overwrite=args.overwrite, resume=args.resume)
     m = summary["validation_metrics"]
@@ -1030,11 +1049,12 @@ def add_val_arguments(parser: argparse.ArgumentParser) -> None:
                         help="holdout side of the training split (default) or every row")
     parser.add_argument("--batch-size", type=int, default=256, help="rows per batch (default 256)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    _add_list_order(parser, None)
 
 
 def run_val(args: argparse.Namespace) -> int:
     ev = validate(args.run_dir, checkpoint=args.checkpoint, data=args.data, rows=args.rows,
-                  batch_size=args.batch_size, device=args.device)
+                  batch_size=args.batch_size, device=args.device, list_order=args.list_order)
     m = ev["metrics"]
     print(f"{ev['experiment_name']}: AUC {m['auc']:.4f} logloss {m['logloss']:.4f} brier {m['brier']:.4f} "
           f"on {m['sample_count']} rows -> {ev['validation_predictions_path']}")
@@ -1049,10 +1069,11 @@ def add_infer_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--result-dir", help="where predictions.json goes (default: the checkpoint's run dir)")
     parser.add_argument("--batch-size", type=int, default=256, help="rows per batch (default 256)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
+    _add_list_order(parser, None)
 
 
 def run_infer(args: argparse.Namespace) -> int:
     t = infer(args.checkpoint, data=args.data, result_dir=args.result_dir, batch_size=args.batch_size,
-              device=args.device)
+              device=args.device, list_order=args.list_order)
     print(f"scored {t['rows']} rows in {t['elapsed_sec']:.2f}s ({t['rows_per_sec']:.0f} rows/s)")
     return 0

@@ -12,10 +12,12 @@ them it times for its op in `PEERS` order (the baseline first: `speedup_vs_torch
 
 from __future__ import annotations
 
+import pytest
 import torch
 import torch.nn.functional as F
 
 from pcvr_lib.kernels.tolerance import DTYPE_NAMES
+from perf_tests.planted import planted_norm_tile
 
 PEERS = {
     "rms_norm": ("torch", "torch_compile", "liger"),
@@ -123,3 +125,16 @@ def flex_peer(kw: dict, B: int, H: int, S: int, device, compile: bool = True):
         torch._dynamo.reset()  # a fresh compile per case
         attend = torch.compile(flex_attention, dynamic=False)
     return lambda q, k, v: attend(q, k, v, block_mask=block_mask)
+
+
+@pytest.fixture(autouse=True)
+def _planted_norm_tile(monkeypatch):
+    """With PCVR_PLANTED_NORM_TILE set (only for validating the comparison: perf_tests/planted.py), the norm
+    kernels run a deliberately worse tile (e.g. 256 elements per program against 2048): a known device-time
+    regression that `pcvr diff` must flag."""
+    tile = planted_norm_tile()
+    if tile is not None:
+        from pcvr_lib.kernels.rms_norm import config
+
+        monkeypatch.setattr(config, "TILE_ELEMENTS", tile)
+    yield

@@ -5,6 +5,10 @@ As a pytest-benchmark case (small data under CI):
     pytest perf_tests/test_converter_micro.py --benchmark-only
 Standalone, the numbers in notes/data-convert.md (--multiplier defaults to 30):
     python perf_tests/test_converter_micro.py --batches 40 --passes 5 [--strict] [--backend numpy]
+        [--data-order newest-first] [--list-order newest-first]
+    python perf_tests/test_converter_micro.py --ab-list-order [--data-order newest-first] [--strict]
+the last one the cost of telling the order per row: list_order="auto" against the order given, interleaved
+in one process (which converter reads a batch first alternates, so neither always gets a warm source).
 """
 
 from __future__ import annotations
@@ -24,9 +28,11 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
+from pcvr_lib import timing  # noqa: E402
 from pcvr_lib.data.convert import Converter  # noqa: E402
 from pcvr_lib.data.generate import generate_dataset  # noqa: E402
 from pcvr_lib.schema import load_schema  # noqa: E402
+from perf_tests.planted import planted  # noqa: E402
 
 SCHEMA = ROOT / "fixtures" / "sample_1000_raw.schema.json"
 
@@ -76,6 +82,27 @@ def copy_floor_seconds(batches, repeats: int = 3) -> tuple[float, float]:
     return best
 
 
+def source_bytes(schema, rb: pa.RecordBatch) -> int:
+    """Bytes of Arrow source a non-strict conversion of `rb` must read (lower bound): per sequence column
+    the int64 of its kept window min(len, L) per row, every event time once (the per-row order check), the
+    first `dim` elements of each int / dense list, the width-1 ints and the request timestamps."""
+    import pyarrow.compute as pc
+
+    total = 8 * rb.num_rows * (3 + sum(1 for f in schema.user_int + schema.item_int if f.dim == 1))
+    for feat in schema.user_int + schema.item_int + schema.user_dense + schema.item_dense:
+        if feat.dim > 1 or feat in schema.user_dense + schema.item_dense:
+            size = 4 if feat in schema.user_dense + schema.item_dense else 8
+            lengths = pc.fill_null(pc.list_value_length(rb.column(feat.column)), 0).to_numpy()
+            total += size * int(np.minimum(lengths, feat.dim).sum())
+    for domain in schema.domains:
+        for feat in domain.features:
+            lengths = pc.fill_null(pc.list_value_length(rb.column(feat.column)), 0).to_numpy()
+            total += 8 * int(np.minimum(lengths, domain.max_len).sum())
+            if feat.fid == domain.ts_fid:
+                total += 8 * int(lengths.sum())
+    return total
+
+
 def measure(converter: Converter, batches: list[pa.RecordBatch], passes: int = 3) -> dict:
     """Convert every batch `passes` times. Per batch the fastest pass counts (the 2-core machine is shared,
     and the minimum is the least disturbed); thread CPU time, with wall time alongside."""
@@ -96,7 +123,13 @@ def measure(converter: Converter, batches: list[pa.RecordBatch], passes: int = 3
     best_cpu, best_wall = cpu.min(axis=0).sum(), wall.min(axis=0).sum()
     floor_wall, floor_cpu = copy_floor_seconds(kept)
     per_batch = best_cpu / len(batches)
+    source = sum(source_bytes(converter.schema, rb) for rb in batches) / len(batches)
     return {
+        # what bounds the ratio to the copy floor: the floor reads and writes the output once (2 x
+        # bytes_per_batch); the converter reads int64 source (the kept windows, and with list_order="auto"
+        # every event time once) and writes the int32 output
+        "source_bytes_per_batch": source,
+        "bytes_moved_ratio_floor_to_converter": 2 * kept[0].nbytes / (source + kept[0].nbytes),
         "rows_per_sec": rows / best_cpu,
         "rows_per_sec_wall": rows / best_wall,
         "rows_per_sec_median_pass": rows / float(np.median(cpu.sum(axis=1))),
@@ -131,10 +164,27 @@ def test_converter_micro(benchmark, micro_batches, strict):
         for rb in micro_batches:
             converter(rb)
 
-    benchmark.pedantic(run, rounds=3, iterations=1, warmup_rounds=1)
+    timing.bench_cpu(benchmark, planted(run), rounds=9, warmup_rounds=1, clock=time.thread_time)  # one thread
     # after the timed rounds, so the per-batch figures see the same warm state (the first pass over freshly
     # generated data pays page faults that made one cold pass read 3x slow)
     benchmark.extra_info.update(measure(converter, micro_batches, passes=3))
+
+
+def ab_list_order(schema, batches, data_order: str, strict: bool, passes: int) -> dict[str, float]:
+    """ms per batch (thread CPU time, per batch the fastest pass, averaged) of "auto" and the given order."""
+    given = "newest-first" if data_order == "newest-first" else "newest-last"
+    convs = {"auto": Converter(schema, strict_time_filter=strict), given: Converter(schema, strict_time_filter=strict,
+             list_order=given)}  # fmt: skip
+    best = {name: np.full(len(batches), np.inf) for name in convs}
+    for p in range(passes):
+        items = list(convs.items())[:: 1 if p % 2 else -1]
+        for i, rb in enumerate(batches):
+            for name, conv in items[:: 1 if i % 2 else -1]:
+                c0 = time.thread_time()
+                batch = conv(rb)
+                best[name][i] = min(best[name][i], time.thread_time() - c0)
+                del batch
+    return {name: float(v.mean() * 1e3) for name, v in best.items()}
 
 
 def main() -> None:
@@ -146,11 +196,23 @@ def main() -> None:
     parser.add_argument("--strict", action="store_true")
     parser.add_argument("--backend", default="auto", choices=["auto", "native", "numpy"])
     parser.add_argument("--profile", action="store_true", help="cProfile one pass")
+    parser.add_argument("--data-order", default="newest-last", help="generated list order (newest-first, mixed)")
+    parser.add_argument("--list-order", default="auto", help="the converter's list_order (auto: told per row)")
+    parser.add_argument("--ab-list-order", action="store_true", help="auto against the given order, interleaved")
     args = parser.parse_args()
     single_thread()
-    path = generate_dataset(SCHEMA, rows=1000, multiplier=args.multiplier)  # the default (PCVR_CACHE_DIR) cache
+    # the default (PCVR_CACHE_DIR) cache
+    path = generate_dataset(SCHEMA, rows=1000, multiplier=args.multiplier, list_order=args.data_order)
     batches = preload(path, args.batches, args.batch_size)
-    converter = Converter(load_schema(SCHEMA), strict_time_filter=args.strict, backend=args.backend)
+    if args.ab_list_order:
+        ms = ab_list_order(load_schema(SCHEMA), batches, args.data_order, args.strict, args.passes)
+        print(f"data {path} ({len(batches)} batches x {args.batch_size} rows), strict={args.strict}")
+        for name, value in ms.items():
+            print(f"  list_order={name:13s} {value:.3f} ms/batch  {args.batch_size / value * 1e3:,.0f} rows/s")
+        return
+    converter = Converter(
+        load_schema(SCHEMA), strict_time_filter=args.strict, backend=args.backend, list_order=args.list_order
+    )
     if args.profile:
         import cProfile
         import pstats

@@ -24,11 +24,13 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
+from pcvr_lib import timing
 from pcvr_lib.data.cache import CACHE_POLICIES, belady_hit_count, make_cache
 from pcvr_lib.data.convert import Converter
-from pcvr_lib.data.generate import generate_dataset
-from pcvr_lib.data.loader import PRESETS, PcvrLoader
+from pcvr_lib.data.generate import generate_dataset, generation_info
+from pcvr_lib.data.loader import PRESETS, PcvrLoader, file_list_order
 from pcvr_lib.schema import load_schema
+from perf_tests.planted import planted
 from perf_tests.test_converter_micro import copy_floor_seconds
 
 MODES = ("loader", "convert")
@@ -40,16 +42,18 @@ SCALES = {
     "default": dict(
         rows=1000, multiplier=12, row_group_size=1000, batch_size=256, passes=2, convert_batches=24, rounds=3
     ),
-    # 300k rows: cache capped at 256 batches (~5 GB of 20 MB batches) to fit a 24 GB machine
+    # 300k rows (the seed's 300x, `make bench DATA_SCALE=300`): one shuffled pass per case (the loader cases
+    # take minutes each on two cores), cache capped at 128 batches (~2.6 GB of 20 MB batches) to fit a 24 GB
+    # machine shared with other jobs
     "full": dict(
         rows=1000,
         multiplier=300,
         row_group_size=1000,
         batch_size=256,
-        passes=2,
+        passes=1,
         convert_batches=64,
         rounds=1,
-        cache_max=256,
+        cache_max=128,
     ),
 }
 CACHE_FRACTION = 0.4  # cache capacity as a share of the distinct batches (the reference: 512 of ~1200)
@@ -67,6 +71,7 @@ def setup(data_scale, data_cache_dir, repo_root):
         cache_dir=data_cache_dir,
         progress=True,
     )
+    cfg["data_file"] = {"path": str(path), "bytes": path.stat().st_size, "generation": generation_info(path)}
     return cfg, schema, path
 
 
@@ -136,7 +141,9 @@ def run_loader_case(benchmark, cfg, schema, path, preset):
         timings.append(time.perf_counter() - start)
         return rows, batches, nbytes
 
-    rows, batches, nbytes = benchmark.pedantic(run, setup=make, rounds=cfg["rounds"], iterations=1)
+    # gated on process CPU time (the loader's reader thread included), not on wall time
+    rows, batches, nbytes = timing.bench_cpu(benchmark, planted(run, time.process_time), setup=make,
+                                             rounds=cfg["rounds"], warmup_rounds=0)
     read_floor()
     loader = holder["loader"]
     stats = loader.stats()
@@ -165,6 +172,7 @@ def run_loader_case(benchmark, cfg, schema, path, preset):
     rows_per_sec = source_rows / best
     info.update(
         scale=cfg["scale"],
+        data_file=cfg["data_file"],
         mode="loader",
         preset=preset,
         rows_per_sec=rows_per_sec,
@@ -187,6 +195,8 @@ def run_loader_case(benchmark, cfg, schema, path, preset):
         row_groups_read=stats["row_groups_read"],
         late_reads=stats["late_reads"],
         reused_after_eviction=stats["reused_after_eviction"],
+        list_order_detected=stats["list_order_detected"],
+        list_order_rows=stats["list_order_rows"],
         pyarrow_read_rows_per_sec=floor,
         ratio_to_pyarrow_read=float(np.median(round_ratios)),
         ratio_to_pyarrow_read_per_round=round_ratios,
@@ -223,7 +233,9 @@ def run_convert_case(benchmark, cfg, schema, path, preset):
         return rows, out
 
     try:
-        rows, last = benchmark.pedantic(run, rounds=cfg["rounds"], iterations=1, warmup_rounds=0)
+        # 3x the loader's rounds: a round is ~0.15 s of CPU here, and the gate reads the least disturbed one
+        rows, last = timing.bench_cpu(benchmark, planted(run), rounds=3 * cfg["rounds"], warmup_rounds=0,
+                                      clock=time.thread_time)
         first = converter(batches[0])
         copy_sec, _ = copy_floor_seconds([first], repeats=5)  # wall clock; one batch, so a cache-warm source
     finally:
@@ -234,6 +246,7 @@ def run_convert_case(benchmark, cfg, schema, path, preset):
     copy_rows_per_sec = first.batch_size / copy_sec
     info.update(
         scale=cfg["scale"],
+        data_file=cfg["data_file"],
         mode="convert",
         preset=preset,
         rows_per_sec=rows_per_sec,
@@ -252,6 +265,8 @@ def run_convert_case(benchmark, cfg, schema, path, preset):
         copy_floor_rows_per_sec=copy_rows_per_sec,
         ratio_to_copy_floor=rows_per_sec / copy_rows_per_sec,
         oob_total=converter.stats["oob_total"],
+        list_order_detected={d: file_list_order(c) for d, c in converter.stats["list_order_rows"].items()},
+        list_order_rows=converter.stats["list_order_rows"],
     )
 
 
@@ -263,3 +278,64 @@ def test_data_pipeline(benchmark, setup, preset, mode):
         run_loader_case(benchmark, cfg, schema, path, preset)
     else:
         run_convert_case(benchmark, cfg, schema, path, preset)
+
+
+def _threaded_read_seconds(path, columns, groups: int, threads: int) -> float:
+    """Wall seconds to read every row group's columns with `threads` reader threads (a file handle each,
+    pyarrow's own pool off), the floor for a loader with as many worker processes."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    def read(part: int) -> int:
+        pf = pq.ParquetFile(path)
+        mine = range(part, groups, threads)
+        return sum(pf.read_row_group(g, columns=columns, use_threads=False).num_rows for g in mine)
+
+    start = time.perf_counter()
+    with ThreadPoolExecutor(threads) as pool:
+        rows = sum(pool.map(read, range(threads)))
+    seconds = time.perf_counter() - start
+    assert rows == pq.ParquetFile(path).metadata.num_rows
+    return seconds
+
+
+@pytest.mark.benchmark(group="data-loader-workers")
+@pytest.mark.parametrize("workers", [0, 1, 2], ids=lambda w: f"preset=none,workers={w}")
+def test_loader_workers(benchmark, setup, workers):
+    """The loader (preset none, one pass) with 0, 1, 2 worker processes against a pyarrow read of the same
+    columns with as many reader threads (1 for 0 workers: the loader's own read-ahead thread), read before
+    and after the loader round; ratio = loader rows/s over the mean of the two reads' rows/s."""
+    cfg, schema, path = setup
+    columns = schema.converter_columns
+    groups = pq.ParquetFile(path).metadata.num_row_groups
+    threads = max(1, workers)
+    floors: list[float] = []
+    holder: dict = {}
+
+    def make():
+        floors.append(_threaded_read_seconds(path, columns, groups, threads))
+        holder["loader"] = PcvrLoader(path, schema, batch_size=cfg["batch_size"], num_workers=workers, pin_memory=False)
+        return (), {}
+
+    def run():
+        start = time.perf_counter()
+        rows = sum(batch.batch_size for batch in holder["loader"])
+        return rows, time.perf_counter() - start
+
+    rows, seconds = benchmark.pedantic(run, setup=make, rounds=1, iterations=1)
+    floors.append(_threaded_read_seconds(path, columns, groups, threads))
+    loader = holder["loader"]
+    assert rows == loader.planned_rows == loader.stats()["rows"]  # everything planned came out, once
+    file_rows = pq.ParquetFile(path).metadata.num_rows
+    floor_rows_per_sec = file_rows / (sum(floors) / len(floors))
+    benchmark.extra_info.update(
+        scale=cfg["scale"],
+        num_workers=workers,
+        pyarrow_threads=threads,
+        rows_per_sec=rows / seconds,
+        measured_rows=rows,
+        elapsed_sec=seconds,
+        pyarrow_read_rows_per_sec=floor_rows_per_sec,
+        pyarrow_read_sec=floors,
+        ratio_to_pyarrow_read=(rows / seconds) / floor_rows_per_sec,
+        per_worker_rows=[w["rows"] for w in loader.stats_per_worker()],
+    )

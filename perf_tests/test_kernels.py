@@ -6,7 +6,7 @@ times in extra_info). Order: for every case key torch eager runs first, then tor
 then ours, so `speedup_vs_torch` and `speedup_vs_best_peer` come from the same run.
 
     pytest perf_tests/test_kernels.py --benchmark-only --benchmark-json=out.json
-    python -m perf_tests.kernel_bench out.json      # the summary table
+    python -m pcvr_lib report out.json --view cases   # the summary table
 """
 
 from __future__ import annotations

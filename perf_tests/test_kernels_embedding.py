@@ -15,7 +15,7 @@ uniform in [1, V); "zipf" = bag lengths uniform in [1, L] (the rest padding), id
 neighbours. Bytes counted: valid gathered rows + ids + output (fwd); plus grad_out read, ids read and
 the COO values + indices written (fwd+bwd, B*L entries: our layout).
 
-Print the table of a saved run: python -m perf_tests.kernel_bench RUN.json --by-case
+Print the table of a saved run: python -m pcvr_lib report RUN.json --view cases
 """
 
 from __future__ import annotations

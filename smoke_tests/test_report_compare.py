@@ -1,39 +1,46 @@
-"""`pcvr report` and `pcvr compare`: the summary table and the refusals of the regression gate."""
+"""`pcvr report`, `pcvr diff`, `pcvr noise` and `pcvr compare`: tables, thresholds, refusals, A-B-B-A."""
 
 import json
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
 
 import pytest
 
-from pcvr_lib import report
+from pcvr_lib import compare, report
 from pcvr_lib.cli import main
 
+ROOT = Path(__file__).resolve().parents[1]
+CPU = {"brand_raw": "AMD EPYC"}
 
-def _run_json(path, gpu_name=None, names=("test_x[a=1]",)):
-    data = {
-        "machine_info": {"node": "n", "cpu": {"brand_raw": "cpu"}, "gpu": {"name": gpu_name} if gpu_name else None},
-        "commit_info": {"id": "abcdef1234567"},
-        "benchmarks": [
-            {
-                "group": "g",
-                "name": name,
-                "fullname": f"perf_tests/test_x.py::{name}",
-                "param": name.split("[")[1][:-1],
-                "stats": {"median": 0.00125},
-                "extra_info": {"rows_per_sec": 1234.5, "cache_stats": {"hit_rate": 0.25}},
-            }
-            for name in names
-        ],
-    }
+
+def _bench(name, median, *, stat="cpu", group="g", **extra):
+    return {"group": group, "name": name, "fullname": f"perf_tests/test_x.py::{name}", "param": name.split("[")[1][:-1],
+            "stats": {"median": median, "min": median * 0.98}, "extra_info": {"stat": stat, **extra}}
+
+
+def _run(path, benches, gpu=None, cpu=CPU, cpus=2):
+    data = {"machine_info": {"node": "n", "cpu": cpu, "cpu_count": cpus, "gpu": {"name": gpu} if gpu else None},
+            "commit_info": {"id": "abcdef1234567"}, "benchmarks": benches}
     path.write_text(json.dumps(data))
     return path
 
 
+def _gpu_case(name, device_us, host_us, **extra):
+    return _bench(name, device_us / 1e6, stat="device", host_us=host_us, per_call_us=device_us + host_us, **extra)
+
+
+# ---------------------------------------------------------------- report
+
+
 def test_report_prints_the_summary_table(tmp_path, capsys):
-    path = _run_json(tmp_path / "run.json")
+    path = _run(tmp_path / "run.json", [_bench("test_x[a=1]", 0.00125, rows_per_sec=1234.5,
+                                               cache_stats={"hit_rate": 0.25})])
     assert main(["report", str(path)]) == 0
     out = capsys.readouterr().out
     assert "1.25 ms" in out and "1,234" in out and "25.0%" in out  # nested extra_info is found too
-    assert "commit abcdef1234" in out
+    assert "commit abcdef1234" in out and "cpu" in out
 
 
 @pytest.mark.parametrize("content", [None, "not json", '{"no": "benchmarks"}'])
@@ -45,28 +52,15 @@ def test_report_refuses_a_missing_or_foreign_file(tmp_path, capsys, content):
     assert str(path) in capsys.readouterr().err
 
 
-def test_compare_refuses_when_nothing_is_stored(tmp_path, capsys):
-    assert main(["compare", "--storage", str(tmp_path / "empty")]) == report.EXIT_REFUSED
-    err = capsys.readouterr().err
-    assert "nothing to compare with" in err and "make bench" in err
-
-
-def test_compare_refuses_another_accelerator(tmp_path, capsys, monkeypatch):
-    baseline = _run_json(tmp_path / "h200.json", gpu_name="NVIDIA H200")
-    monkeypatch.setattr(report, "current_gpu_name", lambda: None)
-    assert main(["compare", "--with", str(baseline)]) == report.EXIT_REFUSED
-    assert "NVIDIA H200" in capsys.readouterr().err
-
-
-def test_compare_picks_the_newest_stored_run_or_the_one_asked_for(tmp_path):
-    folder = tmp_path / report.machine_id()
-    folder.mkdir()
-    for name in ("0001_aaa_2026.json", "0002_bbb_2026.json"):
-        _run_json(folder / name)
-    assert report.resolve_baseline(tmp_path, None).name == "0002_bbb_2026.json"
-    assert report.resolve_baseline(tmp_path, "0001").name == "0001_aaa_2026.json"
-    with pytest.raises(report.ReportError, match="no stored run matches"):
-        report.resolve_baseline(tmp_path, "0007")
+def test_report_views_of_the_committed_snapshots(capsys):
+    assert main(["report", ".benchmarks/h200/kernels_norms.json", "--view", "cases"]) == 0
+    out = capsys.readouterr().out
+    assert "| rms_norm | 65536x1024 | fp16 |" in out and "torch_compile" in out and "fwd+bwd" in out
+    assert main(["report", ".benchmarks/h200/optim.json", "--view", "optim"]) == 0
+    out = capsys.readouterr().out
+    assert "orthogonal_adamw" in out and "pcvr_dense" in out
+    assert main(["report", ".benchmarks/cpu/make-bench-2core.json", "--view", "data"]) == 0
+    assert "preset=opt,mode=loader" in capsys.readouterr().out
 
 
 def test_summary_names_the_measured_tree_over_the_git_metadata():
@@ -74,3 +68,205 @@ def test_summary_names_the_measured_tree_over_the_git_metadata():
     assert report.machine_summary(data).endswith("| commit 156d421737")
     data["commit_info"]["measured_tree"] = "740bbe9: the device copies the working tree ..."
     assert report.machine_summary(data).endswith("| commit 740bbe9")
+
+
+# ---------------------------------------------------------------- diff
+
+
+def test_diff_passes_an_identical_run_and_fails_a_regression(tmp_path, capsys):
+    base = _run(tmp_path / "a.json", [_bench("test_x[a=1]", 1.0), _bench("test_x[a=2]", 2.0)])
+    same = _run(tmp_path / "b.json", [_bench("test_x[a=1]", 1.02), _bench("test_x[a=2]", 1.97)])
+    slow = _run(tmp_path / "c.json", [_bench("test_x[a=1]", 1.10), _bench("test_x[a=2]", 2.0)])
+    assert main(["diff", str(base), str(same)]) == compare.EXIT_OK
+    out_json = tmp_path / "diff.json"
+    assert main(["diff", str(base), str(slow), "--json", str(out_json)]) == compare.EXIT_REGRESSED
+    out = capsys.readouterr().out
+    assert "test_x[a=1]" in out and "+10.0%" in out and "REGRESSED" in out and "5.0%" in out  # cpu floor 5%
+    rows = json.loads(out_json.read_text())["rows"]
+    assert json.loads(out_json.read_text())["failed"] is True
+    assert {(r["case"].split("::")[1], r["verdict"]) for r in rows} == {("test_x[a=1]", "REGRESSED"),
+                                                                        ("test_x[a=2]", "ok")}
+
+
+def test_diff_gates_device_and_host_time_separately(tmp_path, capsys):
+    base = _run(tmp_path / "a.json", [_gpu_case("test_k[op=n]", 100.0, 10.0)], gpu="NVIDIA H200")
+    host = _run(tmp_path / "b.json", [_gpu_case("test_k[op=n]", 100.5, 13.0)], gpu="NVIDIA H200")
+    device = _run(tmp_path / "c.json", [_gpu_case("test_k[op=n]", 110.0, 10.0)], gpu="NVIDIA H200")
+    assert main(["diff", str(base), str(host)]) == compare.EXIT_REGRESSED
+    out = capsys.readouterr().out
+    assert "host" in out and "+30.0%" in out
+    rows = compare.diff_runs(json.loads(base.read_text()), json.loads(device.read_text()), None)
+    assert [(r.metric, r.verdict) for r in rows] == [("device", "REGRESSED"), ("host", "ok")]
+
+
+def test_diff_missing_case_fails_and_changed_workload_is_flagged(tmp_path, capsys):
+    base = _run(tmp_path / "a.json", [_bench("test_x[a=1]", 1.0, tensors=108), _bench("test_x[a=2]", 1.0)])
+    new = _run(tmp_path / "b.json", [_bench("test_x[a=1]", 1.0, tensors=268), _bench("test_x[a=3]", 1.0)])
+    assert main(["diff", str(base), str(new)]) == compare.EXIT_REGRESSED
+    out = capsys.readouterr().out
+    assert "MISSING" in out and "test_x[a=2]" in out
+    assert "WORKLOAD CHANGED" in out and "not compared" in out
+    rows = compare.diff_runs(json.loads(base.read_text()), json.loads(new.read_text()), None)
+    assert {r.verdict for r in rows} == {"MISSING", "WORKLOAD CHANGED", "new"}
+
+
+def test_diff_never_fails_on_an_informational_case(tmp_path):
+    base = _run(tmp_path / "a.json", [_gpu_case("test_k[b=compile]", 4.6, 10.0, gated=False)], gpu="NVIDIA H200")
+    new = _run(tmp_path / "b.json", [_gpu_case("test_k[b=compile]", 9.0, 10.0, gated=False)], gpu="NVIDIA H200")
+    assert main(["diff", str(base), str(new)]) == compare.EXIT_OK
+    rows = compare.diff_runs(json.loads(base.read_text()), json.loads(new.read_text()), None)
+    assert {r.verdict for r in rows} == {"informational"}
+
+
+@pytest.mark.parametrize(("other", "why"), [
+    (dict(gpu="NVIDIA H100 80GB HBM3"), "gpu: 'NVIDIA H200' vs 'NVIDIA H100"),
+    (dict(gpu="NVIDIA H200", cpu={"brand_raw": "Intel(R) Xeon(R) Processor"}), "cpu: 'AMD EPYC' vs 'Intel"),
+    (dict(gpu="NVIDIA H200", cpus=16), "cpus: '2' vs '16'"),
+])
+def test_diff_refuses_runs_of_different_machines(tmp_path, capsys, other, why):
+    base = _run(tmp_path / "a.json", [_bench("test_x[a=1]", 1.0)], gpu="NVIDIA H200")
+    new = _run(tmp_path / "b.json", [_bench("test_x[a=1]", 1.0)], **other)
+    assert main(["diff", str(base), str(new)]) == compare.EXIT_REFUSED
+    assert why in capsys.readouterr().err
+
+
+def test_diff_refuses_unreadable_files(tmp_path, capsys):
+    good = _run(tmp_path / "a.json", [_bench("test_x[a=1]", 1.0)])
+    (tmp_path / "bad.json").write_text("{")
+    assert main(["diff", str(good), str(tmp_path / "bad.json")]) == compare.EXIT_REFUSED
+    assert "not a pytest-benchmark JSON file" in capsys.readouterr().err
+    assert main(["diff", str(tmp_path / "none.json"), str(good)]) == compare.EXIT_REFUSED
+    assert "does not exist" in capsys.readouterr().err
+    assert main(["diff", str(good)]) == compare.EXIT_REFUSED
+    assert "--run" in capsys.readouterr().err
+
+
+def test_base_resolution_latest_or_number(tmp_path):
+    folder = tmp_path / "Linux-CPython-3.11-64bit"
+    folder.mkdir()
+    for name in ("0001_aaa_2026.json", "0002_bbb_2026.json"):
+        _run(folder / name, [_bench("test_x[a=1]", 1.0)])
+    assert compare.resolve_base("latest", tmp_path).name == "0002_bbb_2026.json"
+    assert compare.resolve_base("0001", tmp_path).name == "0001_aaa_2026.json"
+    with pytest.raises(report.ReportError, match="no stored run matches '0007'"):
+        compare.resolve_base("0007", tmp_path)
+    with pytest.raises(report.ReportError, match="make bench"):
+        compare.resolve_base("latest", tmp_path / "empty")
+
+
+# ---------------------------------------------------------------- noise and thresholds
+
+
+def test_noise_file_drives_the_thresholds(tmp_path, capsys):
+    runs = [_run(tmp_path / f"r{i}.json", [_bench("test_x[a=1]", v, group="data"), _bench("test_x[a=2]", 1.0,
+                                                                                            group="data")])
+            for i, v in enumerate((1.0, 1.08, 1.04))]
+    out = tmp_path / "noise.json"
+    assert main(["noise", "--from", *map(str, runs), "--out", str(out)]) == compare.EXIT_OK
+    noise = json.loads(out.read_text())
+    assert noise["runs"] == 3 and noise["machine"] == {"cpu": "AMD EPYC", "cpus": "2", "gpu": "no GPU"}
+    assert noise["cases"]["perf_tests/test_x.py::test_x[a=1]"]["cpu"]["spread"] == pytest.approx(0.08)
+    assert noise["groups"]["data"]["cpu"]["max"] == pytest.approx(0.08)
+    case = compare.cases_of(json.loads(runs[0].read_text()))["perf_tests/test_x.py::test_x[a=2]"]
+    limit, source = compare.threshold(noise, case, "cpu", 1.0)
+    assert limit == pytest.approx(0.16) and source == "2x group p90"  # the group's 8% spread, doubled
+    # a 12% slowdown is within the noise of this machine, 20% is not
+    new = _run(tmp_path / "new.json", [_bench("test_x[a=1]", 1.12, group="data"), _bench("test_x[a=2]", 1.2,
+                                                                                          group="data")])
+    rows = compare.diff_runs(json.loads(runs[0].read_text()), json.loads(new.read_text()), noise)
+    assert [r.verdict for r in rows] == ["ok", "REGRESSED"]
+    assert main(["noise", "--from", str(runs[0])]) == compare.EXIT_REFUSED
+    assert "at least 2 runs" in capsys.readouterr().err
+
+
+# ---------------------------------------------------------------- interleaved A/B
+
+
+def test_abba_order_and_bootstrap_interval():
+    assert compare.abba_order(2) == ["base", "new", "new", "base"] * 2
+    ratio, low, high = compare.bootstrap_ratio([1.0, 1.01, 0.99, 1.0], [1.2, 1.21, 1.19, 1.2])
+    assert ratio == pytest.approx(1.2) and 1.15 < low <= ratio <= high < 1.25
+    ratio, low, high = compare.bootstrap_ratio([1.0, 1.01, 0.99, 1.0], [1.0, 0.99, 1.01, 1.0])
+    assert low < 1.0 < high
+
+
+def _tiny_project(path: Path, spin_ms: float) -> Path:
+    (path / "perf_tests").mkdir(parents=True)
+    (path / "perf_tests" / "test_tiny.py").write_text(textwrap.dedent(f"""
+        import time
+        import pytest
+
+        def spin(seconds):
+            end = time.thread_time() + seconds
+            while time.thread_time() < end:
+                pass
+
+        @pytest.mark.benchmark(timer=time.thread_time)
+        @pytest.mark.parametrize("case", ["same", "planted"])
+        def test_tiny(benchmark, case):
+            benchmark.extra_info["stat"] = "cpu"
+            benchmark.pedantic(spin, args=(0.02 if case == "same" else {spin_ms / 1e3},), rounds=5)
+    """))
+    return path
+
+
+def test_compare_runs_base_and_candidate_alternately_and_flags_only_the_planted_case(tmp_path, capsys):
+    base = _tiny_project(tmp_path / "base", 20.0)
+    new = _tiny_project(tmp_path / "new", 30.0)
+    code = main(["compare", "--base", str(base), "--new", str(new), "--rounds", "1", "--work", str(tmp_path / "w"),
+                 "perf_tests"])
+    out = capsys.readouterr().out
+    assert code == compare.EXIT_REGRESSED, out
+    result = json.loads((tmp_path / "w" / "compare.json").read_text())
+    verdicts = {r["case"].split("[")[1]: r["verdict"] for r in result["rows"] if r["metric"] == "cpu"}
+    assert verdicts["planted]"] == "REGRESSED" and verdicts["same]"] != "REGRESSED"
+    assert [Path(f).name for f in result["files"]["base"]] == ["01_base.json", "04_base.json"]
+
+
+def test_compare_refuses_a_base_that_is_neither_a_directory_nor_a_revision(tmp_path, capsys):
+    assert main(["compare", "--base", "no-such-rev-xyz", "--work", str(tmp_path)]) == compare.EXIT_REFUSED
+    assert "neither a directory nor a git revision" in capsys.readouterr().err
+    (tmp_path / "empty").mkdir()
+    assert main(["compare", "--base", str(tmp_path / "empty"), "--work", str(tmp_path)]) == compare.EXIT_REFUSED
+    assert "without perf_tests/" in capsys.readouterr().err
+
+
+def test_base_checkout_of_a_revision_is_a_worktree(tmp_path, monkeypatch):
+    repo = _tiny_project(tmp_path / "repo", 20.0)
+    git = ["git", "-c", "user.name=t", "-c", "user.email=t@t"]
+    for cmd in (["init", "-q"], ["add", "."], ["commit", "-qm", "tiny"]):
+        subprocess.run([*git, *cmd], cwd=repo, check=True)
+    monkeypatch.chdir(repo)
+    path, made = compare.base_checkout("HEAD", tmp_path / "work")
+    assert made and (path / "perf_tests" / "test_tiny.py").is_file()
+    subprocess.run(["git", "worktree", "remove", "--force", str(path)], check=True)
+
+
+def test_cli_lists_the_comparison_commands():
+    out = subprocess.run([sys.executable, "-m", "pcvr_lib", "--help"], capture_output=True, text=True, cwd=ROOT).stdout
+    for command in ("report", "diff", "noise", "compare"):
+        assert command in out
+
+
+def test_cpu_cases_gate_on_the_least_disturbed_round(tmp_path):
+    base = _bench("test_x[a=1]", 1.0)
+    busy = _bench("test_x[a=1]", 1.3)  # other jobs slowed two of the rounds: the median moved, the min did not
+    busy["stats"]["min"] = base["stats"]["min"]
+    rows = compare.diff_runs(json.loads(_run(tmp_path / "a.json", [base]).read_text()),
+                             json.loads(_run(tmp_path / "b.json", [busy]).read_text()), None)
+    assert [(r.metric, r.verdict, r.change) for r in rows] == [("cpu", "ok", 0.0)]
+
+
+def test_calibrated_cpu_cases_gate_on_the_fastest_round_at_the_probes_median_speed():
+    stats = {"min": 0.05, "median": 0.2}
+    extra = {"cpu_raw_min_s": 0.24, "probe_median_s": 0.012}  # the machine ran the probe at half speed
+    assert compare.cpu_seconds(stats, extra) == pytest.approx(0.24 * 0.006 / 0.012)
+    assert compare.cpu_seconds(stats, {}) == 0.05  # runs without calibration: the least disturbed round
+
+
+def test_a_noise_file_of_another_machine_is_refused_when_asked_for(tmp_path, capsys):
+    base = _run(tmp_path / "a.json", [_bench("test_x[a=1]", 1.0)], cpu={"brand_raw": "Some Other CPU"})
+    new = _run(tmp_path / "b.json", [_bench("test_x[a=1]", 1.0)], cpu={"brand_raw": "Some Other CPU"})
+    noise = str(ROOT / ".benchmarks" / "cpu" / "noise.json")  # measured on the 2-core Xeon
+    assert main(["diff", str(base), str(new), "--noise", noise]) == compare.EXIT_REFUSED
+    assert "noise measured on" in capsys.readouterr().err

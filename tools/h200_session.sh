@@ -5,8 +5,17 @@
 #
 #   bash tools/h200_session.sh warm accuracy sweep                            # accuracy, tile sweeps + tune
 #   bash tools/h200_session.sh warm perf_norms perf_embedding perf_attention  # the kernel snapshots
+#   REPS=3 bash tools/h200_session.sh warm planted noise                      # planted slowdown + noise floor
 # (BUDGET=seconds caps the whole command; steps: warm warm_norms accuracy accuracy_norms accuracy_attention
-#  sweep norm_sweep tune host perf_norms perf_embedding perf_attention)
+#  sweep norm_sweep tune host perf_norms perf_embedding perf_attention noise planted optim)
+#
+# noise: the gated kernel suite (torch.compile peers, sweeps and host parts left out) REPS times, one JSON
+#   per repetition ($OUT/noise_repN.json), then `pcvr noise --from` them into $OUT/noise_h200.json.
+# planted: the Triton RMSNorm cases with PCVR_PLANTED_NORM_TILE=256 (256 elements per program instead of
+#   2048: perf_tests/conftest.py), $OUT/planted_tile256.json, and `pcvr diff` of it against noise_rep1.
+#   (First, so that a budget cut falls on the last noise repetition, not on the planted run.)
+# Afterwards, on any machine: notes/comparison.md "H200" lists the commands that turn these into the
+# committed noise file and fixtures.
 #
 # .cache/tlpack/tl.tar.xz is TileLang's disk cache built on a CPU machine for sm_90/sm_90a:
 #   TILELANG_CACHE_DIR=$PWD/.cache/tilelang python -m pcvr_lib.kernels.rms_norm.prewarm
@@ -30,6 +39,8 @@ ATTN_SPECS=(
   "triton:64:fp16,bf16:key_lengths,causal_valid:1:0" "triton:64:bf16:none:0:1"
 )
 
+KERNEL_SUITE=(perf_tests/test_kernels.py perf_tests/test_kernels_embedding.py perf_tests/test_kernels_attention.py)
+GATED="not exploration and not host_part and not torch_compile"  # torch.compile peers are never gated
 BUDGET=${BUDGET:-585}  # seconds for the whole command (the run tool's limit is 600)
 step() {  # step NAME SECONDS COMMAND...: run with a limit (cut to what is left of BUDGET), log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
@@ -72,6 +83,18 @@ for s in "$@"; do
     perf_embedding)
       step perf_embedding 150 $PYTEST perf_tests/test_kernels_embedding.py --benchmark-only \
         --benchmark-json="$OUT/kernels_embedding.json" ;;
+    noise)
+      for i in $(seq 1 "${REPS:-3}"); do
+        step "noise_rep$i" 170 $PYTEST "${KERNEL_SUITE[@]}" -k "$GATED" --benchmark-only \
+          --benchmark-json="$OUT/noise_rep$i.json"
+      done
+      python3 -m pcvr_lib noise --from "$OUT"/noise_rep*.json --out "$OUT/noise_h200.json" > "$OUT/noise.log" 2>&1 ;;
+    planted)
+      PCVR_PLANTED_NORM_TILE=256 step planted 90 $PYTEST perf_tests/test_kernels.py \
+        -k "test_norm and rms_norm and triton" --benchmark-only \
+        --benchmark-json="$OUT/planted_tile256.json" ;;
+    optim)
+      step optim 150 $PYTEST perf_tests/test_optimizers.py -k cuda --benchmark-only --benchmark-json="$OUT/optim.json" ;;
     perf_attention)
       step perf_attention 150 $PYTEST perf_tests/test_kernels_attention.py --benchmark-only \
         --benchmark-json="$OUT/attention.json" ;;
@@ -80,8 +103,12 @@ for s in "$@"; do
 done
 echo "--- summary"
 [ -f "$OUT/accuracy.log" ] && tail -20 "$OUT/accuracy.log" | grep -E "passed|failed|FAILED|Error" | tail -8
-[ -f "$OUT/norm_sweep.json" ] && python3 -m perf_tests.kernel_bench "$OUT/norm_sweep.json" | cut -c1-100
+[ -f "$OUT/norm_sweep.json" ] && python3 -m pcvr_lib report "$OUT/norm_sweep.json" | cut -c1-140
 [ -f "$OUT/attention_tune.log" ] && tail -45 "$OUT/attention_tune.log"
-[ -f "$OUT/kernels_norms.json" ] && python3 -m perf_tests.kernel_bench "$OUT/kernels_norms.json" | cut -c1-100 | head -80
+[ -f "$OUT/kernels_norms.json" ] && python3 -m pcvr_lib report "$OUT/kernels_norms.json" --view cases | cut -c1-160 | head -80
+[ -f "$OUT/noise.log" ] && cat "$OUT/noise.log"
+[ -f "$OUT/optim.json" ] && python3 -m pcvr_lib report "$OUT/optim.json" --view optim
+[ -f "$OUT/planted_tile256.json" ] && [ -f "$OUT/noise_rep1.json" ] && python3 -m pcvr_lib diff \
+  "$OUT/noise_rep1.json" "$OUT/planted_tile256.json" --noise "$OUT/noise_h200.json" --all 2>&1 | grep -v MISSING | tail -25
 [ -f "$OUT/attention.json" ] && PYTHONPATH=. python3 perf_tests/test_kernels_attention.py "$OUT/attention.json"
 exit 0

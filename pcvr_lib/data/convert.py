@@ -16,13 +16,20 @@ Semantics (see notes/data-convert.md for the decisions and the reference quirks 
   column and value (`clip_oov=False`). vocab 0 zeroes the column (all missing). So int_missing is exactly
   int_values == 0.
 - Dense: the first `dim` elements as float32; padding and non-finite -> 0.0 and missing.
-- Sequences (lists are chronological, newest last). Non-strict: every column keeps its LAST
-  min(len, L) elements, left-aligned (oldest kept first); length = max over side columns (the timestamp
-  column's own when a domain has no side feature). Strict (`strict_time_filter=True`): the valid events
-  are those with 0 < ts < request timestamp; the last L valid ones are kept, in order, for every column
-  (a side column shorter than the timestamp column gives 0 at the positions it lacks); length = the number
-  kept. Side tokens <= 0 -> 0, out-of-vocab counted and clipped (or raised), vocab 0 zeroes the feature.
-  Timestamps are copied raw.
+- List order (`list_order`): "auto" tells each row's order from its event times (times <= 0 ignored):
+  never decreasing -> newest last, never increasing -> newest first, both -> not monotonic (sorted by time,
+  stable, with `non_monotonic="sort"`, or an error naming the column and row with "error"); fewer than two
+  distinct positive times -> too short to tell: the batch's majority order (newest last on a tie).
+  "newest-first" / "newest-last" take every row in that order unchecked (data without usable times).
+  Rows per class and domain are counted in stats["list_order_rows"].
+- Sequences, in each row's chronological order, always the newest events, left-aligned, oldest first.
+  Non-strict: every column keeps its own newest min(len, L) elements; length = max over side columns (the
+  timestamp column's own when a domain has no side feature). Strict (`strict_time_filter=True`, training
+  batches only unless `strict_on_eval=True`): the valid events are those with 0 < ts < request timestamp;
+  the newest L valid ones are kept for every column (a side column shorter than the timestamp column gives
+  0 at the events it lacks); length = the number kept. A sorted (not monotonic) row takes the newest L
+  events like strict mode without the time filter. Side tokens <= 0 -> 0, out-of-vocab counted and
+  clipped (or raised), vocab 0 zeroes the feature. Timestamps are copied raw.
 - Labels: label_type == 2 -> 1.0, else (null included) 0.0; all zero when not training.
 - user_id: a null user_id becomes -1 and is counted in stats["null_user_id"].
 """
@@ -39,6 +46,7 @@ import sys
 import tempfile
 import threading
 from dataclasses import dataclass
+from pathlib import Path
 
 import numpy as np
 import pyarrow as pa
@@ -54,6 +62,13 @@ BACKENDS = ("auto", "native", "numpy")
 INT32_MAX = 2**31 - 1
 # Strict mode scans the last L + STRICT_SLACK events of a row first (enough unless many are invalid).
 STRICT_SLACK = 64
+# How a row's sequence lists are ordered in time. "auto" tells it per row from the event timestamps.
+LIST_ORDERS = ("auto", "newest-first", "newest-last")
+# What "auto" does with a row whose timestamps are neither non-decreasing nor non-increasing.
+NON_MONOTONIC_POLICIES = ("sort", "error")
+# Row classes of the order detection (pcvr_list_order in convert_native.c and _classify_numpy agree).
+TOO_SHORT, NEWEST_LAST, NEWEST_FIRST, NON_MONOTONIC = 0, 1, 2, 3
+ORDER_CLASSES = ("too_short", "newest_last", "newest_first", "non_monotonic")
 
 
 class OutOfVocabError(DataError):
@@ -223,6 +238,61 @@ class _Plan:
         return int(self.start[b] + (self.rel[b, j] if self.rel is not None else j))
 
 
+def _classify_numpy(ts: _Lists) -> np.ndarray:
+    """Each row's list order class (TOO_SHORT .. NON_MONOTONIC) from its event times, times <= 0 ignored."""
+    rows = len(ts.lengths)
+    row = np.repeat(np.arange(rows), ts.lengths)
+    within = np.arange(len(row)) - np.repeat(np.cumsum(ts.lengths) - ts.lengths, ts.lengths)
+    t = ts.values[ts.starts[row] + within] if len(row) else np.zeros(0, dtype=np.int64)
+    positive = t > 0
+    t, row = t[positive], row[positive]
+    step = np.diff(t)
+    same = row[1:] == row[:-1]
+    up = np.bincount(row[1:][same & (step > 0)], minlength=rows) > 0
+    down = np.bincount(row[1:][same & (step < 0)], minlength=rows) > 0
+    return (up.astype(np.uint8) | (down.astype(np.uint8) << 1)).astype(np.uint8)
+
+
+def classify_list_order(array: pa.Array) -> np.ndarray:
+    """The list order class of every row of an event-timestamp list column (uint8, see ORDER_CLASSES):
+    newest last (never decreasing), newest first (never increasing), not monotonic, or too short to tell
+    (fewer than two distinct positive times). Native kernel when it builds here, else numpy."""
+    rows = len(array)
+    try:
+        lib = native_library()
+    except NativeUnavailable:
+        lib = None
+    if lib is None or rows == 0:
+        return _classify_numpy(_lists(array, "timestamps", np.int64))
+    raw = _RawList(array, "timestamps", np.int64)
+    cls = np.empty(rows, dtype=np.uint8)
+    lib.pcvr_list_order(rows, raw.offsets, raw.valid, raw.bit, raw.values, _ptr(cls))
+    return cls
+
+
+def _canonical(lists: _Lists, ts: _Lists, order: np.ndarray, perm_start, perm, via_ts: np.ndarray) -> _Lists:
+    """The column with every row's events rearranged oldest first (numpy backend). Rows with via_ts take the
+    timestamp column's events by number (its length; 0 past this column's own end); the others reverse
+    their own list where order is -1."""
+    rows = len(order)
+    new_len = np.where(via_ts, ts.lengths, lists.lengths)
+    first = np.cumsum(new_len) - new_len
+    row = np.repeat(np.arange(rows), new_len)
+    w = np.arange(int(new_len.sum())) - np.repeat(first, new_len)
+    d = order[row]
+    e = w.copy()
+    rev = d == -1
+    e[rev] = new_len[row[rev]] - 1 - w[rev]
+    srt = d == 2
+    if srt.any():
+        e[srt] = perm[perm_start[row[srt]] + w[srt]]
+    inside = e < lists.lengths[row]
+    values = np.zeros(len(e), dtype=lists.values.dtype)
+    values[inside] = lists.values[lists.starts[row[inside]] + e[inside]]
+    offsets = np.concatenate([[0], np.cumsum(new_len)])
+    return _Lists(offsets, first.astype(np.int64), new_len.astype(np.int64), values, False)
+
+
 def _head_plan(lists: _Lists, width: int) -> _Plan:
     """The first `width` elements of each list (width>1 int and dense features)."""
     return _Plan(lists.starts, np.minimum(lists.lengths, width), width)
@@ -264,232 +334,11 @@ def _gather(values: np.ndarray, plan: _Plan) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 # numpy needs ~6 passes over every [B, L] block (gather, clamp, cast, pad mask, OOB compare, fix) plus
 # Python work per column; these C loops do one pass, reading the Arrow buffers directly, one call per
-# domain / feature group. They are compiled on first use with the system C compiler into the data cache directory
-# (keyed by source, flags and CPU) and loaded with ctypes. backend="numpy" never uses it.
+# domain / feature group. The source is convert_native.c beside this file; it is compiled on first use with
+# the system C compiler into the data cache directory (keyed by source, flags and CPU) and loaded with
+# ctypes. backend="numpy" never uses it.
 
-_NATIVE_SOURCE = r"""
-#include <stdint.h>
-#include <string.h>
-
-/* Width-1 int features: column c (values vals[c]; validity bitmap valid[c], 0 when no nulls, starting at
-   bit bit[c]) into out/miss[b*stride + pos[c]]. Null or <= 0 -> 0, missing; >= vocab[c] -> 0, missing
-   and counted in oob[c]; vocab[c] <= 0 -> 0, missing (not counted). */
-void pcvr_scalar_ints(int64_t C, const int64_t *const *vals, const uint8_t *const *valid, const int64_t *bit,
-                      const int64_t *vocab, const int64_t *pos, int64_t rows, int32_t *out, uint8_t *miss,
-                      int64_t stride, int64_t *oob) {
-    for (int64_t c = 0; c < C; c++) {
-        const int64_t voc = vocab[c];
-        const int64_t *x = vals[c];
-        const uint8_t *bits = valid[c];
-        int64_t n = 0;
-        for (int64_t b = 0; b < rows; b++) {
-            int64_t v = x[b];
-            if (bits) {
-                int64_t i = bit[c] + b;
-                if (!((bits[i >> 3] >> (i & 7)) & 1)) v = 0;
-            }
-            int ok = v > 0 && v < voc;
-            n += voc > 0 && v >= voc;
-            out[b * stride + pos[c]] = ok ? (int32_t)v : 0;
-            miss[b * stride + pos[c]] = !ok;
-        }
-        oob[c] = n;
-    }
-}
-
-/* Whole-column kernels: each list column is given by its int32 offsets (already at the array's slice
-   offset), its validity bitmap (0: no nulls) starting at bit `bit`, and its values. A null row is empty. */
-static inline int64_t row_range(const int32_t *off, const uint8_t *valid, int64_t bit, int64_t b, int64_t *len) {
-    int64_t s = off[b];
-    *len = off[b + 1] - s;
-    if (valid) {
-        int64_t i = bit + b;
-        if (!((valid[i >> 3] >> (i & 7)) & 1)) *len = 0;
-    }
-    return s;
-}
-
-#if defined(__AVX512F__)
-#include <immintrin.h>
-/* Contiguous tokens with AVX-512: 8 int64 -> 8 int32 per step, written with streaming stores (the batch is
-   far larger than the caches; skipping the read-for-ownership of the output saves ~20%). o must be
-   32-byte aligned and L a multiple of 8. Padding is written as zeros in the same loop. */
-static inline int64_t put_tokens_avx512(const int64_t *x, int64_t k, int64_t L, int64_t voc, int32_t *o) {
-    const __m512i zero = _mm512_setzero_si512(), vv = _mm512_set1_epi64(voc);
-    int64_t n = 0;
-    for (int64_t j = 0; j < L; j += 8) {
-        int64_t rem = k - j;
-        __mmask8 in = rem >= 8 ? (__mmask8)0xFF : (rem > 0 ? (__mmask8)((1u << rem) - 1) : (__mmask8)0);
-        __m512i v = _mm512_maskz_loadu_epi64(in, (const void *)(x + j));
-        __mmask8 ok = in & _mm512_cmpgt_epi64_mask(v, zero) & _mm512_cmplt_epi64_mask(v, vv);
-        n += __builtin_popcount((unsigned)(in & _mm512_cmpge_epi64_mask(v, vv)));
-        _mm256_stream_si256((__m256i *)(o + j), _mm512_cvtepi64_epi32(_mm512_maskz_mov_epi64(ok, v)));
-    }
-    return n;
-}
-#define PCVR_FENCE() _mm_sfence()
-#else
-#define PCVR_FENCE() ((void)0)
-#endif
-
-/* Token rules on x[0..k) into o[0..k), zeros to L; returns the out-of-vocab count. */
-static inline int64_t put_tokens(const int64_t *x, int64_t k, int64_t L, int64_t voc, int32_t *o) {
-    int64_t n = 0;
-    if (voc <= 0) k = 0;
-#if defined(__AVX512F__)
-    if (voc > 0 && ((uintptr_t)o & 31) == 0 && (L & 7) == 0) return put_tokens_avx512(x, k, L, voc, o);
-#endif
-    for (int64_t j = 0; j < k; j++) {
-        int64_t v = x[j];
-        n += v >= voc;
-        o[j] = (v > 0 && v < voc) ? (int32_t)v : 0;
-    }
-    if (k < L) memset(o + k, 0, (size_t)(L - k) * sizeof(int32_t));
-    return n;
-}
-
-/* Strict mode: the k kept events given as nr runs of consecutive event numbers; events at or past lim (the
-   column's own length) read as 0. */
-static inline int64_t put_runs(const int64_t *x, const int64_t *run_src, const int64_t *run_len, int64_t nr,
-                               int64_t lim, int64_t L, int64_t voc, int32_t *o) {
-    int64_t n = 0, p = 0;
-    if (voc > 0) {
-        for (int64_t r = 0; r < nr; p += run_len[r++]) {
-            const int64_t e = run_src[r], len = run_len[r];
-            int64_t inside = lim - e < len ? lim - e : len;
-            if (inside < 0) inside = 0;
-            const int64_t *xe = x + e;
-            int32_t *d = o + p;
-            for (int64_t j = 0; j < inside; j++) {
-                int64_t v = xe[j];
-                n += v >= voc;
-                d[j] = (v > 0 && v < voc) ? (int32_t)v : 0;
-            }
-            for (int64_t j = inside; j < len; j++) d[j] = 0;
-        }
-    }
-    if (p < L) memset(o + p, 0, (size_t)(L - p) * sizeof(int32_t));
-    return n;
-}
-
-/* One sequence domain, row by row: timestamps [rows, L] (raw), values [rows, F, L] (token rules),
-   lengths [rows]. Non-strict: every column keeps its last min(len, L) elements; length = max over side
-   columns (the timestamp column's when F == 0). Strict: the last L events with 0 < ts < request[b]
-   (found as runs of consecutive events in the scratch rel [2L]); side columns take the same events (0 past
-   their own end), copied run by run. */
-void pcvr_domain(int64_t F, const int32_t *const *offs, const uint8_t *const *valids, const int64_t *bits,
-                 const int64_t *const *srcs, const int64_t *vocab, const int32_t *ts_off, const uint8_t *ts_valid,
-                 int64_t ts_bit, const int64_t *ts_src, const int64_t *request, int64_t strict, int64_t rows,
-                 int64_t L, int32_t *values, int64_t *timestamps, int32_t *lengths, int64_t *rel, int64_t *oob) {
-    int64_t *run_src = rel, *run_len = rel + L, nr = 0;
-    for (int64_t f = 0; f < F; f++) oob[f] = 0;
-    for (int64_t b = 0; b < rows; b++) {
-        int64_t n, length = 0;
-        const int64_t s = row_range(ts_off, ts_valid, ts_bit, b, &n);
-        const int64_t *t = ts_src + s;
-        int64_t *ts_out = timestamps + b * L;
-        int64_t k;
-        if (strict) {
-            const int64_t req = request[b];
-            /* one pass back from the newest event until L valid ones: the kept events as runs of
-               consecutive events (run r is events run_src[r] .. + run_len[r]), newest run first */
-            k = 0;
-            nr = 0;
-            for (int64_t j = n - 1; j >= 0 && k < L; j--) {
-                if (!(t[j] > 0 && t[j] < req)) continue;
-                k++;
-                if (nr && run_src[nr - 1] == j + 1) {
-                    run_src[nr - 1] = j;
-                    run_len[nr - 1]++;
-                } else {
-                    run_src[nr] = j;
-                    run_len[nr++] = 1;
-                }
-            }
-            for (int64_t r = 0; r < nr / 2; r++) { /* oldest run first */
-                int64_t a = run_src[r], c = run_len[r];
-                run_src[r] = run_src[nr - 1 - r];
-                run_len[r] = run_len[nr - 1 - r];
-                run_src[nr - 1 - r] = a;
-                run_len[nr - 1 - r] = c;
-            }
-            for (int64_t r = 0, p = 0; r < nr; p += run_len[r++])
-                memcpy(ts_out + p, t + run_src[r], (size_t)run_len[r] * sizeof(int64_t));
-            length = k;
-        } else {
-            k = n < L ? n : L;
-            memcpy(ts_out, t + n - k, (size_t)k * sizeof(int64_t));
-            if (F == 0) length = k;
-        }
-        if (k < L) memset(ts_out + k, 0, (size_t)(L - k) * sizeof(int64_t));
-        for (int64_t f = 0; f < F; f++) {
-            int64_t fn;
-            const int64_t fs = row_range(offs[f], valids[f], bits[f], b, &fn);
-            int32_t *o = values + (b * F + f) * L;
-            if (strict) {
-                oob[f] += put_runs(srcs[f] + fs, run_src, run_len, nr, fn, L, vocab[f], o);
-            } else {
-                int64_t fk = fn < L ? fn : L;
-                oob[f] += put_tokens(srcs[f] + fs + fn - fk, fk, L, vocab[f], o);
-                if (fk > length) length = fk;
-            }
-        }
-        lengths[b] = (int32_t)length;
-    }
-    PCVR_FENCE(); /* order the streaming stores before the caller reads the output */
-}
-
-/* Width>1 int features: column c keeps its first dims[c] elements at out/miss[b*stride + pos[c] + j].
-   <= 0 and padding -> 0, missing; >= vocab -> 0, missing, counted in oob[c]; vocab <= 0 -> all 0, missing. */
-void pcvr_int_lists(int64_t C, const int32_t *const *offs, const uint8_t *const *valids, const int64_t *bits,
-                    const int64_t *const *srcs, const int64_t *dims, const int64_t *vocab, const int64_t *pos,
-                    int64_t rows, int32_t *out, uint8_t *miss, int64_t stride, int64_t *oob) {
-    for (int64_t c = 0; c < C; c++) {
-        const int64_t voc = vocab[c], dim = dims[c];
-        int64_t cnt = 0;
-        for (int64_t b = 0; b < rows; b++) {
-            int64_t n;
-            const int64_t *x = srcs[c] + row_range(offs[c], valids[c], bits[c], b, &n);
-            int32_t *o = out + b * stride + pos[c];
-            uint8_t *m = miss + b * stride + pos[c];
-            int64_t k = voc <= 0 ? 0 : (n < dim ? n : dim);
-            for (int64_t j = 0; j < k; j++) {
-                int64_t v = x[j];
-                int ok = v > 0 && v < voc;
-                cnt += v >= voc;
-                o[j] = ok ? (int32_t)v : 0;
-                m[j] = !ok;
-            }
-            for (int64_t j = k; j < dim; j++) { o[j] = 0; m[j] = 1; }
-        }
-        oob[c] = cnt;
-    }
-}
-
-/* Dense features: the first dims[c] floats; non-finite and padding -> 0, missing. */
-void pcvr_dense_lists(int64_t C, const int32_t *const *offs, const uint8_t *const *valids, const int64_t *bits,
-                      const float *const *srcs, const int64_t *dims, const int64_t *pos, int64_t rows, float *out,
-                      uint8_t *miss, int64_t stride) {
-    for (int64_t c = 0; c < C; c++) {
-        const int64_t dim = dims[c];
-        for (int64_t b = 0; b < rows; b++) {
-            int64_t n;
-            const float *x = srcs[c] + row_range(offs[c], valids[c], bits[c], b, &n);
-            float *o = out + b * stride + pos[c];
-            uint8_t *m = miss + b * stride + pos[c];
-            int64_t k = n < dim ? n : dim;
-            for (int64_t j = 0; j < k; j++) {
-                float v = x[j];
-                int ok = (v - v) == 0.0f; /* false for NaN and +-inf */
-                o[j] = ok ? v : 0.0f;
-                m[j] = !ok;
-            }
-            for (int64_t j = k; j < dim; j++) { o[j] = 0.0f; m[j] = 1; }
-        }
-    }
-}
-
-"""
+NATIVE_SOURCE = Path(__file__).with_name("convert_native.c")
 _NATIVE_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c99"]
 _native_state: dict = {}
 
@@ -524,15 +373,16 @@ def _build_native():
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise NativeUnavailable("no C compiler (cc/gcc) on PATH")
+    source_text = NATIVE_SOURCE.read_text()
     key = hashlib.sha256(
-        "\n".join([_NATIVE_SOURCE, " ".join(_NATIVE_FLAGS), compiler, platform.machine(), _cpu_id()]).encode()
+        "\n".join([source_text, " ".join(_NATIVE_FLAGS), compiler, platform.machine(), _cpu_id()]).encode()
     ).hexdigest()[:16]
     folder = default_cache_dir() / "native"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"pcvr_convert_{key}.so"
     if not path.exists():
         source = folder / f"pcvr_convert_{key}.c"
-        source.write_text(_NATIVE_SOURCE)
+        source.write_text(source_text)  # the exact text hashed, beside the library
         fd, tmp = tempfile.mkstemp(suffix=".so", dir=folder)
         os.close(fd)
         try:
@@ -547,7 +397,9 @@ def _build_native():
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(path))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.pcvr_domain.argtypes = [i64, p, p, p, p, p, p, p, i64, p, p, i64, i64, i64, p, p, p, p, p]
+    lib.pcvr_domain.argtypes = [i64, p, p, p, p, p, p, p, i64, p, p, i64, p, p, p, i64, i64, p, p, p, p, p]
+    lib.pcvr_list_order.argtypes = [i64, p, p, i64, p, p]
+    lib.pcvr_list_order.restype = None
     lib.pcvr_domain.restype = None
     lib.pcvr_int_lists.argtypes = [i64, p, p, p, p, p, p, p, i64, p, p, i64, p]
     lib.pcvr_int_lists.restype = None
@@ -646,10 +498,22 @@ class Converter:
         strict_time_filter: bool = False,
         clip_oov: bool = True,
         backend: str = "auto",
+        list_order: str = "auto",
+        non_monotonic: str = "sort",
+        strict_on_eval: bool = False,
     ) -> None:
         self.schema = schema
+        if list_order not in LIST_ORDERS:
+            raise ValueError(f"list_order must be one of {', '.join(LIST_ORDERS)}, got {list_order!r}")
+        if non_monotonic not in NON_MONOTONIC_POLICIES:
+            raise ValueError(
+                f"non_monotonic must be one of {', '.join(NON_MONOTONIC_POLICIES)}, got {non_monotonic!r}"
+            )
+        self.list_order = list_order
+        self.non_monotonic = non_monotonic
         self.training = bool(training)
-        self.strict_time_filter = bool(strict_time_filter)
+        # strict filtering belongs to training batches; with training=False only when asked by name
+        self.strict_time_filter = bool(strict_time_filter) and (self.training or bool(strict_on_eval))
         self.clip_oov = bool(clip_oov)
         if backend not in BACKENDS:
             raise ValueError(f"backend must be one of {BACKENDS}, got {backend!r}")
@@ -703,6 +567,12 @@ class Converter:
             "training": self.training,
             "clip_oov": self.clip_oov,
             "backend": self.backend,
+            "list_order": self.list_order,
+            "non_monotonic": self.non_monotonic,
+            # per domain: rows by detected order ("auto"), or rows taken in the given order ("given")
+            "list_order_rows": {
+                d.name: dict.fromkeys((*ORDER_CLASSES, "given"), 0) for d in self.schema.domains
+            },
         }
 
     def _count_oob(self, group: str, column: str, count: int) -> None:
@@ -754,7 +624,7 @@ class Converter:
         out = self._pool.views(self._shapes(rows))
         user = self._features("user", cols, rows, out)
         item = self._features("item", cols, rows, out)
-        sequences = {d.name: self._domain(d, cols, request_ts, rows, out) for d in self.schema.domains}
+        sequences = {d.name: self._domain(d, cols, request_ts, rows, out, row_offset) for d in self.schema.domains}
 
         self.stats["rows"] += rows
         self.stats["batches"] += 1
@@ -976,13 +846,56 @@ class Converter:
         limit = None if np.array_equal(lists.lengths, ts.lengths) else lists.lengths
         return base.with_start(lists.starts, limit)
 
-    def _domain(self, domain, cols: dict[str, pa.Array], request_ts: np.ndarray, rows: int, out: dict) -> SequenceBlock:
+    def _row_order(self, domain, cols, rows: int, row_offset: int, ts_raw: _RawList | None, count: bool = True):
+        """Each row's order for the kernels: None (every row newest last, the stored order) or int8 [rows]
+        of 1 (newest last), -1 (newest first, reversed) and 2 (sorted by time: perm_start, perm give each
+        such row's events oldest first). Counts the rows per class in stats["list_order_rows"]."""
+        counts = self.stats["list_order_rows"][domain.name] if count else dict.fromkeys((*ORDER_CLASSES, "given"), 0)
+        if self.list_order != "auto":
+            counts["given"] += rows
+            return (None, None, None) if self.list_order == "newest-last" else (np.full(rows, -1, np.int8), None, None)
+        column = domain.ts_feature.column
+        if ts_raw is not None and rows:
+            cls = np.empty(rows, dtype=np.uint8)
+            self._lib.pcvr_list_order(rows, ts_raw.offsets, ts_raw.valid, ts_raw.bit, ts_raw.values, _ptr(cls))
+        else:
+            cls = _classify_numpy(_lists(cols[column], column, np.int64))
+        per_class = np.bincount(cls, minlength=4)
+        for name, n in zip(ORDER_CLASSES, per_class.tolist(), strict=True):
+            counts[name] += n
+        if per_class[NEWEST_LAST] == rows:
+            return None, None, None
+        if per_class[NON_MONOTONIC] and self.non_monotonic == "error":
+            row = int(np.flatnonzero(cls == NON_MONOTONIC)[0])
+            raise DataError(
+                f"column {column!r}: row {row_offset + row}: event timestamps are neither non-decreasing nor "
+                f"non-increasing ({int(per_class[NON_MONOTONIC])} such row(s) in this batch); "
+                "non_monotonic='error' rejects them (non_monotonic='sort' sorts them by time)"
+            )
+        # rows too short to tell take the batch's majority order (newest last on a tie)
+        majority = -1 if per_class[NEWEST_FIRST] > per_class[NEWEST_LAST] else 1
+        order = np.choose(cls, [majority, 1, -1, 2]).astype(np.int8)
+        perm_start = perm = None
+        if per_class[NON_MONOTONIC]:
+            ts = _lists(cols[column], column, np.int64)
+            sorted_rows = np.flatnonzero(cls == NON_MONOTONIC)
+            perm_start = np.zeros(rows, dtype=np.int64)
+            perm_start[sorted_rows] = np.cumsum(ts.lengths[sorted_rows]) - ts.lengths[sorted_rows]
+            perm = np.concatenate(
+                [np.argsort(ts.values[ts.starts[b] : ts.starts[b] + ts.lengths[b]], kind="stable") for b in sorted_rows]
+            ).astype(np.int64)
+        return order, perm_start, perm
+
+    def _domain(
+        self, domain, cols: dict[str, pa.Array], request_ts: np.ndarray, rows: int, out: dict, row_offset: int = 0
+    ) -> SequenceBlock:
         if self._lib is None:
-            return self._domain_numpy(domain, cols, request_ts, rows, out)
+            return self._domain_numpy(domain, cols, request_ts, rows, out, row_offset)
         L = domain.max_len
         side = domain.side_features
         raw = [_RawList(cols[f.column], f.column, np.int64) for f in side]
         ts = _RawList(cols[domain.ts_feature.column], domain.ts_feature.column, np.int64)
+        order, perm_start, perm = self._row_order(domain, cols, rows, row_offset, ts)
         values, timestamps = out[f"{domain.name}.values"], out[f"{domain.name}.timestamps"]
         lengths = np.empty(rows, dtype=np.int32)
         rel = np.empty(2 * L, dtype=np.int64)  # strict-mode scratch
@@ -990,10 +903,11 @@ class Converter:
         self._lib.pcvr_domain(
             len(side), *_RawList.pointers(raw), _ptr(self._side_vocab[domain.name]),
             ts.offsets, ts.valid, ts.bit, ts.values, _ptr(request_ts), int(self.strict_time_filter),
-            rows, L, _ptr(values), _ptr(timestamps), _ptr(lengths), _ptr(rel), _ptr(oob),
+            _ptr(order), _ptr(perm_start), _ptr(perm), rows, L,
+            _ptr(values), _ptr(timestamps), _ptr(lengths), _ptr(rel), _ptr(oob),
         )  # fmt: skip
         if oob.any() and not self.clip_oov:  # the numpy path raises naming the column and value
-            self._domain_numpy(domain, cols, request_ts, rows, out)
+            self._domain_numpy(domain, cols, request_ts, rows, out, row_offset, count_order=False)
         for f, n_oob in enumerate(oob.tolist()):
             if n_oob:
                 self._count_oob(domain.name, side[f].column, n_oob)
@@ -1001,10 +915,22 @@ class Converter:
             values=torch.from_numpy(values), timestamps=torch.from_numpy(timestamps), lengths=torch.from_numpy(lengths)
         )
 
-    def _domain_numpy(self, domain, cols, request_ts: np.ndarray, rows: int, out: dict) -> SequenceBlock:
+    def _domain_numpy(
+        self, domain, cols, request_ts: np.ndarray, rows: int, out: dict, row_offset: int = 0, count_order=True
+    ) -> SequenceBlock:
         L = domain.max_len
         side = domain.side_features
         ts = _lists(cols[domain.ts_feature.column], domain.ts_feature.column, np.int64)
+        # count_order False: the native pass counted this batch's rows already
+        order, perm_start, perm = self._row_order(domain, cols, rows, row_offset, None, count=count_order)
+        side_lists = [_lists(cols[f.column], f.column, np.int64, like=ts) for f in side]
+        if order is not None:
+            # every row's events oldest first; strict mode and sorted rows take side events by the
+            # timestamp column's event numbers, the others reverse each column's own list
+            via_ts = np.full(rows, True) if self.strict_time_filter else order == 2
+            canon_ts = _canonical(ts, ts, order, perm_start, perm, via_ts)
+            side_lists = [_canonical(x, ts, order, perm_start, perm, via_ts) for x in side_lists]
+            ts = canon_ts
         base = self._strict_plan(ts, request_ts, L) if self.strict_time_filter else _tail_plan(ts, L)
 
         timestamps = out[f"{domain.name}.timestamps"]
@@ -1015,7 +941,7 @@ class Converter:
         values = out[f"{domain.name}.values"]
         lengths = base.count if (self.strict_time_filter or not side) else np.zeros(rows, dtype=np.int64)
         for f, feat in enumerate(side):
-            lists = _lists(cols[feat.column], feat.column, np.int64, like=ts)
+            lists = side_lists[f]
             plan = self._side_plan(lists, ts, base, L)
             if not self.strict_time_filter:
                 lengths = np.maximum(lengths, plan.count)

@@ -15,9 +15,11 @@ Shapes (see notes/data-convert.md for the numbers):
   a few NaN / +-inf;
 - sequences: per row a heavy-tailed (lognormal) length capped at 4000; the last domain (sorted by name,
   seq_d in the demo) averages about 2.5x its max_len (~1,300 events), the others about 0.7x theirs, so many
-  rows are longer than max_len. Lists are chronological, newest LAST; event times lie before the request
-  except for about 10% of rows whose newest events come a little after it; some event times are 0. A side
-  column is null for 0.2% of rows (a rare ragged domain).
+  rows are longer than max_len. Lists are chronological, newest LAST by default (`list_order`:
+  "newest-first" reverses every row's sequence lists, the order of the independent data the reference was
+  also fed; "mixed" reverses a seeded half of the rows); event times lie before the request except for about
+  10% of rows whose newest events come a little after it; some event times are 0. A side column is null for
+  0.2% of rows (a rare ragged domain).
 
 Planted signal (the label's logit; `planted_score` recomputes it from a converted batch):
     +1.4 if the first width-1 user_int feature with vocab >= 3 has value % 3 == 1
@@ -47,12 +49,14 @@ import pyarrow.parquet as pq
 from pcvr_lib.schema import Schema, load_schema
 
 GENERATOR_VERSION = 2
+LIST_ORDERS = ("newest-last", "newest-first", "mixed")
 REQUEST_T0 = 1_760_000_000  # 2025-10-09, request times span two weeks after it
 REQUEST_SPAN = 14 * 86_400
 DAY = 86_400
 MAX_SEQ_LEN = 4000
 POSITIVE_RATE = 0.10
 PARQUET_COMPRESSION = "snappy"
+GENERATION_INFO = "generation.json"  # written beside a generated file: rows, bytes, seconds, peak RSS
 
 # Noise rates of the id generator.
 P_NULL = 0.03
@@ -157,10 +161,26 @@ def _event_times(rng: np.random.Generator, request_ts: np.ndarray, lengths: np.n
 # ----------------------------------------------------------------------------------------------
 
 
-def generate_table(schema: Schema, rows: int, seed: int = 0) -> pa.Table:
-    """The base table: `rows` rows of demo-like data for `schema` (deterministic in `seed`)."""
+def _reverse_rows(array: pa.Array, flip: np.ndarray) -> pa.Array:
+    """The list column with the lists of the rows where `flip` is set reversed (nulls kept)."""
+    offsets = array.offsets.to_numpy()
+    lengths = np.diff(offsets)
+    row = np.repeat(np.arange(len(lengths)), lengths)
+    within = np.arange(len(row)) - np.repeat(offsets[:-1] - offsets[0], lengths)
+    source = np.where(flip[row], lengths[row] - 1 - within, within) + np.repeat(offsets[:-1], lengths)
+    values = array.values.to_numpy()[source]
+    return pa.ListArray.from_arrays(
+        pa.array(offsets - offsets[0], pa.int32()), pa.array(values), mask=array.is_null() if array.null_count else None
+    )
+
+
+def generate_table(schema: Schema, rows: int, seed: int = 0, list_order: str = "newest-last") -> pa.Table:
+    """The base table: `rows` rows of demo-like data for `schema` (deterministic in `seed`); sequence lists
+    in `list_order` (LIST_ORDERS; the same events whatever the order)."""
     if rows < 1:
         raise ValueError(f"rows must be >= 1, got {rows}")
+    if list_order not in LIST_ORDERS:
+        raise ValueError(f"list_order must be one of {', '.join(LIST_ORDERS)}, got {list_order!r}")
     rng = np.random.default_rng(seed)
     columns: dict[str, pa.Array] = {}
 
@@ -248,6 +268,13 @@ def generate_table(schema: Schema, rows: int, seed: int = 0) -> pa.Table:
         "label_time": pa.array(label_time, pa.int64()),
         "timestamp": pa.array(request_ts, pa.int64()),
     }
+    if list_order != "newest-last":
+        flip = np.ones(rows, dtype=bool)
+        if list_order == "mixed":
+            flip = np.random.default_rng([seed, 1]).random(rows) < 0.5
+        for domain in schema.domains:
+            for feat in domain.features:
+                columns[feat.column] = _reverse_rows(columns[feat.column], flip)
     ordered = dict(scalars)
     for feat in schema.user_int + schema.item_int + schema.user_dense + schema.item_dense:
         ordered[feat.column] = columns[feat.column]
@@ -309,9 +336,14 @@ def default_cache_dir() -> Path:
     return Path(__file__).resolve().parents[2] / ".cache" / "pcvr"
 
 
-def cache_key(schema: Schema, rows: int, multiplier: int, seed: int, row_group_size: int) -> str:
+def cache_key(
+    schema: Schema, rows: int, multiplier: int, seed: int, row_group_size: int, list_order: str = "newest-last"
+) -> str:
+    # list_order enters the key only when not the default, so files made before it existed stay cached
+    order = {} if list_order == "newest-last" else {"list_order": list_order}
     payload = json.dumps(
         {
+            **order,
             "schema": schema.raw,
             "rows": rows,
             "multiplier": multiplier,
@@ -369,6 +401,7 @@ def generate_dataset(
     force: bool = False,
     progress: bool = True,
     out: str | Path | None = None,
+    list_order: str = "newest-last",
 ) -> Path:
     """Generate (or reuse from the cache) a parquet file of rows*multiplier rows; returns its path.
 
@@ -383,7 +416,7 @@ def generate_dataset(
             raise ValueError(f"{name} must be an integer >= {low}, got {value!r}")
     total = rows * multiplier
     if out is None:
-        key = cache_key(schema, rows, multiplier, seed, row_group_size)
+        key = cache_key(schema, rows, multiplier, seed, row_group_size, list_order)
         folder = Path(cache_dir) if cache_dir is not None else default_cache_dir()
         folder = folder / f"demo_{total}_{key}"
         path = folder / f"demo_{total}.parquet"
@@ -400,9 +433,29 @@ def generate_dataset(
     if out is not None and schema_path.exists() and not force and schema_path.read_text() != schema_text:
         raise FileExistsError(f"{schema_path} exists with another schema; pass --force to overwrite it")
     _write_text_atomic(schema_path, schema_text)
-    base = generate_table(schema, rows, seed)
+    import resource
+    import time
+
+    start = time.perf_counter()
+    base = generate_table(schema, rows, seed, list_order)
     write_parquet(base, path, multiplier=multiplier, row_group_size=row_group_size, progress=progress)
+    # how the file was made, beside it (the benchmarks record it): the peak is this process's peak RSS
+    info = {
+        "rows": total,
+        "row_groups": pq.ParquetFile(path).metadata.num_row_groups,
+        "bytes": path.stat().st_size,
+        "seconds": time.perf_counter() - start,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "measured_by": "generate_dataset",
+    }
+    _write_text_atomic(path.with_name(GENERATION_INFO), json.dumps(info, indent=2) + "\n")
     return path
+
+
+def generation_info(path: str | Path) -> dict | None:
+    """What generate_dataset recorded about a file it wrote (None when it has no record)."""
+    info = Path(path).with_name(GENERATION_INFO)
+    return json.loads(info.read_text()) if info.is_file() else None
 
 
 # ----------------------------------------------------------------------------------------------
@@ -420,6 +473,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--cache-dir", help="cache directory (default .cache/pcvr or $PCVR_CACHE_DIR)")
     parser.add_argument("--force", action="store_true", help="overwrite / regenerate an existing file")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar (none is shown off a terminal)")
+    parser.add_argument(
+        "--list-order", choices=LIST_ORDERS, default="newest-last", help="sequence list order (default newest-last)"
+    )
 
 
 def run(args: argparse.Namespace) -> int:
@@ -450,6 +506,7 @@ def run(args: argparse.Namespace) -> int:
         force=args.force,
         progress=not args.no_progress and interactive(),  # no bar in logs or CI
         out=args.out,
+        list_order=args.list_order,
     )
     meta = pq.ParquetFile(path).metadata
     print(f"{path}  rows={meta.num_rows} row_groups={meta.num_row_groups} bytes={path.stat().st_size}")

@@ -36,6 +36,15 @@ was configured, even a no-op one):
     opt-augment  OPT + the benchmark augmentations, strict time filter on
 The augment presets keep the strict filter so they measure the same work as the reference's augment
 presets (and training never sees events at or after the request time); pass strict_time_filter to change it.
+Strict filtering applies to training batches only (training=True and not the valid side); evaluation and
+inference batches keep every event unless `strict_on_eval=True` asks for it there too.
+
+List order: `list_order` ("auto": told per row from the event times; or "newest-first" / "newest-last"
+for data without usable times) and `non_monotonic` ("sort" / "error") go to the converter; `stats()`
+gives the rows per detected order and domain, and the file's order ("list_order_detected").
+
+A row group that cannot be decoded (a corrupt page) raises `CorruptRowGroupError` naming the file and the
+row group when the loader first reads it, with the rows already served.
 """
 
 from __future__ import annotations
@@ -55,8 +64,8 @@ import torch
 from pcvr_lib.data.augment import BENCHMARK_AUGMENTATIONS, Augmenter
 from pcvr_lib.data.batch import Batch
 from pcvr_lib.data.cache import CACHE_POLICIES, make_cache
-from pcvr_lib.data.convert import Converter
-from pcvr_lib.data.parquet import open_dataset
+from pcvr_lib.data.convert import LIST_ORDERS, NON_MONOTONIC_POLICIES, ORDER_CLASSES, Converter
+from pcvr_lib.data.parquet import DataError, open_dataset
 from pcvr_lib.data.split import SIDES, SPLIT_METHODS, SplitPlan, plan_split, splitmix64
 from pcvr_lib.schema import Schema, load_schema
 
@@ -82,6 +91,22 @@ BatchKey = tuple[str, int, int]  # (file, row_group, batch_index)
 
 class LoaderError(ValueError):
     """A loader option is invalid; the message names the option and the allowed values."""
+
+
+class CorruptRowGroupError(DataError):
+    """A row group of the file cannot be decoded (a corrupt page); names the file and the row group."""
+
+
+def file_list_order(counts: dict[str, int]) -> str:
+    """A file's order from its rows per class: "newest-first" / "newest-last" when every monotonic row
+    that tells agrees, "mixed" when both occur, "unknown" when none tells, "given" when not checked.
+    Not-monotonic rows are counted apart (list_order_rows), they do not make a file mixed."""
+    if counts.get("given"):
+        return "given"
+    first, last = counts["newest_first"], counts["newest_last"]
+    if first and last:
+        return "mixed"
+    return "newest-first" if first else ("newest-last" if last else "unknown")
 
 
 def _check_int(name: str, value, low: int) -> int:
@@ -121,7 +146,12 @@ class _Pipeline:
         self.file: pq.ParquetFile | None = None
         self.late_file: pq.ParquetFile | None = None
         self.converter = Converter(
-            loader.schema, training=loader.training, strict_time_filter=loader.strict_time_filter
+            loader.schema,
+            training=loader.training,
+            strict_time_filter=loader.strict_time_filter,
+            strict_on_eval=True,  # the loader has decided already (training batches only, unless asked)
+            list_order=loader.list_order,
+            non_monotonic=loader.non_monotonic,
         )
         self.cache = make_cache(loader.cache_policy, cache_capacity, seed=loader.seed)
         self.augmenter = Augmenter(loader.augmentations) if loader.augment_active else None
@@ -139,7 +169,15 @@ class _Pipeline:
         if getattr(self, name) is None:
             setattr(self, name, pq.ParquetFile(self.loader.path))
         self.groups_read += 1
-        return getattr(self, name).read_row_group(group, columns=self.loader.columns, use_threads=True)
+        try:
+            return getattr(self, name).read_row_group(group, columns=self.loader.columns, use_threads=True)
+        except (OSError, pa.ArrowException) as exc:
+            start = int(self.loader.row_group_offsets[group])
+            end = int(self.loader.row_group_offsets[group + 1])
+            raise CorruptRowGroupError(
+                f"{self.loader.path}: row group {group} (file rows {start}..{end - 1}) cannot be decoded: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
 
     def _slice(self, table: pa.Table, key: BatchKey) -> pa.Table:
         start, stop = self.loader.spans[key]
@@ -183,6 +221,8 @@ class _Pipeline:
                 got = out.get()
                 if got is None:
                     return
+                if isinstance(got, CorruptRowGroupError):
+                    raise CorruptRowGroupError(f"{got}; {self.rows} rows served before it") from got
                 if isinstance(got, BaseException):
                     raise got
                 yield got
@@ -217,7 +257,11 @@ class _Pipeline:
             else:
                 if data is None:
                     self.late_reads += loader.read_ahead > 0
-                    data = self._slice(self._read_group(key[1], late=loader.read_ahead > 0), key)
+                    try:
+                        table = self._read_group(key[1], late=loader.read_ahead > 0)
+                    except CorruptRowGroupError as exc:
+                        raise CorruptRowGroupError(f"{exc}; {self.rows} rows served before it") from exc
+                    data = self._slice(table, key)
                 batch = self.converter(data, row_offset=loader.batch_start(key))
             self.cache.put(key, batch)
         batch = loader.filter_rows(batch, key)
@@ -283,6 +327,9 @@ class PcvrLoader:
         cache_capacity: int = 512,
         augmentations: Sequence | None = None,
         strict_time_filter: bool | None = None,
+        strict_on_eval: bool = False,
+        list_order: str = "auto",
+        non_monotonic: str = "sort",
         training: bool = True,
         num_workers: int = 0,
         read_ahead: int = 2,
@@ -299,6 +346,14 @@ class PcvrLoader:
             raise LoaderError(f"cache_policy must be one of {', '.join(CACHE_POLICIES)}, got {cache_policy!r}")
         if split is not None and not isinstance(split, SplitPlan) and split not in SPLIT_METHODS:
             raise LoaderError(f"split must be None, a SplitPlan or one of {', '.join(SPLIT_METHODS)}, got {split!r}")
+        if list_order not in LIST_ORDERS:
+            raise LoaderError(f"list_order must be one of {', '.join(LIST_ORDERS)}, got {list_order!r}")
+        if non_monotonic not in NON_MONOTONIC_POLICIES:
+            raise LoaderError(
+                f"non_monotonic must be one of {', '.join(NON_MONOTONIC_POLICIES)}, got {non_monotonic!r}"
+            )
+        self.list_order = list_order
+        self.non_monotonic = non_monotonic
         if split is None and side != "all":
             raise LoaderError(f"side={side!r} needs a split (one of {', '.join(SPLIT_METHODS)})")
         self.batch_size = _check_int("batch_size", batch_size, 1)
@@ -331,7 +386,11 @@ class PcvrLoader:
         # Augmentations are for training batches only: never for inference or the validation side.
         self.augment_active = bool(self.augmentations) and self.training and side != "valid"
         strict = chosen.strict_time_filter if strict_time_filter is None else strict_time_filter
-        self.strict_time_filter = bool(strict)
+        # strict filtering belongs to training batches (data.md); evaluation only when asked by name
+        self.strict_time_filter_requested = bool(strict)
+        self.strict_on_eval = bool(strict_on_eval)
+        training_batches = self.training and side != "valid"
+        self.strict_time_filter = bool(strict) and (training_batches or self.strict_on_eval)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else bool(pin_memory)
         Augmenter(self.augmentations)  # validates the configs now rather than in a worker
 
@@ -469,6 +528,10 @@ class PcvrLoader:
         rows = dict(zip(self._keys, self._key_rows.tolist(), strict=True))
         return sum(rows[key] for _, _, key in self.plan_items())
 
+    def stats_per_worker(self) -> list[dict]:
+        """The last complete iteration's pipeline stats of each worker (one entry without workers)."""
+        return list(self._stats.get("workers", []))
+
     def stats(self) -> dict:
         """Rows, batches, cache and converter stats of the last complete iteration (summed over workers)."""
         workers = self._stats.get("workers", [])
@@ -477,6 +540,10 @@ class PcvrLoader:
             "mode": self.mode,
             "cache_impl": self.cache_policy,
             "strict_time_filter": self.strict_time_filter,
+            "strict_time_filter_requested": self.strict_time_filter_requested,
+            "strict_on_eval": self.strict_on_eval,
+            "list_order": self.list_order,
+            "non_monotonic": self.non_monotonic,
             "augmentations": Augmenter(self.augmentations).describe() if self.augment_active else [],
             "num_workers": self.num_workers,
             "split": self.split.summary() if self.split is not None else None,
@@ -496,4 +563,11 @@ class PcvrLoader:
             cache["hit_rate"] = cache["hits"] / accesses if accesses else 0.0
             out["cache"] = cache
             out["converter_oob_total"] = sum(w["converter"]["oob_total"] for w in workers)
+            kinds = (*ORDER_CLASSES, "given")
+            rows = {
+                d.name: {k: sum(w["converter"]["list_order_rows"][d.name][k] for w in workers) for k in kinds}
+                for d in self.schema.domains
+            }
+            out["list_order_rows"] = rows
+            out["list_order_detected"] = {name: file_list_order(c) for name, c in rows.items()}
         return out

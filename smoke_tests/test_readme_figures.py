@@ -1,0 +1,153 @@
+"""The README's result figures are the committed snapshots' numbers: each one is recomputed here from
+`.benchmarks/` and must appear in README.md as written (a re-measured snapshot fails this test until the
+README follows it)."""
+
+import json
+from functools import cache
+from pathlib import Path
+
+import pytest
+
+from pcvr_lib.report import case_times
+
+ROOT = Path(__file__).resolve().parents[1]
+README = (ROOT / "README.md").read_text()
+
+
+@cache
+def snapshot(name: str) -> list[dict]:
+    return json.loads((ROOT / ".benchmarks" / name).read_text())["benchmarks"]
+
+
+def kernel(name: str, **match) -> tuple[float, float, dict]:
+    """(per-call us, device us, extra_info) of the one case of a kernel snapshot matching every key."""
+    found = [b for b in snapshot(name) if all(b["extra_info"].get(k) == v for k, v in match.items())]
+    assert len(found) == 1, f"{name}: {len(found)} cases match {match}"
+    per_call, device, _ = case_times(found[0])
+    return per_call, device, found[0]["extra_info"]
+
+
+def named(name: str, test_name: str) -> dict:
+    found = [b for b in snapshot(name) if b["name"] == test_name]
+    assert len(found) == 1, f"{name}: no case {test_name}"
+    return found[0]
+
+
+def norm(op, backend, shape, dtype="fp16", direction="fwd"):
+    return kernel("h200/kernels_norms.json", op=op, backend=backend, shape=shape, dtype=dtype, dir=direction)
+
+
+def attention(backend, shape, mask, dtype="fp16", direction="fwd"):
+    test = (f"test_attention_perf[op=flash_attention,backend={backend},shape={shape},mask={mask},dtype={dtype},"
+            f"dir={direction}]")
+    b = named("h200/attention.json", test)
+    per_call, device, _ = case_times(b)
+    return per_call, device, b["extra_info"]
+
+
+def kernel_claims() -> list[str]:
+    claims = []
+    t, _, e = norm("rms_norm", "tilelang", "65536x1024")
+    claims.append(f"| RMSNorm fwd 65536x1024 fp16 | {t:.1f} us, {e['fraction_of_copy_ceiling']:.1%} of copy ceiling "
+                  f"| {norm('rms_norm', 'torch', '65536x1024')[0]:.1f} "
+                  f"| torch.compile {norm('rms_norm', 'torch_compile', '65536x1024')[0]:.1f} |")
+    t, _, e = norm("rms_norm", "tilelang", "262144x128")
+    others = [norm("rms_norm", b, "262144x128")[1] for b in ("torch_compile", "liger", "triton", "tilelang")]
+    claims.append(f"| RMSNorm fwd 262144x128 fp16 | {t:.1f} us, {e['fraction_of_copy_ceiling']:.1%} "
+                  f"| {norm('rms_norm', 'torch', '262144x128')[0]:.1f} "
+                  f"| torch.compile {norm('rms_norm', 'torch_compile', '262144x128')[0]:.1f} "
+                  f"| torch.compile, Liger, Triton, TileLang: {min(others):.1f}-{max(others):.1f} us of device time "
+                  f"(torch eager {norm('rms_norm', 'torch', '262144x128')[1]:.1f}) |")
+    t, _, e = norm("layer_norm", "tilelang", "262144x128")
+    torch_t = norm("layer_norm", "torch", "262144x128")[0]
+    compiled = norm("layer_norm", "torch_compile", "262144x128")[0]
+    claims.append(f"| LayerNorm fwd 262144x128 fp16 | {t:.1f} us, {e['fraction_of_copy_ceiling']:.1%} | {torch_t:.1f} "
+                  f"| torch.compile {compiled:.1f} | {torch_t / t:.1f}x torch |")
+    t, d, _ = norm("rms_norm", "tilelang", "8192x128")
+    tt, td, _ = norm("rms_norm", "torch", "8192x128")
+    claims.append(f"| RMSNorm fwd 8192x128 fp16 | {t:.1f} [{d:.1f}] us | {tt:.1f} [{td:.1f}] | torch "
+                  f"| launch-bound: lowest device time, {tt / t:.2f}x per call |")
+    t, d, _ = norm("rms_norm", "triton", "65536x1024", direction="fwd+bwd")
+    tt = norm("rms_norm", "torch", "65536x1024", direction="fwd+bwd")[0]
+    claims.append(f"| RMSNorm fwd+bwd 65536x1024 fp16 | {t:.1f} [{d:.1f}] us | {tt:.1f} | - | {tt / t:.2f}x torch;")
+    t, d, _ = norm("layer_norm", "tilelang", "65536x1024", "bf16", "fwd+bwd")
+    tt = norm("layer_norm", "torch", "65536x1024", "bf16", "fwd+bwd")[0]
+    claims.append(f"| LayerNorm fwd+bwd 65536x1024 bf16 | {t:.1f} [{d:.1f}] us | {tt:.1f} | - | {tt / t:.2f}x torch |")
+    t, _, e = kernel("h200/kernels_embedding.json", backend="triton", shape="B65536xV1MxD128xbag8", dtype="fp16",
+                     dir="fwd", dist="uniform")
+    tt = kernel("h200/kernels_embedding.json", backend="torch", shape="B65536xV1MxD128xbag8", dtype="fp16",
+                dir="fwd", dist="uniform")[0]
+    claims.append(f"| embedding bag fwd B65536 V1M D128 bag8 fp16 | {t:.1f} us ({e['fraction_of_copy_ceiling']:.1%} "
+                  f"of ceiling) | {tt / t:.1f}x faster than F.embedding_bag |")
+    t, d, _ = attention("triton", "B64xH8xS256xD64", "key_lengths")
+    c = attention("sdpa_cudnn", "B64xH8xS256xD64", "key_lengths")[0]
+    claims.append(f"| flash attention fwd B64 H8 S256 D64 + key lengths | {t:.1f} [{d:.1f}] us "
+                  f"| SDPA cuDNN masked {c:.1f} | | {c / t:.2f}x |")
+    t, d, e = attention("triton", "B16xH8xS1024xD64", "none")
+    c = attention("sdpa_cudnn", "B16xH8xS1024xD64", "none")[0]
+    claims.append(f"| flash attention fwd B16 H8 S1024 D64 | {t:.1f} [{d:.1f}] us, {e['tflops']:.0f} TFLOP/s "
+                  f"| SDPA cuDNN {c:.1f} | | {c / t:.2f}x: missed |")
+    t, d, _ = attention("triton", "B4xH16xS4096xD128", "none", "bf16", "fwd+bwd")
+    c = attention("sdpa_cudnn", "B4xH16xS4096xD128", "none", "bf16", "fwd+bwd")[0]
+    claims.append(f"| flash attention fwd+bwd B4 H16 S4096 D128 bf16 | {t:.0f} [{d:.0f}] us | SDPA cuDNN {c:.0f} "
+                  f"| | {c / t:.2f}x")
+    t, d, _ = attention("tilelang", "B8xH8xS128xD64", "key_lengths")
+    s = attention("sdpa_efficient", "B8xH8xS128xD64", "key_lengths")[0]
+    claims.append(f"| flash attention fwd PCVR B8 H8 S128 D64 + key lengths | {t:.1f} [{d:.1f}] us "
+                  f"| SDPA {s:.1f} masked |")
+    sdpa = [attention(b, "B8xH8xS128xD64", m, dt, "fwd") for b in ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
+            for m in ("none", "key_lengths") for dt in ("fp16", "bf16")
+            if not (b == "sdpa_flash" and m == "key_lengths")]
+    claims.append(f"SDPA forward\n{min(x[0] for x in sdpa):.1f}-{max(x[0] for x in sdpa):.1f} us per call at the PCVR "
+                  f"shape, {min(x[1] for x in sdpa):.1f}-{max(x[1] for x in sdpa):.1f} us of device time")
+    host = {b["extra_info"]["host_part"]: b["stats"]["median"] * 1e6 for b in snapshot("h200/norm_host_parts.json")}
+    claims.append(f"a tiny torch kernel launch costs {host['torch_tiny_kernel_launch']:.1f} us of host time, a Triton\n"
+                  f"launch {host['triton_direct_launch']:.1f} us ({host['triton_jit_launch']:.1f} us through the JIT "
+                  f"wrapper) and a TileLang executable call {host['tilelang_executable_call']:.1f} us")
+    return claims
+
+
+def optim_claims() -> list[str]:
+    def step(name, variant, workload):
+        b = named(name, f"test_optimizer_step[optimizer={variant},device=cuda,workload={workload}]")
+        return b["stats"]["median"] * 1e6
+
+    main = "h200/optim.json"
+    follow = "h200/optim_orthogonal_followup.json"
+    fused_mlp, fused_dense = step(main, "fused_adamw", "mlp"), step(main, "fused_adamw", "pcvr_dense")
+    muon, ortho = step(main, "muon", "mlp"), step(main, "orthogonal_adamw", "mlp")
+    muon_d, ortho_d = step(main, "muon", "pcvr_dense"), step(main, "orthogonal_adamw", "pcvr_dense")
+    ortho_follow = step(follow, "orthogonal_adamw", "pcvr_dense")
+    return [
+        f"| reference MLP | {fused_mlp:.1f} us | {muon:.1f} us = {muon / fused_mlp:.2f}x (target <= 3x) "
+        f"| {ortho:.1f} us = {ortho / fused_mlp:.2f}x (target <= 2x, missed; bf16 variant "
+        f"{step(follow, 'orthogonal_adamw_bf16', 'mlp'):.1f} us) |",
+        f"| {fused_dense:.1f} us | {muon_d:.1f} us = {muon_d / fused_dense:.2f}x | {ortho_d:.1f} us = "
+        f"{ortho_d / fused_dense:.2f}x; {ortho_follow:.1f} us = {ortho_follow / fused_dense:.2f}x in the follow-up run",
+    ]
+
+
+def data_claims() -> list[str]:
+    name = "cpu/make-bench-2core.json"
+    micro = [named(name, f"test_converter_micro[strict={s}]")["extra_info"] for s in (0, 1)]
+    loaders = {p: named(name, f"test_data_pipeline[preset={p},mode=loader]")["extra_info"]
+               for p in ("none", "cache", "opt", "augment")}
+    converts = [b["extra_info"]["ratio_to_copy_floor"] for b in snapshot(name)
+                if "ratio_to_copy_floor" in b["extra_info"]]
+    opt = loaders["opt"]
+    return [
+        f"{micro[0]['rows_per_sec']:,.0f} / {micro[1]['rows_per_sec']:,.0f} rows/s "
+        f"({micro[0]['rows_per_sec'] / 6400:.1f}x / {micro[1]['rows_per_sec'] / 6400:.1f}x the reference's 6,400)",
+        f"| {min(converts):.2f}-{max(converts):.2f} |",
+        f"| {loaders['none']['ratio_to_pyarrow_read']:.2f} (opt {opt['ratio_to_pyarrow_read']:.2f}, "
+        f"cache {loaders['cache']['ratio_to_pyarrow_read']:.2f}, "
+        f"augment {loaders['augment']['ratio_to_pyarrow_read']:.2f})",
+        f"{opt['cache_hit_rate']:.1%} = Belady's optimum on the trace",
+        f"LRU {opt['hit_rates_same_trace']['lru']:.1%}",
+        f"One converted 256-row batch is {micro[0]['bytes_per_batch'] / 1e6:.1f} MB",
+    ]
+
+
+@pytest.mark.parametrize("claim", kernel_claims() + optim_claims() + data_claims(), ids=lambda c: c[:60])
+def test_readme_figure_matches_the_snapshot(claim):
+    assert claim in README, f"README.md does not say (from the committed snapshot):\n{claim}"

@@ -1,0 +1,148 @@
+"""Check `pcvr diff` on real runs: A/A pairs must raise no alarm, planted slowdowns must be flagged.
+
+From stored pytest-benchmark JSON only (nothing is run):
+
+    python tools/validate_comparison.py --noise .benchmarks/cpu/noise.json \
+        --aa results/val/aa1.json results/val/aa2.json \
+        --planted 0.05=results/val/p05.json 0.10=results/val/p10.json \
+        [--fixtures fixtures/comparison/cpu] [--json results/val/validation.json]
+
+Prints, for every pair of --aa runs, the alarms of `pcvr diff` (REGRESSED or MISSING: false alarms), and
+for every planted run against every A/A run, which of the gated cases it ran were flagged; per group, the
+detection limit: the smallest planted size that was flagged in every case and every pair. With
+--fixtures, writes the first A/A pair and each planted pair (the base cut to the cases the planted run
+has) as JSON fixtures for the CI tests (smoke_tests/test_comparison_fixtures.py).
+"""
+
+from __future__ import annotations
+
+import argparse
+import itertools
+import json
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from pcvr_lib.compare import cases_of, diff_runs, load_noise, load_run  # noqa: E402
+from pcvr_lib.report import format_table  # noqa: E402
+
+
+def only_cases(run: dict, ids: set[str]) -> dict:
+    return {**run, "benchmarks": [b for b in run["benchmarks"] if b["fullname"] in ids]}
+
+
+def alarms(rows) -> list:
+    return [r for r in rows if r.verdict in ("REGRESSED", "MISSING")]
+
+
+def median_values(runs: list[dict]) -> dict[tuple[str, str], float]:
+    """Per (case, gated metric): the median over the A/A runs."""
+    import statistics
+
+    values: dict[tuple[str, str], list[float]] = {}
+    for run in runs:
+        for cid, case in cases_of(run).items():
+            if case.kind in case.values:
+                values.setdefault((cid, case.kind), []).append(case.values[case.kind])
+    return {k: statistics.median(v) for k, v in values.items()}
+
+
+def write_fixtures(out: Path, aa: dict[str, dict], planted_specs: list[str], noise: str, must: float) -> None:
+    """The first A/A pair (must pass) and each planted run against the first A/A run cut to its cases (must
+    fail; `planted_cases`: the gated cases slower than the A/A median by `must` or more, which must be flagged),
+    plus expected.json for smoke_tests/test_comparison_fixtures.py."""
+    out.mkdir(parents=True, exist_ok=True)
+    names = list(aa)
+    medians = median_values(list(aa.values()))
+    (out / "aa_base.json").write_text(json.dumps(aa[names[0]]))
+    (out / "aa_new.json").write_text(json.dumps(aa[names[1]]))
+    pairs = [{"base": "aa_base.json", "new": "aa_new.json", "expect": "pass"}]
+    for spec in planted_specs:
+        size_text, _, path = spec.partition("=")
+        planted = load_run(path)
+        tag = f"{round(100 * float(size_text)):02d}"
+        must_flag = sorted(cid for cid, case in cases_of(planted).items()
+                           if case.gated and (cid, case.kind) in medians
+                           and case.values[case.kind] >= (1 + must) * medians[(cid, case.kind)])
+        if not must_flag:
+            print(f"planted {size_text}: no case {must:.0%} over the A/A median: not a fixture")
+            continue
+        (out / f"planted{tag}_base.json").write_text(json.dumps(only_cases(aa[names[0]], set(cases_of(planted)))))
+        (out / f"planted{tag}_new.json").write_text(json.dumps(planted))
+        pairs.append({"base": f"planted{tag}_base.json", "new": f"planted{tag}_new.json", "expect": "fail",
+                      "planted": float(size_text), "planted_cases": must_flag})
+    manifest = {"noise": noise, "must_catch": must, "aa_runs": names, "pairs": pairs}
+    (out / "expected.json").write_text(json.dumps(manifest, indent=1) + "\n")
+    print(f"fixtures written under {out}")
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--noise", required=True, help="noise file (measured on other runs than --aa)")
+    parser.add_argument("--aa", nargs="+", required=True, help="runs of one tree (A/A)")
+    parser.add_argument("--planted", nargs="*", default=[], metavar="SIZE=JSON",
+                        help="runs with a planted slowdown of SIZE (e.g. 0.10=p10.json)")
+    parser.add_argument("--fixtures", help="write the A/A and planted pairs here")
+    parser.add_argument("--json", dest="json_out", help="write the results as JSON here")
+    parser.add_argument("--must-catch", type=float, default=0.10,
+                        help="fixtures: a case slower than the A/A median by this much must be flagged (0.10)")
+    args = parser.parse_args(argv)
+
+    noise = load_noise(Path(args.noise))
+    if noise is None:
+        parser.error(f"--noise {args.noise}: no such file")
+    aa = {Path(p).stem: load_run(p) for p in args.aa}
+    result: dict = {"noise": args.noise, "aa_pairs": [], "planted": []}
+
+    print(f"A/A: {len(aa)} runs, every ordered pair compared with {args.noise}")
+    for (na, a), (nb, b) in itertools.permutations(aa.items(), 2):
+        bad = alarms(diff_runs(a, b, noise))
+        result["aa_pairs"].append({"base": na, "new": nb, "alarms": [(r.case, r.metric, r.change) for r in bad]})
+        print(f"  {na} -> {nb}: {len(bad)} alarm(s)" + "".join(
+            f"\n      {r.case.split('::')[-1]} {r.metric} {100 * (r.change or 0):+.1f}% ({r.verdict})" for r in bad))
+
+    table = []
+    caught_by_group: dict[tuple[str, float], list[bool]] = {}
+    for spec in args.planted:
+        size_text, _, path = spec.partition("=")
+        size = float(size_text)
+        planted = load_run(path)
+        ids = set(cases_of(planted))
+        for name, base in aa.items():
+            rows = diff_runs(only_cases(base, ids), planted, noise)
+            gated = {(r.case, r.metric): r for r in rows
+                     if r.metric in ("device", "cpu") and r.verdict != "informational"}
+            base_cases = cases_of(base)
+            for (cid, metric), r in sorted(gated.items()):
+                caught = r.verdict == "REGRESSED"
+                caught_by_group.setdefault((base_cases[cid].group, size), []).append(caught)
+                table.append([f"{size:.0%}", name, cid.split("::")[-1], metric, f"{100 * r.change:+.1f}%",
+                              f"{100 * r.threshold:.1f}%", r.verdict])
+            result["planted"].append({"size": size, "file": path, "base": name,
+                                      "rows": [[cid, m, r.change, r.threshold, r.verdict]
+                                               for (cid, m), r in sorted(gated.items())]})
+    if table:
+        print(format_table(["planted", "base", "case", "metric", "change", "threshold", "verdict"], table))
+        print("\ndetection per group (flagged / compared):")
+        limits: dict[str, float | None] = {}
+        for (group, size), flags in sorted(caught_by_group.items()):
+            print(f"  {group:28s} {size:5.0%}: {sum(flags)}/{len(flags)}")
+            if all(flags) and (limits.get(group) is None or size < limits[group]):
+                limits[group] = size
+            limits.setdefault(group, None)
+        result["detection_limit"] = limits
+        print("detection limit (smallest planted size flagged every time): " + ", ".join(
+            f"{g} {'-' if s is None else f'{s:.0%}'}" for g, s in limits.items()))
+
+    if args.fixtures:
+        write_fixtures(Path(args.fixtures), aa, args.planted, args.noise, args.must_catch)
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
