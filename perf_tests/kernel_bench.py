@@ -108,7 +108,8 @@ def run_case(benchmark, *, key: CaseKey, backend: str, call: Callable[[], object
 
     # torch.compile (also the flex_attention peer) recompiles and autotunes in every process: its device time is
     # informational, never gated
-    timing_info = timing.bench_gpu(benchmark, call, rounds=rounds, graph=graph, gated=backend not in ("torch_compile", "flex"))
+    timing_info = timing.bench_gpu(benchmark, call, rounds=rounds, graph=graph,
+                                   gated=backend not in ("torch_compile", "flex"))
     if not benchmark.enabled:
         return dict(benchmark.extra_info)
     per_call_s = timing_info["per_call_us"] / 1e6
