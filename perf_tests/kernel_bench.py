@@ -25,7 +25,8 @@ from pcvr_lib import timing
 from pcvr_lib.kernels import registry
 from pcvr_lib.kernels.tolerance import DTYPE_NAMES
 
-PEERS = ("torch", "torch_compile", "liger")
+# every peer name of conftest.PEERS: the attention ones too (SDPA forced or with its boolean mask, flex)
+PEERS = ("torch", "torch_compile", "liger", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex")
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items() if dtype != torch.float64}  # "fp16" -> torch.float16
 
 

@@ -18,8 +18,8 @@ masks (noted in extra_info); key padding is not subtracted (nominal FLOPs).
 The models' shapes (workload.MODEL_PERF_SHAPES, issue 12: symbiosis' role mask, key lengths at D16,
 tokenformer's window + global query), bf16, also time `sdpa` (SDPA's default dispatch with the boolean mask
 built once outside the call, as a model would) and `flex` (torch.compile'd flex_attention with a block mask,
-conftest.flex_peer); their extra_info has `best_peer`, `best_peer_us` and `speedup_vs_best_peer` (the best
-of the SDPA backends and flex; target 1.5x). Their ids carry `set=model` (select them with `-k model`).
+conftest.flex_peer); kernel_bench records `best_peer`, `best_peer_us` and `speedup_vs_best_peer` (the best
+of the SDPA backends and flex measured before; target 1.5x). Their ids carry `set=model` (select them with `-k model`).
 FLOPs of the window and roles masks are nominal (the full S x S).
 
 Print the summary table of a saved run: python perf_tests/test_kernels_attention.py RUN.json
@@ -232,11 +232,6 @@ def test_attention_perf(benchmark, backend, shape, mask, dtype, direction):
         best = min(sdpa_times, key=sdpa_times.get)
         extra.update({"best_sdpa_backend": best, "best_sdpa_us": round(sdpa_times[best] * 1e6, 3),
                       "speedup_vs_torch": round(sdpa_times[best] / per_call_s, 3)})
-    peer_times = {b: t for b, t in kb.session_times().get(key, {}).items() if b in PEERS}
-    if peer_times and backend not in PEERS:
-        best = min(peer_times, key=peer_times.get)
-        extra.update({"best_peer": best, "best_peer_us": round(peer_times[best] * 1e6, 3),
-                      "speedup_vs_best_peer": round(peer_times[best] / per_call_s, 3)})
     benchmark.extra_info.update(extra)
 
 
