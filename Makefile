@@ -23,6 +23,8 @@ SMOKE_SEEDS ?= 17,42,97
 SMOKE_STEPS ?= 20
 SMOKE_DEVICE ?= cpu
 SMOKE_OUT ?= smoke_runs
+# more `pcvr smoke` options, e.g. SMOKE_ARGS="--table-cap 0 --jobs 4" (0: the reference's full tables)
+SMOKE_ARGS ?=
 
 .PHONY: setup test bench accuracy smoke compare noise ab report data lint clean
 
@@ -61,7 +63,7 @@ accuracy: setup
 
 smoke: setup
 	$(PYTHON) -m pcvr_lib smoke --models $(SMOKE_MODELS) --seeds $(SMOKE_SEEDS) --steps $(SMOKE_STEPS) \
-		--device $(SMOKE_DEVICE) --out $(SMOKE_OUT)
+		--device $(SMOKE_DEVICE) --out $(SMOKE_OUT) $(SMOKE_ARGS)
 
 # Runs the perf suite, then `pcvr diff` against a stored run of the same machine: device/CPU time and host
 # time gated with noise-floor thresholds; exit 1 on a regression or a missing case, 2 when it refuses.

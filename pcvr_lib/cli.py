@@ -35,6 +35,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "infer": ("pcvr_lib.train", "score every row with a checkpoint: predictions.json"),
     "plot-diagnostics": ("pcvr_lib.diagnostics", "the five smoke diagnostic figures + summary JSON"),
     "smoke": ("pcvr_lib.smoke", "every model x seed: train, val, infer, then the diagnostics"),
+    "models": ("pcvr_lib.models.counts", "the registered models' parameter counts (total, tables, dense)"),
 }
 
 EXIT_ERROR = 2  # bad input, refused request (argparse uses 2 too)

@@ -4,9 +4,11 @@ diagnostics, a summary table and smoke_summary.json.
     python -m pcvr_lib smoke --models all --seeds 17,42,97 --steps 20 --device cpu --out smoke_runs
 
 Data: 1000 rows generated from fixtures/sample_1000_raw.schema.json (seeded, cached by content hash; the
-generator plants a learnable signal). Split timestamp_auto, valid_ratio 0.2. Model widths, depths and heads
-stay at their defaults; on CPU the sequences are cut to `--max-lens` (default 32 newest events per domain)
-and the embedding vocabularies are hashed to the model config's cap so the smoke fits a 2-core machine.
+generator plants a learnable signal). Split timestamp_auto, valid_ratio 0.2. Every model keeps its
+reference defaults (widths, depths, heads, embedding dim, thresholds) except two smoke reductions, named in
+the smoke's output and summary: the sequences are cut to `--max-lens` (default 32 newest events per domain)
+and no embedding table keeps more than `--table-cap` rows (default 8192, hashed), so that the seven models
+fit a 2-core machine (queryformer alone has 2.17B table parameters at the reference settings).
 
 Runs go to OUT/<model>_seed<seed>/ and are spread over `--jobs` worker processes (default: 2 on a CPU
 with 2+ cores, 1 on CUDA; a fresh process per run so that each run's peak memory is its own), each with
@@ -32,6 +34,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SCHEMA = ROOT / "fixtures" / "sample_1000_raw.schema.json"
 DEFAULT_MAX_LEN = 32
+DEFAULT_TABLE_CAP = 8192
+SMOKE_MODEL_CONFIG = {"vocab_cap": DEFAULT_TABLE_CAP}  # the smoke's one model reduction (`pcvr models`)
 
 
 class SmokeError(ValueError):
@@ -122,10 +126,14 @@ def _run_one(job: dict[str, Any], steps_done=None) -> dict[str, Any]:
 
 
 def _table(results: list[dict], models: list[str]) -> str:
+    cuda = any(r.get("train_cuda_peak_mb") is not None for r in results)
     head = (f"{'model':<12} {'AUC at step 0 -> last, per seed':<40} {'AUC mean ± sd':>16} {'LogLoss':>8} "
             f"{'train s':>8} "
-            f"{'eval s':>7} {'infer s':>8} {'train r/s':>9} {'infer r/s':>9} {'peak MiB':>9} {'params':>8}")
+            f"{'eval s':>7} {'infer s':>8} {'train r/s':>9} {'infer r/s':>9} {'peak MiB':>9} {'params':>8}"
+            + (f" {'GPU MiB':>8}" if cuda else ""))
     lines = [head, "-" * len(head)]
+    # peak MiB: CPU peak RSS, the larger of the train and infer phases, max over seeds; GPU MiB: peak
+    # allocated while training (CUDA runs only)
     for model in models:
         rs = sorted((r for r in results if r["model"] == model), key=lambda r: r["seed"])
         if not rs:
@@ -144,6 +152,7 @@ def _table(results: list[dict], models: list[str]) -> str:
             f"{mean('train_sec'):>8.1f} {mean('eval_sec'):>7.2f} {mean('infer_sec'):>8.2f} "
             f"{mean('train_rows_per_sec'):>9.0f} {mean('infer_rows_per_sec'):>9.0f} {peak:>9.0f} "
             f"{rs[0]['parameters']['total'] / 1e6:>7.2f}M"
+            + (f" {max(r.get('train_cuda_peak_mb') or 0 for r in rs):>8.0f}" if cuda else "")
         )
     return "\n".join(lines)
 
@@ -161,6 +170,7 @@ def smoke(
     threads: int = 1,
     amp: bool = False,
     model_config: dict | None = None,
+    table_cap: int | None = DEFAULT_TABLE_CAP,
     diagnostics: bool = True,
     data_rows: int = 1000,
     stream=sys.stdout,
@@ -177,15 +187,21 @@ def smoke(
         jobs = 1 if device.startswith("cuda") else max(1, min(2, os.cpu_count() or 1))
     out = Path(out)
     check_writable(out, "--out")  # before generating data or training anything
+    model_config = dict(model_config or {})
+    if table_cap is not None:
+        model_config.setdefault("vocab_cap", table_cap)
     t_start = time.perf_counter()
     print(f"smoke: {len(models)} model(s) x {len(seeds)} seed(s) x {steps} steps on {device} "
-          f"({jobs} job(s) x {threads} thread(s)), batch {batch_size}, max_lens {max_lens}", file=stream)
+          f"({jobs} job(s) x {threads} thread(s)), batch {batch_size}", file=stream)
+    print(f"smoke reductions (models otherwise at the reference defaults): sequences cut to {max_lens}; "
+          f"tables capped at {model_config.get('vocab_cap') or 'none'} rows per feature; model overrides "
+          f"{model_config or 'none'}", file=stream)
     data = generate_dataset(DEFAULT_SCHEMA, rows=data_rows, seed=0, progress=False)
     print(f"data: {data}", file=stream)
     work = [
         {"model": m, "seed": s, "run_dir": str(out / f"{m}_seed{s}"), "data": str(data), "max_lens": max_lens,
          "steps": steps, "batch_size": batch_size, "device": device, "amp": amp, "threads": threads,
-         "model_config": dict(model_config or {})}
+         "model_config": model_config}
         for m in models for s in seeds
     ]
     # longest runs first, so that the workers finish together (results are re-sorted below)
@@ -196,7 +212,8 @@ def smoke(
     runs_sec = time.perf_counter() - t_start
     summary: dict[str, Any] = {
         "models": models, "seeds": seeds, "steps": steps, "device": device, "batch_size": batch_size,
-        "max_lens": max_lens, "jobs": jobs, "threads": threads, "data": str(data), "runs": results,
+        "max_lens": max_lens, "model_config": model_config, "jobs": jobs, "threads": threads, "data": str(data),
+        "runs": results,
         "runs_wall_sec": runs_sec,
     }
     if diagnostics:
@@ -286,6 +303,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="output directory; a new smoke replaces the runs it holds (default smoke_runs)")
     parser.add_argument("--batch-size", type=int, default=128, help="training rows per step (default 128)")
     parser.add_argument("--max-lens", help=f"sequence lengths (default: {DEFAULT_MAX_LEN} per domain)")
+    parser.add_argument("--table-cap", type=int, default=DEFAULT_TABLE_CAP,
+                        help=f"most rows per embedding table (default {DEFAULT_TABLE_CAP}; 0: the reference's tables)")
     parser.add_argument("--jobs", type=int, help="worker processes (default 2 on CPU, 1 on CUDA)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     parser.add_argument("--amp", action="store_true", help="bf16 autocast")
@@ -297,7 +316,10 @@ def run(args: argparse.Namespace) -> int:
         value = getattr(args, name)
         if value is not None and value < 1:
             raise SmokeError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
+    if args.table_cap < 0:
+        raise SmokeError(f"--table-cap must be >= 0 (0: the reference's tables), got {args.table_cap}")
     smoke(_parse_models(args.models), _parse_seeds(args.seeds), steps=args.steps, device=args.device,
           out=args.out, batch_size=args.batch_size, max_lens=args.max_lens, jobs=args.jobs,
-          threads=args.threads, amp=args.amp, diagnostics=not args.no_diagnostics)
+          threads=args.threads, amp=args.amp, table_cap=args.table_cap or None,
+          diagnostics=not args.no_diagnostics)
     return 0

@@ -38,13 +38,32 @@ def test_time_buckets_match_the_rule():
 
 def test_hashing_maps_ids_into_each_features_rows():
     schema = demo_schema(4)
-    emb = FeatureEmbeddings(schema, emb_dim=4, vocab_cap=100)
+    emb = FeatureEmbeddings(schema, emb_dim=4, vocab_cap=100, hash_large=True)
     ids = torch.tensor([[0, 1, 100, 101, 250]], dtype=torch.int32)
     base, mod = torch.tensor(10), torch.tensor(100)
     rows = FeatureEmbeddings._rows(ids, base, mod)
     assert rows.tolist() == [[0, 10, 109, 10, 59]]  # id -> ((id - 1) mod N) + 1, offset by the base
     assert emb.table.weight[0].abs().sum() == 0
     assert "seq_c_47" in emb.hashed_features and "user_int_1" not in emb.hashed_features
+
+
+def test_reference_thresholds_drop_or_hash_large_vocabularies():
+    """Above emb_skip_threshold a feature is dropped (every id reads the zero row) or hashed to threshold
+    rows; below it the table is the identity; vocab_cap bounds every table on top of that."""
+    schema = demo_schema(4)
+    large = {"seq_a_38", "seq_b_69", "seq_c_29", "seq_c_34", "seq_c_36", "seq_c_47"}  # vocab > 1M
+    with torch.device("meta"):
+        dropped = FeatureEmbeddings(schema, emb_dim=2)
+        hashed = FeatureEmbeddings(schema, emb_dim=2, hash_large=True)
+        seq_small = FeatureEmbeddings(schema, emb_dim=2, hash_large=True, seq_threshold=10_000)
+    assert set(dropped.dropped_features) == large and not dropped.hashed_features
+    assert set(hashed.hashed_features) == large and not hashed.dropped_features
+    assert hashed.table.weight.shape[0] - dropped.table.weight.shape[0] == 6 * 1_000_000
+    assert "seq_a_44" in seq_small.hashed_features and "user_int_16" not in seq_small.hashed_features
+    emb = FeatureEmbeddings(schema, emb_dim=2, vocab_cap=50)  # dropped stays dropped under a cap
+    batch = random_batch(schema, batch=2, seed=0, empty_rows=0)
+    a38 = emb.sequence(batch.sequences["seq_a"], "seq_a")[..., :2]  # fid 38 is the first side feature
+    assert a38.abs().sum() == 0 and emb.sequence(batch.sequences["seq_a"], "seq_a").abs().sum() > 0
 
 
 def test_bag_mean_over_nonzero_ids():

@@ -7,7 +7,7 @@
 #   bash tools/h200_session.sh warm perf_norms perf_embedding perf_attention  # the kernel snapshots
 #   REPS=3 bash tools/h200_session.sh warm planted noise                      # planted slowdown + noise floor
 # (BUDGET=seconds caps the whole command; steps: warm warm_norms accuracy accuracy_norms accuracy_attention
-#  sweep norm_sweep tune host perf_norms perf_embedding perf_attention noise planted optim)
+#  sweep norm_sweep tune host perf_norms perf_embedding perf_attention noise planted optim gpu_timer host_ab smoke)
 #
 # noise: the gated kernel suite (torch.compile peers, sweeps and host parts left out) REPS times, one JSON
 #   per repetition ($OUT/noise_repN.json), then `pcvr noise --from` them into $OUT/noise_h200.json.
@@ -18,26 +18,18 @@
 # committed noise file and fixtures.
 #
 # .cache/tlpack/tl.tar.xz is TileLang's disk cache built on a CPU machine for sm_90/sm_90a:
-#   TILELANG_CACHE_DIR=$PWD/.cache/tilelang python -m pcvr_lib.kernels.rms_norm.prewarm
-#   TILELANG_CACHE_DIR=$PWD/.cache/tilelang python -m pcvr_lib.kernels.attention.precompile --arch sm_90a --tune SPECS
-#   tar -C .cache -cJf .cache/tlpack/tl.tar.xz tilelang
+#   TILELANG_CACHE_DIR=$PWD/.cache/tilelang python3 -m pcvr_lib.kernels.precompile --arch sm_90a --tune --workers 2
+#   mkdir -p .cache/tlpack && tar -C .cache -cJf .cache/tlpack/tl.tar.xz tilelang
+# NOISE_K narrows the noise repetitions to a subset (e.g. NOISE_K=bf16) when the whole suite does not fit.
+# host_ab: tools/launch_host_ab.py between the tree in .trees/base (carry it) and this one.
 set -u
 . .gpu-site/activate.sh
-export PYTHONUNBUFFERED=1 PCVR_ATTENTION_PRECOMPILED=1 TILELANG_CACHE_DIR=$PWD/.cache/tilelang
+export PYTHONUNBUFFERED=1 TILELANG_CACHE_DIR=$PWD/.cache/tilelang
 T0=$(date +%s)
 mkdir -p .cache
 [ -f .cache/tlpack/tl.tar.xz ] && tar -C .cache -xJf .cache/tlpack/tl.tar.xz
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 PYTEST="python3 -m pytest -q -p no:cacheprovider --tb=short"
-ATTN_SPECS=(
-  "tilelang:64:bf16:none,key_lengths,causal,causal_kl,causal_valid:0:0" "tilelang:64:fp16:key_lengths:0:0"
-  "tilelang:32:bf16:key_lengths:0:0" "tilelang:64:fp16,bf16:none:0:2" "tilelang:128:fp16,bf16:none:0:2"
-  "tilelang:64:bf16:causal_valid:1:0" "tilelang:64:bf16:key_lengths:0:0"
-  "triton:64:fp16,bf16:none,key_lengths,causal,causal_kl,causal_valid:0:0"
-  "triton:64:bf16:none,key_lengths,causal,causal_kl,causal_valid:0:1" "triton:64:fp16:none,key_lengths,causal_valid:0:1"
-  "triton:32,128:bf16:key_lengths:0:0" "triton:128:fp16,bf16:none:0:2" "triton:64:fp16,bf16:none:0:2"
-  "triton:64:fp16,bf16:key_lengths,causal_valid:1:0" "triton:64:bf16:none:0:1"
-)
 
 KERNEL_SUITE=(perf_tests/test_kernels.py perf_tests/test_kernels_embedding.py perf_tests/test_kernels_attention.py)
 GATED="not exploration and not host_part and not torch_compile"  # torch.compile peers are never gated
@@ -55,10 +47,16 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit (cut to what is left 
 for s in "$@"; do
   case $s in
     warm)
-      step prewarm_norms 60 python3 -m pcvr_lib.kernels.rms_norm.prewarm --workers 16
-      step precompile_attention 120 python3 -m pcvr_lib.kernels.attention.precompile --workers 16 "${ATTN_SPECS[@]}" ;;
+      step precompile 180 python3 -m pcvr_lib.kernels.precompile --workers 16 --run-triton ;;
     warm_norms)
-      step prewarm_norms 60 python3 -m pcvr_lib.kernels.rms_norm.prewarm --workers 16 ;;
+      step precompile 90 python3 -m pcvr_lib.kernels.precompile rms_norm layer_norm --workers 16 ;;
+    gpu_timer)
+      step gpu_timer 60 $PYTEST accuracy_tests/test_timing.py ;;
+    host_ab)
+      step host_ab 150 python3 tools/launch_host_ab.py .trees/base . --rounds 2 --json "$OUT/host_ab.json" ;;
+    smoke)
+      step smoke 150 python3 -m pcvr_lib smoke --models all --seeds 17,42,97 --steps 20 --device cuda \
+        --out "$OUT/smoke_h200" ;;
     norm_sweep)
       step norm_sweep 150 $PYTEST perf_tests/test_kernels.py -k "exploration or copy_rate" --benchmark-only \
         --benchmark-json="$OUT/norm_sweep.json" ;;
@@ -85,7 +83,7 @@ for s in "$@"; do
         --benchmark-json="$OUT/kernels_embedding.json" ;;
     noise)
       for i in $(seq 1 "${REPS:-3}"); do
-        step "noise_rep$i" 170 $PYTEST "${KERNEL_SUITE[@]}" -k "$GATED" --benchmark-only \
+        step "noise_rep$i" 240 $PYTEST "${KERNEL_SUITE[@]}" -k "$GATED${NOISE_K:+ and $NOISE_K}" --benchmark-only \
           --benchmark-json="$OUT/noise_rep$i.json"
       done
       python3 -m pcvr_lib noise --from "$OUT"/noise_rep*.json --out "$OUT/noise_h200.json" > "$OUT/noise.log" 2>&1 ;;
@@ -110,5 +108,7 @@ echo "--- summary"
 [ -f "$OUT/optim.json" ] && python3 -m pcvr_lib report "$OUT/optim.json" --view optim
 [ -f "$OUT/planted_tile256.json" ] && [ -f "$OUT/noise_rep1.json" ] && python3 -m pcvr_lib diff \
   "$OUT/noise_rep1.json" "$OUT/planted_tile256.json" --noise "$OUT/noise_h200.json" --all 2>&1 | grep -v MISSING | tail -25
-[ -f "$OUT/attention.json" ] && PYTHONPATH=. python3 perf_tests/test_kernels_attention.py "$OUT/attention.json"
+[ -f "$OUT/attention.json" ] && python3 -m pcvr_lib report "$OUT/attention.json" --view cases | cut -c1-160 | head -40
+[ -f "$OUT/host_ab.log" ] && tail -9 "$OUT/host_ab.log"
+[ -f "$OUT/smoke.log" ] && tail -14 "$OUT/smoke.log"
 exit 0

@@ -1,6 +1,14 @@
 """PCVR models: the shared primitives (common.py), one module per model, and a registry by name."""
 
-from pcvr_lib.models import baseline, onetrans, tokenformer  # noqa: F401 - registers the models
+from pcvr_lib.models import (  # noqa: F401 - registers the models
+    baseline,
+    dualq,
+    interformer,
+    onetrans,
+    queryformer,
+    symbiosis,
+    tokenformer,
+)
 from pcvr_lib.models.common import ModelConfig, PCVRModel
 from pcvr_lib.models.registry import MODELS, build_model, model_class, model_names
 

@@ -3,10 +3,11 @@
 - NS tokens: the user int fields are split into `user_ns_tokens` groups of neighbouring features and the
   item fields into `item_ns_tokens` groups (RankMixer-style); each group's embeddings are flattened and
   projected to d_model; plus the dense token(s).
-- Per domain: event tokens (common tokenizer), `queries_per_domain` queries generated from
-  [flattened NS tokens, masked sequence mean].
-- Each block, per domain: sequence self-attention (key-length mask), query -> sequence cross-attention;
-  then a RankMixer block over [all queries, NS tokens]: token mixing + per-token FFN.
+- Per domain: event tokens (common tokenizer) at full length (`max_seq_len` caps them), and
+  `queries_per_domain` queries, each from its own 2-layer FFN on LN[flattened NS tokens, sequence mean].
+- Each block, per domain: sequence self-attention (key-length mask), query -> sequence cross-attention
+  whose output is gated by sigmoid(W_g q); then RankMixer over [all queries, NS tokens]: parameter-free
+  token mixing, a shared 4x GELU FFN, post-LN (as the reference; d_model must divide by the token count).
 - Head: MLP on the flattened queries; its hidden layer is the returned embedding.
 """
 
@@ -22,10 +23,11 @@ from torch import nn
 from pcvr_lib.data.batch import Batch
 from pcvr_lib.models.common import (
     FeatureEncoder,
+    FeedForward,
     ModelConfig,
     MultiHeadAttention,
     PCVRModel,
-    PerTokenLinear,
+    RankMixerBlock,
 )
 from pcvr_lib.models.registry import register
 
@@ -38,8 +40,14 @@ class BaselineConfig(ModelConfig):
     queries_per_domain: int = 2
     user_ns_tokens: int = 5
     item_ns_tokens: int = 2
-    max_seq_len: int = 256  # newest events per domain the sequence encoder sees
+    max_seq_len: int | None = None  # newest events per domain the encoder sees (None: all, as the reference)
+    query_hidden: int = 256
     head_hidden: int = 128
+
+    def validate(self) -> None:
+        super().validate()
+        if self.max_seq_len is not None and (not isinstance(self.max_seq_len, int) or self.max_seq_len < 1):
+            raise ValueError(f"model config max_seq_len must be an integer >= 1 or null, got {self.max_seq_len!r}")
 
 
 class FieldGroupTokens(nn.Module):
@@ -58,22 +66,6 @@ class FieldGroupTokens(nn.Module):
         return self.norm(F.silu(torch.stack(tokens, dim=1)))
 
 
-class RankMixerBlock(nn.Module):
-    """Token mixing across the T tokens (a learned T x T map) and a separate FFN per token."""
-
-    def __init__(self, tokens: int, d_model: int):
-        super().__init__()
-        self.norm1 = nn.LayerNorm(d_model)
-        self.mix = nn.Linear(tokens, tokens)
-        self.norm2 = nn.LayerNorm(d_model)
-        self.up = PerTokenLinear(tokens, d_model, 2 * d_model)
-        self.down = PerTokenLinear(tokens, 2 * d_model, d_model)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.mix(self.norm1(x).transpose(1, 2)).transpose(1, 2)
-        return x + self.down(F.silu(self.up(self.norm2(x))))
-
-
 class DomainBlock(nn.Module):
     def __init__(self, config: BaselineConfig):
         super().__init__()
@@ -85,13 +77,16 @@ class DomainBlock(nn.Module):
         self.query_norm = nn.LayerNorm(d)
         self.context_norm = nn.LayerNorm(d)
         self.cross_attn = MultiHeadAttention(d, config.num_heads, config)
+        self.cross_gate = nn.Linear(d, d)
 
     def forward(self, seq, lengths, queries):
         seq = seq + self.self_attn(self.seq_norm(seq), key_lengths=lengths)
         seq = seq + self.seq_ffn(self.seq_ffn_norm(seq))
-        queries = queries + self.cross_attn(
-            self.query_norm(queries), context=self.context_norm(seq), key_lengths=lengths
-        )
+        q = self.query_norm(queries)
+        update = self.cross_attn(q, context=self.context_norm(seq), key_lengths=lengths)
+        # a row without events reads only padding: its queries keep their value
+        has_events = (lengths > 0)[:, None, None].to(update.dtype)
+        queries = queries + torch.sigmoid(self.cross_gate(q)) * update * has_events
         return seq, queries
 
 
@@ -109,9 +104,10 @@ class HyFormer(PCVRModel):
         self.item_tokens = FieldGroupTokens(len(schema.item_int), c.emb_dim, c.item_ns_tokens, d)
         n_ns = len(self.user_tokens.splits) + len(self.item_tokens.splits) + self.encoder.n_dense_tokens
         q = c.queries_per_domain
-        self.query_gen = nn.ModuleDict(
-            {name: nn.Linear(n_ns * d + d, q * d) for name in self.domains}
-        )
+        self.query_norm = nn.ModuleDict({name: nn.LayerNorm(n_ns * d + d) for name in self.domains})
+        self.query_gen = nn.ModuleDict({
+            name: nn.ModuleList(FeedForward(n_ns * d + d, c.query_hidden, d) for _ in range(q)) for name in self.domains
+        })
         self.blocks = nn.ModuleList(
             nn.ModuleDict({name: DomainBlock(c) for name in self.domains}) for _ in range(c.num_blocks)
         )
@@ -137,7 +133,8 @@ class HyFormer(PCVRModel):
             tokens, n, _ = self.encoder.sequence_tokens(batch, name, max_len=c.max_seq_len, tail=True)
             mean = tokens.sum(1) / n.clamp(min=1)[:, None].to(tokens.dtype)
             seqs[name], lengths[name] = tokens, n
-            queries[name] = self.query_gen[name](torch.cat([ns.flatten(1), mean], -1)).view(b, -1, d)
+            context = self.query_norm[name](torch.cat([ns.flatten(1), mean], -1))
+            queries[name] = torch.stack([gen(context) for gen in self.query_gen[name]], dim=1)
         for blocks, mixer in zip(self.blocks, self.mixers, strict=True):
             for name in self.domains:
                 seqs[name], queries[name] = blocks[name](seqs[name], lengths[name], queries[name])

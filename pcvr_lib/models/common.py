@@ -6,9 +6,11 @@ Every model takes a `pcvr_lib.data.batch.Batch` and returns logits [B, 1]. Embed
 
 Embedding layout: one `nn.Embedding` holds every feature's table back to back. Row 0 is the shared
 padding row (always zero, never updated); feature f owns rows [base_f, base_f + n_f). An id i > 0 maps
-to row base_f + ((i - 1) mod n_f), with n_f = vocab_f - 1 when that is at most `vocab_cap` (the identity)
-and n_f = vocab_cap otherwise: large vocabularies are hashed down (`id -> ((id-1) mod N) + 1`) so the
-tables stay bounded on a CPU smoke while widths and depths keep their defaults.
+to row base_f + ((i - 1) mod n_f). As in the reference, a vocabulary above `emb_skip_threshold` is either
+dropped (every id reads the zero padding row) or, with `emb_hash_large`, hashed to N = threshold rows
+(`id -> ((id-1) mod N) + 1`); otherwise n_f = vocab_f - 1 (the identity). `vocab_cap` is the CPU smoke's
+reduction on top of that: no table keeps more than `vocab_cap` rows (hashing), so the tables stay bounded
+on a 2-core machine while widths and depths keep the reference's defaults.
 """
 
 from __future__ import annotations
@@ -41,17 +43,25 @@ class ModelConfig:
     d_model: int = 64
     num_blocks: int = 2
     num_heads: int = 4
-    emb_dim: int = 32  # width of each feature embedding before projection to d_model
-    vocab_cap: int = 8192  # vocabularies above this are hashed down to it
+    emb_dim: int = 64  # width of each feature embedding before projection to d_model (reference: 64)
+    emb_skip_threshold: int = 1_000_000  # vocabularies above this are dropped, or hashed with emb_hash_large
+    emb_hash_large: bool = False  # hash vocabularies above the threshold to `threshold` rows instead of dropping
+    seq_emb_skip_threshold: int | None = None  # the sequence features' own threshold (None: the same)
+    vocab_cap: int | None = None  # smoke reduction: at most this many rows per feature table (hashed)
     dropout: float = 0.0
     attention_backend: str = "torch"
     rms_norm_backend: str = "torch"
 
     def validate(self) -> None:
-        for name in ("d_model", "num_blocks", "num_heads", "emb_dim", "vocab_cap"):
+        for name in ("d_model", "num_blocks", "num_heads", "emb_dim", "emb_skip_threshold", "vocab_cap",
+                     "seq_emb_skip_threshold"):
             value = getattr(self, name)
+            if value is None and name in ("vocab_cap", "seq_emb_skip_threshold"):
+                continue
             if not isinstance(value, int) or isinstance(value, bool) or value < 1:
                 raise ValueError(f"model config {name} must be an integer >= 1, got {value!r}")
+        if not isinstance(self.emb_hash_large, bool):
+            raise ValueError(f"model config emb_hash_large must be true or false, got {self.emb_hash_large!r}")
         if self.d_model % self.num_heads:
             raise ValueError(f"model config d_model={self.d_model} is not divisible by num_heads={self.num_heads}")
         if (self.d_model // self.num_heads) % 2:
@@ -202,8 +212,9 @@ class MultiHeadAttention(nn.Module):
         self.kv = nn.Linear(d_model, 2 * d_model)
         self.out = nn.Linear(d_model, d_model)
         self.backend = config.attention_backend
-        self.q_norm = RMSNorm(self.head_dim, backend=config.rms_norm_backend) if qk_norm else None
-        self.k_norm = RMSNorm(self.head_dim, backend=config.rms_norm_backend) if qk_norm else None
+        # QK-RMSNorm over the full width, before the head split (as the reference's TokenFormer)
+        self.q_norm = RMSNorm(d_model, backend=config.rms_norm_backend) if qk_norm else None
+        self.k_norm = RMSNorm(d_model, backend=config.rms_norm_backend) if qk_norm else None
         self.rope = rope
 
     def _heads(self, x: torch.Tensor) -> torch.Tensor:
@@ -212,10 +223,11 @@ class MultiHeadAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, context: torch.Tensor | None = None, **mask_args) -> torch.Tensor:
         context = x if context is None else context
-        q = self._heads(self.q(x))
-        k, v = (self._heads(t) for t in self.kv(context).chunk(2, dim=-1))
+        q = self.q(x)
+        k, v = self.kv(context).chunk(2, dim=-1)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
+        q, k, v = self._heads(q), self._heads(k), self._heads(v)
         if self.rope:
             q, k = apply_rope(q), apply_rope(k)
         o = attention(q, k, v, backend=self.backend, **mask_args)
@@ -267,6 +279,29 @@ class FeedForward(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.net(x)
+
+
+def rank_mix(x: torch.Tensor) -> torch.Tensor:
+    """RankMixer's parameter-free token mixing: [B, T, d] viewed as [B, T, T, d / T], the two token axes
+    swapped, so output token i holds chunk i of every input token (needs d % T == 0)."""
+    b, t, d = x.shape
+    return x.view(b, t, t, d // t).transpose(1, 2).reshape(b, t, d)
+
+
+class RankMixerBlock(nn.Module):
+    """y = LN(x + FFN(LN(rank_mix(x)))) with one shared 4x GELU FFN (the reference's RankMixer)."""
+
+    def __init__(self, tokens: int, d_model: int, ffn_mult: int = 4):
+        super().__init__()
+        if d_model % tokens:
+            raise ValueError(f"RankMixer over {tokens} tokens needs d_model divisible by {tokens}, got {d_model}")
+        self.norm = nn.LayerNorm(d_model)
+        hidden = ffn_mult * d_model
+        self.ffn = nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(), nn.Linear(hidden, d_model))
+        self.out_norm = nn.LayerNorm(d_model)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out_norm(x + self.ffn(self.norm(rank_mix(x))))
 
 
 class PerTokenLinear(nn.Module):
@@ -365,6 +400,29 @@ def trim_sequence(seq: SequenceBlock, max_len: int | None = None, tail: bool = F
     )
 
 
+def sinusoidal_positions(length: int, d: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+    """[length, d] sine/cosine positions (sin on the even, cos on the odd channels), counted from 0."""
+    pos = torch.arange(length, device=device, dtype=torch.float32)[:, None]
+    freq = torch.exp(torch.arange(0, d, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / d))
+    table = torch.zeros(length, d, device=device)
+    table[:, 0::2] = torch.sin(pos * freq)
+    table[:, 1::2] = torch.cos(pos * freq)[:, : d // 2]
+    return table.to(dtype)
+
+
+def masked_mean(x: torch.Tensor, valid: torch.Tensor, dim: int = 1) -> torch.Tensor:
+    """Mean of x over `dim` where valid (bool, x's shape without the last dim); 0 where nothing is valid."""
+    w = valid.to(x.dtype).unsqueeze(-1)
+    return (x * w).sum(dim) / w.sum(dim).clamp(min=1)
+
+
+def gather_last(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
+    """x[b, lengths[b] - 1] of a left-aligned [B, L, d] (slot 0 when the length is 0: callers replace
+    those rows explicitly)."""
+    index = (lengths.long() - 1).clamp(min=0)[:, None, None].expand(-1, 1, x.shape[-1])
+    return x.gather(1, index)[:, 0]
+
+
 def pack_segments(segments: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
     """Concatenate left-aligned segments into one left-aligned stream.
 
@@ -394,79 +452,136 @@ def pack_segments(segments: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[to
 
 
 # ---------------------------------------------------------------------------------------- embeddings
-class FeatureEmbeddings(nn.Module):
-    """Every int feature's table (user, item, each domain's side features) in one sparse nn.Embedding."""
+def table_rows(vocab: int, threshold: int, hash_large: bool, cap: int | None) -> int:
+    """Rows a feature of vocabulary `vocab` owns (0 = dropped: every id reads the zero padding row)."""
+    n = max(vocab - 1, 1)
+    if vocab > threshold:
+        if not hash_large:
+            return 0
+        n = threshold
+    return n if cap is None else min(n, cap)
 
-    def __init__(self, schema: Schema, emb_dim: int, vocab_cap: int):
+
+class FeatureEmbeddings(nn.Module):
+    """Every int feature's table (user, item, each domain's side features) in one sparse nn.Embedding.
+
+    threshold / hash_large: the reference's `emb_skip_threshold` (vocabularies above it dropped, or hashed
+    to `threshold` rows); seq_threshold: the sequence features' own threshold; vocab_cap: the smoke's bound
+    on any table. columns: C independent tables per feature (QueryFormer's packed columns: feature f owns
+    C * n_f rows, column c at base_f + c * n_f); the lookups then return a column axis.
+    """
+
+    def __init__(self, schema: Schema, emb_dim: int, vocab_cap: int | None = None, *, threshold: int = 1_000_000,
+                 hash_large: bool = False, seq_threshold: int | None = None, columns: int = 1,
+                 sides: tuple[str, ...] = ("user", "item")):
         super().__init__()
         self.emb_dim = emb_dim
         self.vocab_cap = vocab_cap
+        self.columns = columns
         next_row = 1  # row 0 = padding
         self.hashed_features: list[str] = []
+        self.dropped_features: list[str] = []
 
-        def rows_for(vocab: int, label: str) -> int:
-            n = max(vocab - 1, 1)
-            if n > vocab_cap:
+        def place(vocab: int, label: str, limit: int) -> tuple[int, int]:
+            """(base row, rows per column) of one feature; a dropped feature maps every id to row 0."""
+            nonlocal next_row
+            n = table_rows(vocab, limit, hash_large, vocab_cap)
+            if n == 0:
+                self.dropped_features.append(label)
+                return 0, 1
+            if n < vocab - 1:
                 self.hashed_features.append(label)
-                n = vocab_cap
-            return n
+            base = next_row
+            next_row += n * columns
+            return base, n
 
-        for side in ("user", "item"):
+        for side in sides:  # a model with its own field tables leaves the sides out
             group = schema.int_group(side)
-            bases, mods, feature_of = [], [], []
+            bases, mods, keep, feature_of = [], [], [], []
             for index, feat in enumerate(group):
-                n = rows_for(feat.vocab_size, f"{side}_int_{feat.fid}")
-                bases += [next_row] * feat.dim
+                base, n = place(feat.vocab_size, f"{side}_int_{feat.fid}", threshold)
+                bases += [base] * feat.dim
                 mods += [n] * feat.dim
+                keep += [base > 0] * feat.dim
                 feature_of += [index] * feat.dim
-                next_row += n
             self.register_buffer(f"{side}_base", torch.tensor(bases, dtype=torch.long), persistent=False)
             self.register_buffer(f"{side}_mod", torch.tensor(mods, dtype=torch.long), persistent=False)
+            self.register_buffer(f"{side}_keep", torch.tensor(keep, dtype=torch.bool), persistent=False)
             self.register_buffer(f"{side}_feature", torch.tensor(feature_of, dtype=torch.long), persistent=False)
             setattr(self, f"{side}_features", len(group))
             setattr(self, f"{side}_multi", any(f.dim > 1 for f in group))
         for domain in schema.domains:
-            bases, mods = [], []
+            bases, mods, keep = [], [], []
             for feat in domain.side_features:
-                n = rows_for(feat.vocab_size, f"{domain.name}_{feat.fid}")
-                bases.append(next_row)
+                base, n = place(feat.vocab_size, f"{domain.name}_{feat.fid}", seq_threshold or threshold)
+                bases.append(base)
                 mods.append(n)
-                next_row += n
-            self.register_buffer(f"seq_base_{domain.name}", torch.tensor(bases, dtype=torch.long)[:, None],
-                                 persistent=False)
-            self.register_buffer(f"seq_mod_{domain.name}", torch.tensor(mods, dtype=torch.long)[:, None],
-                                 persistent=False)
+                keep.append(base > 0)
+            for name, values, dtype in (("base", bases, torch.long), ("mod", mods, torch.long),
+                                        ("keep", keep, torch.bool)):
+                self.register_buffer(f"seq_{name}_{domain.name}", torch.tensor(values, dtype=dtype)[:, None],
+                                     persistent=False)
         self.table = nn.Embedding(next_row, emb_dim, padding_idx=0, sparse=True)
         nn.init.normal_(self.table.weight, std=0.05)
         with torch.no_grad():
             self.table.weight[0].zero_()
 
     @staticmethod
-    def _rows(ids: torch.Tensor, base: torch.Tensor, mod: torch.Tensor) -> torch.Tensor:
+    def _rows(ids: torch.Tensor, base: torch.Tensor, mod: torch.Tensor, keep: torch.Tensor | None = None,
+              columns: int = 1) -> torch.Tensor:
+        """Table rows of `ids` (0 for id 0 and for dropped features); with columns > 1 a trailing column
+        axis [..., C]."""
         ids = ids.long()
-        return torch.where(ids > 0, base + torch.remainder(ids - 1, mod), torch.zeros_like(ids))
+        present = ids > 0 if keep is None else (ids > 0) & keep
+        rows = torch.where(present, base + torch.remainder(ids - 1, mod), torch.zeros_like(ids))
+        if columns == 1:
+            return rows
+        offsets = torch.arange(columns, device=ids.device) * mod[..., None]
+        return torch.where(present[..., None], rows[..., None] + offsets, torch.zeros_like(offsets))
+
+    def _side_rows(self, batch: Batch, side: str) -> torch.Tensor:
+        block = batch.user if side == "user" else batch.item
+        return self._rows(block.int_values, getattr(self, f"{side}_base"), getattr(self, f"{side}_mod"),
+                          getattr(self, f"{side}_keep"), self.columns)
 
     def fields(self, batch: Batch, side: str) -> torch.Tensor:
-        """[B, n_features, emb_dim]: per feature the mean embedding of its non-zero ids (0 when none)."""
-        block = batch.user if side == "user" else batch.item
-        ids = block.int_values
-        rows = self._rows(ids, getattr(self, f"{side}_base"), getattr(self, f"{side}_mod"))
-        emb = self.table(rows)  # [B, D, E]
+        """[B, n_features, emb_dim] ([B, C, n_features, emb_dim] with columns): per feature the mean
+        embedding of its non-zero ids (0 when none, and for a dropped feature)."""
+        rows = self._side_rows(batch, side)
+        if self.columns > 1:
+            rows = rows.transpose(1, 2)  # [B, C, D]
+        emb = self.table(rows)  # [B, (C,) D, E]
         if not getattr(self, f"{side}_multi"):
             return emb
         feature = getattr(self, f"{side}_feature")
         n = getattr(self, f"{side}_features")
-        summed = emb.new_zeros(emb.shape[0], n, emb.shape[2]).index_add(1, feature, emb)
+        axis = rows.dim() - 1
+        summed = emb.new_zeros(*rows.shape[:-1], n, emb.shape[-1]).index_add(axis, feature, emb)
         present = (rows > 0).to(emb.dtype)
-        counts = present.new_zeros(rows.shape[0], n).index_add(1, feature, present)
-        return summed / counts.clamp(min=1)[:, :, None]
+        counts = present.new_zeros(*rows.shape[:-1], n).index_add(axis, feature, present)
+        return summed / counts.clamp(min=1)[..., None]
+
+    def field_present(self, batch: Batch, side: str) -> torch.Tensor:
+        """[B, n_features] bool: the feature has at least one non-missing id (one flag per feature, not
+        per slot)."""
+        block = batch.user if side == "user" else batch.item
+        ok = (~block.int_missing) & (block.int_values != 0)
+        n = getattr(self, f"{side}_features")
+        counts = ok.new_zeros(ok.shape[0], n, dtype=torch.long).index_add(
+            1, getattr(self, f"{side}_feature"), ok.long())
+        return counts > 0
 
     def sequence(self, seq: SequenceBlock, domain: str) -> torch.Tensor:
-        """[B, L, F * emb_dim]: the concatenated side-feature embeddings of each event."""
-        rows = self._rows(seq.values, getattr(self, f"seq_base_{domain}"), getattr(self, f"seq_mod_{domain}"))
-        emb = self.table(rows)  # [B, F, L, E]
-        b, f, length, e = emb.shape
-        return emb.permute(0, 2, 1, 3).reshape(b, length, f * e)
+        """[B, L, F * emb_dim] ([B, C, L, F * emb_dim] with columns): the concatenated side-feature
+        embeddings of each event."""
+        rows = self._rows(seq.values, getattr(self, f"seq_base_{domain}"), getattr(self, f"seq_mod_{domain}"),
+                          getattr(self, f"seq_keep_{domain}"), self.columns)
+        emb = self.table(rows)  # [B, F, L, (C,) E]
+        if self.columns == 1:
+            b, f, length, e = emb.shape
+            return emb.permute(0, 2, 1, 3).reshape(b, length, f * e)
+        b, f, length, c, e = emb.shape
+        return emb.permute(0, 3, 2, 1, 4).reshape(b, c, length, f * e)
 
 
 class SequenceTokenizer(nn.Module):
@@ -501,6 +616,14 @@ class DenseProjector(nn.Module):
         return self.norm(F.silu(self.proj(x)))
 
 
+def embeddings_for(schema: Schema, config: ModelConfig, columns: int = 1,
+                   sides: tuple[str, ...] = ("user", "item")) -> FeatureEmbeddings:
+    """The feature tables of a model config (its thresholds, hashing and the smoke's cap)."""
+    return FeatureEmbeddings(schema, config.emb_dim, config.vocab_cap, threshold=config.emb_skip_threshold,
+                             hash_large=config.emb_hash_large, seq_threshold=config.seq_emb_skip_threshold,
+                             columns=columns, sides=sides)
+
+
 class FeatureEncoder(nn.Module):
     """What all models share: field embeddings, dense tokens (user dense + sequence statistics, item
     dense when the schema has any) and per-domain sequence tokens."""
@@ -509,7 +632,7 @@ class FeatureEncoder(nn.Module):
         super().__init__()
         self.schema = schema
         self.domains = [d.name for d in schema.domains]
-        self.embeddings = FeatureEmbeddings(schema, config.emb_dim, config.vocab_cap)
+        self.embeddings = embeddings_for(schema, config)
         d = config.d_model
         self.user_dense = self.item_dense = None
         if dense_tokens:  # a model with its own dense tokenizer leaves these out
@@ -556,6 +679,9 @@ class PCVRModel(nn.Module):
     config_class: ClassVar[type[ModelConfig]] = ModelConfig
     # relative CPU cost of a training step (baseline = 1); the smoke starts the dearest runs first
     cost_hint: ClassVar[float] = 1.0
+    # parameter name patterns whose gradient is exactly zero at initialisation by design (a gate in front
+    # of a zero-initialised weight); the contract test checks they get one once that weight moves
+    zero_gradient_at_init: ClassVar[tuple[str, ...]] = ()
 
     def __init__(self, schema: Schema, config: ModelConfig | dict | None = None):
         super().__init__()
@@ -587,8 +713,8 @@ class PCVRModel(nn.Module):
         self.output_layer().bias.fill_(math.log(p / (1 - p)))
 
     def sparse_parameters(self) -> list[nn.Parameter]:
-        """The embedding tables (sparse gradients; Adagrad)."""
-        return [m.table.weight for m in self.modules() if isinstance(m, FeatureEmbeddings)]
+        """The embedding tables (sparse gradients; Adagrad): every nn.Embedding built with sparse=True."""
+        return [m.weight for m in self.modules() if isinstance(m, nn.Embedding) and m.sparse]
 
     def dense_parameters(self) -> list[nn.Parameter]:
         sparse = {id(p) for p in self.sparse_parameters()}

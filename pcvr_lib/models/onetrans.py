@@ -4,10 +4,12 @@
   feature id re-appears in a newer event is dropped), a learned separator after each domain; the
   domains are left-packed one after the other.
 - NS tokens: grouped user / item fields (as in baseline) + the dense token(s), at the end of the stream.
-- Each layer: pre-RMSNorm causal attention; sequence tokens share one QKV / output / FFN, every NS token
-  has its own (per-token weights). Pyramid: after each layer only the newest k sequence tokens are kept
-  (k falls linearly from `top_k` after the first layer); NS tokens always stay.
-- Head: MLP on the flattened NS tokens; its hidden layer is the returned embedding.
+- Each layer: pre-RMSNorm causal attention; sequence tokens share one QKV / output / FFN (4x), every NS
+  token has its own (per-token weights). Pyramid (as the reference): after layer i only the newest
+  k_i = S * (n_ns / S) ** ((i + 1) / layers) sequence tokens are kept (S = the stream's sequence slots,
+  204 on the demo schema: 43 after the first layer, n_ns = 8 after the last); NS tokens always stay.
+- Head (as the reference): [mean of the surviving sequence tokens, mean of the NS tokens] after a final
+  RMSNorm -> MLP; its hidden layer is the returned embedding.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from pcvr_lib.models.common import (
     PerTokenLinear,
     RMSNorm,
     attention,
+    masked_mean,
     pack_segments,
     trim_sequence,
 )
@@ -38,11 +41,12 @@ class OneTransConfig(ModelConfig):
     d_model: int = 64
     num_blocks: int = 2
     num_heads: int = 4
+    emb_hash_large: bool = True  # reference: onetrans hashes vocabularies above 1M (544.7M parameters)
     top_k: int = 50
     dedup_window: int = 200  # newest events searched for duplicates before taking the top_k
     user_ns_tokens: int = 5
     item_ns_tokens: int = 2
-    ffn_hidden: int = 128
+    ffn_hidden: int = 256
     head_hidden: int = 128
 
 
@@ -77,18 +81,16 @@ def keep_newest(x: torch.Tensor, lengths: torch.Tensor, k: int) -> tuple[torch.T
 
 
 class OneTransLayer(nn.Module):
-    def __init__(self, config: OneTransConfig, n_ns: int, update_seq: bool = True):
+    def __init__(self, config: OneTransConfig, n_ns: int):
         super().__init__()
-        self.update_seq = update_seq  # the last layer only updates NS tokens (no sequence token survives it)
         d, h = config.d_model, config.ffn_hidden
         self.heads = config.num_heads
         self.backend = config.attention_backend
         self.norm1 = RMSNorm(d, backend=config.rms_norm_backend)
         self.norm2 = RMSNorm(d, backend=config.rms_norm_backend)
         self.seq_qkv = nn.Linear(d, 3 * d)
-        if update_seq:
-            self.seq_out = nn.Linear(d, d)
-            self.seq_ffn = nn.Sequential(nn.Linear(d, h), nn.SiLU(), nn.Linear(h, d))
+        self.seq_out = nn.Linear(d, d)
+        self.seq_ffn = nn.Sequential(nn.Linear(d, h), nn.SiLU(), nn.Linear(h, d))
         self.ns_qkv = PerTokenLinear(n_ns, d, 3 * d)
         self.ns_out = PerTokenLinear(n_ns, d, d)
         self.ns_up = PerTokenLinear(n_ns, d, h)
@@ -106,19 +108,18 @@ class OneTransLayer(nn.Module):
         ns_pos = n_seq[:, None] + torch.arange(n_ns, device=seq.device)[None]
         ns = ns + self.ns_out(o.gather(1, ns_pos[:, :, None].expand(-1, -1, d)))
         ns = ns + self.ns_down(F.silu(self.ns_up(self.norm2(ns))))
-        if self.update_seq:
-            # sequence tokens come first in the stream, so they sit at the same positions as in `seq`
-            o_seq = F.pad(o, (0, 0, 0, max(0, s - o.shape[1])))[:, :s]
-            seq_valid = (torch.arange(s, device=seq.device)[None] < n_seq[:, None])[:, :, None].to(seq.dtype)
-            seq = seq + self.seq_out(o_seq) * seq_valid
-            seq = seq + self.seq_ffn(self.norm2(seq)) * seq_valid
+        # sequence tokens come first in the stream, so they sit at the same positions as in `seq`
+        o_seq = F.pad(o, (0, 0, 0, max(0, s - o.shape[1])))[:, :s]
+        seq_valid = (torch.arange(s, device=seq.device)[None] < n_seq[:, None])[:, :, None].to(seq.dtype)
+        seq = seq + self.seq_out(o_seq) * seq_valid
+        seq = seq + self.seq_ffn(self.norm2(seq)) * seq_valid
         return seq, ns
 
 
 @register("onetrans")
 class OneTrans(PCVRModel):
     config_class = OneTransConfig
-    cost_hint = 0.8
+    cost_hint = 0.9  # CPU s per smoke train step / baseline's (notes/models.md)
 
     def __init__(self, schema, config=None):
         super().__init__(schema, config)
@@ -131,12 +132,13 @@ class OneTrans(PCVRModel):
         n_ns = len(self.user_tokens.splits) + len(self.item_tokens.splits) + self.encoder.n_dense_tokens
         self.domain_embedding = nn.Parameter(torch.zeros(len(self.domains), d))
         self.separators = nn.Parameter(torch.randn(len(self.domains), d) * 0.02)
-        self.layers = nn.ModuleList(OneTransLayer(c, n_ns, i < c.num_blocks - 1) for i in range(c.num_blocks))
-        # pyramid: sequence tokens kept after each layer but the last
+        self.layers = nn.ModuleList(OneTransLayer(c, n_ns) for _ in range(c.num_blocks))
+        # pyramid: sequence tokens kept after each layer, geometric from the stream's slots down to n_ns
+        slots = len(self.domains) * (c.top_k + 1)
         n = c.num_blocks
-        self.keep = [max(1, round(c.top_k * (n - 1 - i) / max(n - 1, 1))) for i in range(n - 1)]
+        self.keep = [max(1, round(slots * (n_ns / slots) ** ((i + 1) / n))) for i in range(n)]
         self.final_norm = RMSNorm(d, backend=c.rms_norm_backend)
-        self.head = nn.Sequential(nn.Linear(n_ns * d, c.head_hidden), nn.SiLU())
+        self.head = nn.Sequential(nn.Linear(2 * d, c.head_hidden), nn.SiLU())
         self.out = nn.Linear(c.head_hidden, 1)
 
     def predict(self, batch: Batch):
@@ -156,9 +158,10 @@ class OneTrans(PCVRModel):
              enc.dense_tokens(batch)],
             dim=1,
         )
-        for i, layer in enumerate(self.layers):
+        for layer, keep in zip(self.layers, self.keep, strict=True):
             seq, ns = layer(seq, n_seq, ns)
-            if i < len(self.keep):
-                seq, n_seq = keep_newest(seq, n_seq, self.keep[i])
-        embedding = self.head(self.final_norm(ns).flatten(1))
+            seq, n_seq = keep_newest(seq, n_seq, keep)
+        seq_valid = torch.arange(seq.shape[1], device=seq.device)[None] < n_seq[:, None]
+        readout = torch.cat([masked_mean(self.final_norm(seq), seq_valid), self.final_norm(ns).mean(1)], dim=-1)
+        embedding = self.head(readout)
         return self.out(embedding), embedding

@@ -6,6 +6,8 @@ from __future__ import annotations
 from typing import Any
 
 MODELS: dict[str, type] = {}
+# the order of the reference's smoke table; models registered later follow in registration order
+REFERENCE_ORDER = ("baseline", "interformer", "onetrans", "tokenformer", "symbiosis", "dualq", "queryformer")
 
 
 def register(name: str):
@@ -22,7 +24,8 @@ def register(name: str):
 def model_names() -> list[str]:
     import pcvr_lib.models  # noqa: F401 - fills MODELS
 
-    return list(MODELS)
+    known = [name for name in REFERENCE_ORDER if name in MODELS]
+    return known + [name for name in MODELS if name not in known]
 
 
 def model_class(name: str) -> type:

@@ -3,10 +3,13 @@
 Stream (left-packed, padding after the last valid token):
     [user field tokens, user dense packets, SEP, newest `window` events of each domain, SEP,
      item field tokens, item dense packets, TARGET]
-Blocks: x += sigmoid(G(RMSNorm x)) * Attn(RMSNorm x) (QK-RMSNorm, RoPE), then x += SwiGLU(RMSNorm x).
-The bottom half of the blocks attend causally over the whole stream, the top half over a sliding window
-of `window` tokens; the target token attends to every valid token in every block. The head reads the
-target token, which is also the returned embedding.
+TARGET = a learned vector + Linear[user field mean, item field mean, their product] (as the reference).
+Blocks: x += sigmoid(G(RMSNorm x)) * Attn(RMSNorm x) (QK-RMSNorm over the full width, RoPE), then
+x += SwiGLU(RMSNorm x) (4x). The bottom half of the blocks attend causally over the whole stream, the top
+half over sliding windows that start at `window` and halve per block (min 4), each query seeing keys at
+distance <= w (as the reference); the target token attends to every valid token in every block.
+Readout (as the reference): RMSNorm, then [TARGET, mean of the tokens before the item tokens, mean of the
+item tokens] (the returned embedding) -> Linear -> SiLU -> 1.
 """
 
 from __future__ import annotations
@@ -30,6 +33,7 @@ from pcvr_lib.models.common import (
     SwiGLU,
     additive_mask,
     attention_mask,
+    masked_mean,
     pack_segments,
 )
 from pcvr_lib.models.registry import register
@@ -42,7 +46,7 @@ class TokenFormerConfig(ModelConfig):
     num_heads: int = 4
     window: int = 64  # events per domain in the stream, and the sliding-window width of the top blocks
     dense_packet: int = 64  # dense values per dense packet token
-    ffn_hidden: int = 128
+    ffn_hidden: int = 256
 
 
 class DensePackets(nn.Module):
@@ -72,7 +76,8 @@ class TokenFormerBlock(nn.Module):
         self.attn = MultiHeadAttention(d, config.num_heads, config, qk_norm=True, rope=True)
         self.norm2 = RMSNorm(d, backend=config.rms_norm_backend)
         self.ffn = SwiGLU(d, config.ffn_hidden)
-        self.window = window
+        # keys at distance <= w: the mask's window counts the query itself, so w + 1 positions
+        self.window = None if window is None else window + 1
 
     def forward(self, x, lengths, target, masks):
         h = self.norm1(x)
@@ -85,8 +90,7 @@ class TokenFormerBlock(nn.Module):
 @register("tokenformer")
 class TokenFormer(PCVRModel):
     config_class = TokenFormerConfig
-    # only orders the smoke's runs; notes/models.md has the step times (1.42 s vs baseline's 0.38 s, B=128, L=32)
-    cost_hint = 4.5
+    cost_hint = 4.7  # CPU s per smoke train step / baseline's (notes/models.md)
 
     def __init__(self, schema, config=None):
         super().__init__(schema, config)
@@ -106,12 +110,14 @@ class TokenFormer(PCVRModel):
         self.item_packets = DensePackets(item_width, c.dense_packet, d) if item_width else None
         self.domain_embedding = nn.Parameter(torch.zeros(len(self.domains), d))
         self.special = nn.Parameter(torch.randn(3, d) * 0.02)  # SEP after user, SEP after sequences, TARGET
+        self.target_proj = nn.Linear(3 * d, d)
         half = c.num_blocks // 2
         self.blocks = nn.ModuleList(
-            TokenFormerBlock(c, None if i < half else c.window) for i in range(c.num_blocks)
+            TokenFormerBlock(c, None if i < half else max(4, c.window >> (i - half))) for i in range(c.num_blocks)
         )
+        self.n_item = len(schema.item_int) + (self.item_packets.n if self.item_packets is not None else 0)
         self.final_norm = RMSNorm(d, backend=c.rms_norm_backend)
-        self.head = nn.Sequential(nn.Linear(d, d), nn.SiLU())
+        self.head = nn.Sequential(nn.Linear(3 * d, d), nn.SiLU())
         self.out = nn.Linear(d, 1)
 
     def predict(self, batch: Batch):
@@ -127,16 +133,19 @@ class TokenFormer(PCVRModel):
             return fixed(self.special[i].expand(b, 1, -1))
 
         user = self.user_field_proj(emb.fields(batch, "user")) + self.user_field_pos
+        item = self.item_field_proj(emb.fields(batch, "item")) + self.item_field_pos
+        user_mean, item_mean = user.mean(1), item.mean(1)
+        target_token = self.special[2] + self.target_proj(torch.cat([user_mean, item_mean, user_mean * item_mean], -1))
         dense_values, dense_missing = self.encoder.user_dense_inputs(batch)
         segments = [fixed(user), fixed(self.user_packets(dense_values, dense_missing)), special(0)]
         for i, name in enumerate(self.domains):
             tokens, n, _ = self.encoder.sequence_tokens(batch, name, max_len=c.window, tail=True)
             segments.append((tokens + self.domain_embedding[i], n))
         segments.append(special(1))
-        segments.append(fixed(self.item_field_proj(emb.fields(batch, "item")) + self.item_field_pos))
+        segments.append(fixed(item))
         if self.item_packets is not None:
             segments.append(fixed(self.item_packets(batch.item.dense_values, batch.item.dense_missing)))
-        segments.append(special(2))
+        segments.append(fixed(target_token[:, None]))
         x, lengths = pack_segments(segments)
         target = lengths - 1
         masks = {}  # one mask per window setting, shared by the blocks (torch backend)
@@ -147,5 +156,11 @@ class TokenFormer(PCVRModel):
                 )
         for block in self.blocks:
             x = block(x, lengths, target, masks)
-        embedding = self.final_norm(x.gather(1, target[:, None, None].expand(-1, 1, x.shape[-1]))[:, 0])
+        x = self.final_norm(x)
+        pos = torch.arange(x.shape[1], device=device)[None]
+        item_start = (target - self.n_item)[:, None]
+        context = masked_mean(x, pos < item_start)
+        items = masked_mean(x, (pos >= item_start) & (pos < target[:, None]))
+        target_out = x.gather(1, target[:, None, None].expand(-1, 1, x.shape[-1]))[:, 0]
+        embedding = torch.cat([target_out, context, items], dim=-1)
         return self.out(self.head(embedding)), embedding

@@ -5,8 +5,9 @@
   Reference defaults: batch 512, F 128, H 512, depth 4.
 - `pcvr_dense`: the dense parameter shapes of the `baseline` model (HyFormer, its default config, on the
   demo schema fixtures/sample_1000_raw.schema.json: token projections, per-domain sequence encoders,
-  attention, RankMixer per-token FFNs stored as 3-D stacks, a head MLP, their norms), trained on a quadratic
-  bowl towards a fixed random target so the step sees dense gradients of exactly these shapes.
+  attention and its output gates, per-query generator FFNs, RankMixer FFNs, a head MLP, their norms),
+  trained on a quadratic bowl towards a fixed random target so the step sees dense gradients of exactly
+  these shapes.
 """
 
 from __future__ import annotations
