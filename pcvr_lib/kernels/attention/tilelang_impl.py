@@ -41,9 +41,9 @@ def _stream(seed, bh):
     return x ^ (x >> T.uint32(15))
 
 
-def _allowed(mode, row, col, qlen, kv_len, sq, skv, W=None, G=None, ROLE=None, VIS=None, b=None):
+def _allowed(mode, row, col, qlen, kv_len, sq, skv, W=None, G=None, q_word=None, k_code=None):
     """Whether query `row` may see key `col` (masks.py), as a TIR boolean. Window (4): W, G; roles (5): the
-    flat (B * S) role codes ROLE of batch row `b` and the 32 visibility words VIS."""
+    query's visibility word and the key's role code (staged in shared memory once per tile)."""
     if mode == 1:
         return (col < kv_len) & (row < sq)
     if mode == 2:
@@ -53,9 +53,7 @@ def _allowed(mode, row, col, qlen, kv_len, sq, skv, W=None, G=None, ROLE=None, V
         return (((col <= row) & (row - col < W) & valid_row) | (valid_row & (row >= qlen - G) & (col < kv_len))
                 | (col == row)) & (col < skv) & (row < sq)
     if mode == 5:
-        q_role = T.if_then_else(row < sq, ROLE[b * sq + row], 0) & 31
-        k_code = T.if_then_else(col < skv, ROLE[b * skv + col], 32)
-        seen = ((VIS[q_role] >> (k_code & 31)) & 1) != 0
+        seen = ((q_word >> (k_code & 31)) & 1) != 0
         return ((seen & (k_code < 32)) | (col == row)) & (col < skv) & (row < sq)
     return (((col <= row) & (row < qlen)) | (col == row)) & (col < skv) & (row < sq)
 
@@ -131,6 +129,8 @@ def fwd_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
             row_sum = T.alloc_fragment([bm], acc)
             l = T.alloc_fragment([bm], acc)
             lse = T.alloc_fragment([bm], acc)
+            q_word = T.alloc_shared([bm], "int32")  # roles: visibility word of each query's role
+            k_code = T.alloc_shared([bn], "int32")  # roles: role code of each key of the tile
 
             qlen = T.max(KL[bz], 0) if has_kl else Skv  # the valid length L of masks.py
             kv_len = T.min(qlen, Skv) if has_kl else Skv  # no key lengths: every key is valid
@@ -139,16 +139,22 @@ def fwd_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
             stream = _stream(seed, bz * H + by)
 
             T.copy(Q[bz, by, m_start:m_start + bm, :], Q_s)
+            if mode == 5:
+                for i in T.Parallel(bm):
+                    q_word[i] = VIS[T.if_then_else(m_start + i < Sq, ROLE[bz * Sq + m_start + i], 0) & 31]
             T.fill(o, 0)
             T.fill(l, 0)
             T.fill(m, neg_inf)
             for kk in T.Pipelined(lo, hi, num_stages=stages):
                 T.copy(K[bz, by, kk * bn:(kk + 1) * bn, :], K_s)
+                if mode == 5:
+                    for j in T.Parallel(bn):
+                        k_code[j] = T.if_then_else(kk * bn + j < Skv, ROLE[bz * Skv + kk * bn + j], 32)
                 T.clear(s)
                 T.gemm(Q_s, K_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 for i, j in T.Parallel(bm, bn):
                     s[i, j] = T.if_then_else(
-                        _allowed(mode, m_start + i, kk * bn + j, qlen, kv_len, Sq, Skv, W, G, ROLE, VIS, bz),
+                        _allowed(mode, m_start + i, kk * bn + j, qlen, kv_len, Sq, Skv, W, G, q_word[i], k_code[j]),
                         s[i, j] * qk_scale, neg_inf)
                 T.copy(m, m_prev)
                 T.reduce_max(s, m, dim=1, clear=False)
@@ -218,6 +224,8 @@ def bwd_dq_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
             dp = T.alloc_fragment([bm, bn], acc)
             ds_cast = T.alloc_fragment([bm, bn], dtype)
             dq = T.alloc_fragment([bm, D], acc)
+            q_word = T.alloc_shared([bm], "int32")
+            k_code = T.alloc_shared([bn], "int32")
 
             qlen = T.max(KL[bz], 0) if has_kl else Skv  # the valid length L of masks.py
             kv_len = T.min(qlen, Skv) if has_kl else Skv  # no key lengths: every key is valid
@@ -235,17 +243,23 @@ def bwd_dq_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
             T.copy(LSE[bz, by, m_start:m_start + bm], lse_s)
             T.copy(Q[bz, by, m_start:m_start + bm, :], Q_s)
             T.copy(dO[bz, by, m_start:m_start + bm, :], dO_s)
+            if mode == 5:
+                for i in T.Parallel(bm):
+                    q_word[i] = VIS[T.if_then_else(m_start + i < Sq, ROLE[bz * Sq + m_start + i], 0) & 31]
             T.clear(dq)
             for kk in T.Pipelined(lo, hi, num_stages=stages):
                 T.copy(K[bz, by, kk * bn:(kk + 1) * bn, :], K_s)
                 T.copy(V[bz, by, kk * bn:(kk + 1) * bn, :], V_s)
+                if mode == 5:
+                    for j in T.Parallel(bn):
+                        k_code[j] = T.if_then_else(kk * bn + j < Skv, ROLE[bz * Skv + kk * bn + j], 32)
                 T.clear(s)
                 T.gemm(Q_s, K_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 T.clear(dp)
                 T.gemm(dO_s, V_s, dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 for i, j in T.Parallel(bm, bn):
                     p = T.if_then_else(_allowed(mode, m_start + i, kk * bn + j, qlen, kv_len, Sq, Skv, W, G,
-                                                ROLE, VIS, bz),
+                                                q_word[i], k_code[j]),
                                        T.exp2(s[i, j] * qk_scale - lse_s[i]), 0.0)
                     if dropout:
                         kept = _keep(m_start + i, kk * bn + j, Skv, stream, thr)
@@ -299,6 +313,8 @@ def bwd_dkdv_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
             ds_cast = T.alloc_fragment([bn, bm], dtype)
             dk = T.alloc_fragment([bn, D], acc)
             dv = T.alloc_fragment([bn, D], acc)
+            q_word = T.alloc_shared([bm], "int32")
+            k_code = T.alloc_shared([bn], "int32")
 
             qlen = T.max(KL[bz], 0) if has_kl else Skv  # the valid length L of masks.py
             kv_len = T.min(qlen, Skv) if has_kl else Skv  # no key lengths: every key is valid
@@ -326,6 +342,9 @@ def bwd_dkdv_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
 
             T.copy(K[bz, by, n_start:n_start + bn, :], K_s)
             T.copy(V[bz, by, n_start:n_start + bn, :], V_s)
+            if mode == 5:
+                for i in T.Parallel(bn):
+                    k_code[i] = T.if_then_else(n_start + i < Skv, ROLE[bz * Skv + n_start + i], 32)
             T.clear(dk)
             T.clear(dv)
             for mm in T.Pipelined(lo, hi, num_stages=stages):
@@ -333,13 +352,16 @@ def bwd_dkdv_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
                 T.copy(dO[bz, by, mm * bm:(mm + 1) * bm, :], dO_s)
                 T.copy(LSE[bz, by, mm * bm:(mm + 1) * bm], lse_s)
                 T.copy(Delta[bz, by, mm * bm:(mm + 1) * bm], delta_s)
+                if mode == 5:
+                    for j in T.Parallel(bm):
+                        q_word[j] = VIS[T.if_then_else(mm * bm + j < Sq, ROLE[bz * Sq + mm * bm + j], 0) & 31]
                 T.clear(sT)
                 T.gemm(K_s, Q_s, sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 T.clear(dpT)
                 T.gemm(V_s, dO_s, dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 for i, j in T.Parallel(bn, bm):
                     p = T.if_then_else(_allowed(mode, mm * bm + j, n_start + i, qlen, kv_len, Sq, Skv, W, G,
-                                                ROLE, VIS, bz),
+                                                q_word[j], k_code[i]),
                                        T.exp2(sT[i, j] * qk_scale - lse_s[j]), 0.0)
                     if dropout:
                         kept = _keep(mm * bm + j, n_start + i, Skv, stream, thr)
