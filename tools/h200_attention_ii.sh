@@ -29,10 +29,10 @@ for s in "$@"; do
   case $s in
     accuracy)
       # every attention variant of the suites (Triton run once per variant, TileLang from the cache or compiled)
-      step precompile 100 python3 -m pcvr_lib.kernels.precompile flash_attention --run-triton --workers 15
-      step accuracy 90 $PYTEST accuracy_tests/test_attention.py -k "gpu and (D16 or D48 or window or roles)" ;;
+      step precompile 90 python3 -m pcvr_lib.kernels.precompile flash_attention --run-triton --workers 15
+      step accuracy 60 $PYTEST accuracy_tests/test_attention.py -k "gpu and (D16 or D48 or window or roles)" ;;
     perf)
-      step perf_models 170 $PYTEST perf_tests/test_kernels_attention.py -k model --benchmark-only \
+      step perf_models 200 $PYTEST perf_tests/test_kernels_attention.py -k model --benchmark-only \
         --benchmark-json="$OUT/attention_models.json" ;;
     *) echo "unknown step $s (accuracy, perf)"; exit 2 ;;
   esac
