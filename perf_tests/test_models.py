@@ -1,9 +1,8 @@
 """Model-level benchmarks: one training step and one inference pass of every model on every operator backend.
 
 Ids: `model=<name>,backend=<torch|triton|tilelang>,phase=<train_step|infer>`. A backend sets all three
-operator switches of the model config (attention, RMSNorm/LayerNorm, embedding-bag mean), except that
-tokenformer's and symbiosis's attention stays on torch (`ATTENTION_ON_TORCH`: their masks have no kernel
-yet); extra_info `torch_ops` says so for those cases.
+operator switches of the model config (attention, RMSNorm/LayerNorm, embedding-bag mean); what stays on
+torch whatever the switch is listed in notes/models.md (queryformer's per-column LayerNorm).
 
 GPU: batch 256 at the reference's sequence lengths (the demo schema's 256/256/512/512), reference widths
 and depths, tables capped at `GPU_TABLE_CAP` rows per feature (a step touches only the batch's rows; the
@@ -38,10 +37,6 @@ PHASES = ("train_step", "infer")
 GPU_BATCH = 256
 GPU_TABLE_CAP = 8192
 CPU_CONFIG = {"vocab_cap": 64, "d_model": 48, "num_heads": 2, "num_blocks": 1}
-ATTENTION_ON_TORCH = {
-    "tokenformer": "attention: sliding window + global target query (no kernel yet)",
-    "symbiosis": "attention: role mask (no kernel yet)",
-}
 SEED = 0
 
 _PER_CALL_US: dict[tuple[str, str], float] = {}  # (model, phase) -> the torch backend's per-call us
@@ -56,15 +51,9 @@ def _inputs():
     return schema, random_batch(schema, batch=GPU_BATCH if CUDA else 4, seed=3)
 
 
-def _config(name: str, backend: str) -> dict:
-    config = {"vocab_cap": GPU_TABLE_CAP} if CUDA else dict(CPU_CONFIG)
-    if backend != "torch" and name in ATTENTION_ON_TORCH:
-        config["attention_backend"] = "torch"
-    return config
-
-
 def _step(name: str, backend: str, schema, batch) -> ModelStep:
-    return ModelStep(name, schema, batch, backend, config=_config(name, backend), seed=SEED,
+    config = {"vocab_cap": GPU_TABLE_CAP} if CUDA else dict(CPU_CONFIG)
+    return ModelStep(name, schema, batch, backend, config=config, seed=SEED,
                      device="cuda" if CUDA else "cpu")
 
 
@@ -100,8 +89,7 @@ def test_model(benchmark, name, backend, phase):
             pytest.skip(f"{backend}: {why}")
     benchmark.group = f"model={name},phase={phase}"
     schema, batch = _inputs()
-    info = {"batch": batch.batch_size,
-            "torch_ops": [ATTENTION_ON_TORCH[name]] if backend != "torch" and name in ATTENTION_ON_TORCH else []}
+    info = {"batch": batch.batch_size}
     if backend != "torch":
         step, losses = _check(name, backend, schema, batch)
         info.update(losses)

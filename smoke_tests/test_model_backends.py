@@ -76,3 +76,52 @@ def test_models_report_view_compares_the_fastest_backend_with_torch():
     row = next(line for line in text.splitlines() if line.startswith("tokenformer"))
     assert "1200 [900]" in row and "800 [750]" in row and "1.50x (tilelang)" in row
     assert row.rstrip().endswith("attention")
+
+
+def _kernel_and_torch(monkeypatch, **args):
+    """common.attention on the Triton kernels (interpreter, fp16) and on torch (fp32 of the same inputs)."""
+    from pcvr_lib.models.common import attention
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(0)
+    sq = args.pop("sq", 20)
+    q = torch.randn(2, 2, sq, 16, generator=gen).half()
+    k, v = (torch.randn(2, 2, 20, 16, generator=gen).half() for _ in range(2))
+    torch_args = {key: value for key, value in args.items() if key != "role_mask"}
+    if "role_mask" in args:
+        rm = args["role_mask"]
+        allowed = rm.visibility[rm.roles[:, :, None], rm.roles[:, None, :]] & rm.key_valid[:, None, :]
+        torch_args["mask"] = (allowed | torch.eye(20, dtype=torch.bool))[:, None]
+    ours = attention(q, k, v, backend="triton", **args)
+    expected = attention(q.float(), k.float(), v.float(), **torch_args)
+    return ours, expected
+
+
+LENGTHS = torch.tensor([20, 7])
+
+
+@pytest.mark.parametrize("case", ["key_lengths_cross", "causal", "window_global_last", "causal_global_last",
+                                  "roles"])
+def test_attention_call_sites_on_the_kernels_match_torch(case, monkeypatch):
+    """Each mask the models pass (baseline/queryformer/dualq cross, onetrans, tokenformer's two kinds of
+    block, symbiosis' roles) gives torch's output on valid queries through the Triton kernels (fp16 under
+    the interpreter: the models' fp32 calls run in bf16, which the interpreter cannot)."""
+    if torch.cuda.is_available() or registry.package_problem("triton"):
+        pytest.skip("CPU interpreter check")
+    from pcvr_lib.kernels.attention import role_mask
+
+    args = {
+        "key_lengths_cross": {"sq": 3, "key_lengths": LENGTHS},
+        "causal": {"key_lengths": LENGTHS, "causal": True},
+        "window_global_last": {"key_lengths": LENGTHS, "causal": True, "window": 5, "global_last": True},
+        "causal_global_last": {"key_lengths": LENGTHS, "causal": True, "global_last": True},
+        "roles": {"role_mask": role_mask(
+            torch.tensor([0, 0, 1, 1, 2] * 4).expand(2, -1), torch.tensor([[1, 0, 1], [1, 1, 0], [1, 1, 1]]).bool(),
+            torch.arange(20)[None] < LENGTHS[:, None])},
+    }[case]
+    ours, expected = _kernel_and_torch(monkeypatch, **args)
+    if case in ("causal", "window_global_last", "causal_global_last"):  # padded queries are unspecified
+        for b, n in enumerate(LENGTHS.tolist()):
+            assert_close(ours[b, :, :n], expected[b, :, :n], torch.float16, what=f"{case} row {b}")
+    else:
+        assert_close(ours, expected, torch.float16, what=case)

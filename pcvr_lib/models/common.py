@@ -110,8 +110,9 @@ def attention(
     key_lengths: torch.Tensor | None = None,
     causal: bool = False,
     window: int | None = None,
-    global_query: torch.Tensor | None = None,
+    global_last: bool = False,
     mask: torch.Tensor | None = None,
+    role_mask=None,
     backend: str = "torch",
 ) -> torch.Tensor:
     """Multi-head attention on (B, H, S, D) tensors. The one place models call it.
@@ -119,27 +120,36 @@ def attention(
     key_lengths [B]: keys at positions >= length are padding (prefix-valid; a length of 0 counts as 1).
     causal: query i sees keys <= i. Outputs at padded query positions (>= length) are unspecified and
     never read by the models; the explicit mask lets a padded query see itself so that no row is empty.
-    window: sliding window, query i sees keys in (i - window, i]. global_query [B] (long): per
-    row, the query position that sees every valid key regardless of causal/window (the target token).
-    mask: a precomputed `attention_mask(...)` of exactly these arguments (a model with several layers
-    builds it once per forward); torch backend only.
+    window: sliding window, query i sees keys in (i - window, i]. global_last: the last valid query of
+    each row (the target token) sees every valid key regardless of causal/window.
+    mask: a precomputed `attention_mask(...)` (or its additive form) of exactly these arguments, or
+    symbiosis' role mask; a model with several layers builds it once per forward; torch backend only.
+    role_mask: `kernels.attention.role_mask(roles, visibility, key_valid)`, the same role mask for the
+    kernels (self-attention, no key lengths); other backends only.
     """
     if backend != "torch":
-        if window is not None or global_query is not None or mask is not None:
-            # tokenformer's sliding window + global target query and symbiosis's role mask: torch only
-            # until the kernel lands (issue 12); refused, never run on torch behind the caller's back
-            raise ValueError(
-                f"attention backend {backend!r}: the sliding-window / global-query and role masks are torch "
-                "only until their kernel lands; use attention_backend='torch' for this model"
-            )
+        if mask is not None:
+            raise ValueError(f"attention backend {backend!r}: a precomputed mask tensor is for the torch backend; "
+                             "pass role_mask= (or the key lengths / window arguments) instead")
         from pcvr_lib import kernels
 
+        if role_mask is not None:
+            return kernels.flash_attention(q, k, v, role_mask=role_mask, backend=backend)
         if key_lengths is not None:  # the kernels' length 0 gives zeros; here it counts as 1 (as on torch)
             key_lengths = key_lengths.clamp(min=1)
+        if window is not None:
+            if not causal or key_lengths is None:
+                raise ValueError("attention: a sliding window needs causal=True and key_lengths")
+            # the kernels' window mode: causal window over valid queries, the last G = 1 valid query global
+            return kernels.flash_attention(q, k, v, key_lengths=key_lengths, window=window,
+                                           global_queries=1 if global_last else 0, backend=backend)
+        # without a window the last valid query already sees every valid key under causal_valid
         return kernels.flash_attention(
             q, k, v, key_lengths=key_lengths, causal=causal, causal_valid=causal and key_lengths is not None,
             backend=backend,
         )
+    if role_mask is not None:
+        raise ValueError("attention backend 'torch': pass the role mask as mask= (a boolean or additive tensor)")
     if mask is None and causal and window is None and q.shape[2] == k.shape[2]:
         # prefix-valid keys under a causal mask: a valid query i < length only sees keys <= i, all valid,
         # so the key-length mask changes nothing it computes (and the target token, the last valid one,
@@ -147,7 +157,10 @@ def attention(
         # no mask tensor and is the fastest on CPU.
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if mask is None:
-        mask = attention_mask(q.shape[0], q.shape[2], k.shape[2], q.device, key_lengths, causal, window, global_query)
+        target = None
+        if global_last and key_lengths is not None:
+            target = key_lengths.to(device=q.device, dtype=torch.long).clamp(min=1) - 1
+        mask = attention_mask(q.shape[0], q.shape[2], k.shape[2], q.device, key_lengths, causal, window, target)
     elif mask.dtype != torch.bool and mask.dtype != q.dtype:
         mask = mask.to(q.dtype)  # an additive mask follows the (autocast) dtype of the queries
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
