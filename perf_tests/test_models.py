@@ -9,7 +9,8 @@ and depths, tables capped at `GPU_TABLE_CAP` rows per feature (a step touches on
 reference's 2.2B-parameter queryformer tables would take minutes to build per case). The batch is a
 seeded random one (`smoke_tests.model_checks.random_batch`). CPU: a tiny config, torch only (the Triton
 interpreter cannot run the fp32 models' bf16 attention; smoke_tests/test_model_backends.py checks the
-norms and the embedding on it), run once under --benchmark-disable in CI.
+norms and the embedding in the models, and every attention call site in fp16), run once under
+--benchmark-disable in CI.
 
 Checked first: the backend's logits at initialisation and its loss after one training step against the
 torch backend's (same seed, same dropout draws), bf16 tolerance (fp32 models; flash_attention computes
@@ -82,8 +83,8 @@ CASES = [pytest.param(m, b, p, id=f"model={m},backend={b},phase={p}")
 def test_model(benchmark, name, backend, phase):
     if backend != "torch":
         if not CUDA:
-            pytest.skip(f"{backend}: no CUDA device (the CPU check of the norms and the embedding on Triton's "
-                        "interpreter is smoke_tests/test_model_backends.py)")
+            pytest.skip(f"{backend}: no CUDA device (the CPU checks on Triton's interpreter are in "
+                        "smoke_tests/test_model_backends.py)")
         ok, why = registry.backend_status("flash_attention", backend, "cuda")
         if not ok:
             pytest.skip(f"{backend}: {why}")
