@@ -25,7 +25,9 @@ handed out): the copies and masks are memory-bound, and on a small shared machin
 spinning against pyarrow's decoder threads made a 200 KB clone take 13 ms instead of 5 us.
 With `num_workers > 0` a torch DataLoader runs the same pipeline in worker processes (batch_size=None,
 persistent workers, prefetch 2, pinned memory on CUDA); keys are dealt round-robin, so batches still come
-out in plan order, and each worker has its own cache of capacity // num_workers batches.
+out in plan order. The workers share one cache of the full capacity (`shared_cache.py`): its decisions are
+the policy replayed on the whole plan, so they are the single-process loader's, and a batch converted by
+one worker is read by another from shared memory without decoding (`stats()["cache"]["per_worker"]`).
 
 Presets (strict_time_filter is explicit here; the reference switched it on whenever any augmentation
 was configured, even a no-op one):
@@ -51,7 +53,9 @@ from __future__ import annotations
 
 import copy
 import queue
+import shutil
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +70,7 @@ from pcvr_lib.data.batch import Batch
 from pcvr_lib.data.cache import CACHE_POLICIES, make_cache
 from pcvr_lib.data.convert import LIST_ORDERS, NON_MONOTONIC_POLICIES, ORDER_CLASSES, Converter
 from pcvr_lib.data.parquet import DataError, open_dataset
+from pcvr_lib.data.shared_cache import CachePlan, SharedBatchStore
 from pcvr_lib.data.split import SIDES, SPLIT_METHODS, SplitPlan, plan_split, splitmix64
 from pcvr_lib.schema import Schema, load_schema
 
@@ -138,11 +143,24 @@ def _put(out: queue.Queue, obj, stop: threading.Event) -> None:
             continue
 
 
+@dataclass
+class _Shared:
+    """A worker's view of the cache shared by all workers: plan position of its k-th item = first + k * step."""
+
+    plan: CachePlan
+    store: SharedBatchStore
+    first: int
+    step: int
+
+
 class _Pipeline:
     """Produces the batches of a list of (pass, position, key) items; one instance per process."""
 
-    def __init__(self, loader: PcvrLoader, cache_capacity: int):
+    def __init__(self, loader: PcvrLoader, cache_capacity: int, shared: _Shared | None = None):
         self.loader = loader
+        self.shared = shared
+        self.item_number = 0  # items handed out so far (their plan positions, with `shared`)
+        self.shared_hits = self.shared_misses = self.served_by_other_workers = self.shared_writes = 0
         self.file: pq.ParquetFile | None = None
         self.late_file: pq.ParquetFile | None = None
         self.converter = Converter(
@@ -196,10 +214,17 @@ class _Pipeline:
                 # Cached payloads are passed along by reference: if one is evicted before the consumer
                 # asks for it, the consumer still counts a miss but reuses this (identical) batch
                 # instead of decoding the row group again in its own thread.
-                cached = [self.cache.peek(key) for _, _, key in run]
+                if self.shared is not None:  # the shared cache's hits are known from the plan
+                    s = self.shared
+                    cached = [s.plan.source[s.first + k * s.step] >= 0 or None for k in range(i, j)]
+                else:
+                    cached = [self.cache.peek(key) for _, _, key in run]
                 table = None if all(c is not None for c in cached) else self._read_group(group)
                 for item, payload in zip(run, cached, strict=True):
-                    data = self._slice(table, item[2]) if table is not None else _Converted(payload)
+                    if payload is None:
+                        data = self._slice(table, item[2])
+                    else:  # the consumer takes it from the cache (shared) or reuses it if evicted meanwhile
+                        data = None if self.shared is not None else _Converted(payload)
                     _put(out, (item, data), stop)
                 i = j
             _put(out, None, stop)
@@ -246,6 +271,47 @@ class _Pipeline:
     def _one(self, item, traces: dict[int, list[BatchKey]]) -> Batch:
         loader = self.loader
         (pass_index, position, key), data = item
+        if self.shared is not None:
+            batch = self._one_shared(key, data)
+        else:
+            batch = self._one_local(pass_index, key, data, traces)
+        batch = loader.filter_rows(batch, key)
+        if self.augmenter is not None:
+            gen = torch.Generator().manual_seed(_batch_seed(loader.seed, pass_index, position))
+            batch = self.augmenter(batch, gen)
+        self.rows += batch.batch_size
+        self.batch_count += 1
+        self.item_number += 1
+        return batch
+
+    def _convert(self, key: BatchKey, data) -> Batch:
+        """Convert a decoded slice, or decode the batch's row group here first (no read-ahead)."""
+        if data is None:
+            self.late_reads += self.loader.read_ahead > 0
+            try:
+                table = self._read_group(key[1], late=self.loader.read_ahead > 0)
+            except CorruptRowGroupError as exc:
+                raise CorruptRowGroupError(f"{exc}; {self.rows} rows served before it") from exc
+            data = self._slice(table, key)
+        return self.converter(data, row_offset=self.loader.batch_start(key))
+
+    def _one_shared(self, key: BatchKey, data) -> Batch:
+        s = self.shared
+        position = s.first + self.item_number * s.step
+        source = s.plan.source[position]
+        if source >= 0:
+            self.shared_hits += 1
+            self.served_by_other_workers += source % s.step != s.first
+            return s.store.get(source, position, key)
+        self.shared_misses += 1
+        batch = self._convert(key, data)
+        readers = s.plan.readers.get(position)
+        if readers:
+            s.store.put(position, batch, readers)
+            self.shared_writes += 1
+        return batch
+
+    def _one_local(self, pass_index: int, key: BatchKey, data, traces: dict[int, list[BatchKey]]) -> Batch:
         if pass_index != self.current_pass:
             self.current_pass = pass_index
             self.cache.set_trace(traces[pass_index])  # per-sweep rebuild: the rest of the plan
@@ -255,31 +321,30 @@ class _Pipeline:
                 self.reused_after_eviction += 1
                 batch = data.batch.clone()
             else:
-                if data is None:
-                    self.late_reads += loader.read_ahead > 0
-                    try:
-                        table = self._read_group(key[1], late=loader.read_ahead > 0)
-                    except CorruptRowGroupError as exc:
-                        raise CorruptRowGroupError(f"{exc}; {self.rows} rows served before it") from exc
-                    data = self._slice(table, key)
-                batch = self.converter(data, row_offset=loader.batch_start(key))
+                batch = self._convert(key, data)
             self.cache.put(key, batch)
-        batch = loader.filter_rows(batch, key)
-        if self.augmenter is not None:
-            gen = torch.Generator().manual_seed(_batch_seed(loader.seed, pass_index, position))
-            batch = self.augmenter(batch, gen)
-        self.rows += batch.batch_size
-        self.batch_count += 1
         return batch
 
     def stats(self) -> dict:
+        if self.shared is not None:
+            accesses = self.shared_hits + self.shared_misses
+            cache = {
+                "shared": True,
+                "hits": self.shared_hits,
+                "misses": self.shared_misses,
+                "hit_rate": self.shared_hits / accesses if accesses else 0.0,
+                "served_by_other_workers": self.served_by_other_workers,
+                "writes": self.shared_writes,
+            }
+        else:
+            cache = self.cache.stats()
         return {
             "rows": self.rows,
             "batches": self.batch_count,
             "row_groups_read": self.groups_read,
             "late_reads": self.late_reads,
             "reused_after_eviction": self.reused_after_eviction,
-            "cache": self.cache.stats(),
+            "cache": cache,
             "converter": dict(self.converter.stats),
         }
 
@@ -287,17 +352,25 @@ class _Pipeline:
 class _WorkerDataset(torch.utils.data.IterableDataset):
     """DataLoader side: worker w produces the plan items at positions w, w + W, ... (in plan order)."""
 
-    def __init__(self, loader: PcvrLoader, stats_queue):
+    def __init__(self, loader: PcvrLoader, stats_queue, store_dir: str | None):
         super().__init__()
         self.loader = loader
         self.stats_queue = stats_queue
+        self.store_dir = store_dir
+        self.epoch = 0
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        # a fresh pipeline (cache, counters) per iteration, as in the single-process path: one iteration
-        # is the whole plan, and OPT's trace starts at its beginning
-        pipeline = _Pipeline(self.loader, max(1, self.loader.cache_capacity // workers))
+        # a fresh pipeline (counters, and the shared cache's decisions from the plan's start) per
+        # iteration, as in the single-process path: one iteration is the whole plan
+        shared = None
+        if self.store_dir is not None:
+            directory = Path(self.store_dir) / f"epoch-{self.epoch}"  # every worker counts the same epochs
+            directory.mkdir(exist_ok=True)
+            shared = _Shared(self.loader.shared_cache_plan(), SharedBatchStore(directory), worker, workers)
+        self.epoch += 1
+        pipeline = _Pipeline(self.loader, self.loader.cache_capacity, shared)
         items = self.loader.plan_items()[worker::workers]
         yield from pipeline.batches(items, self.loader.pass_traces(items))
         self.stats_queue.put((worker, pipeline.stats()))
@@ -505,17 +578,35 @@ class PcvrLoader:
 
         if not hasattr(self, "_dataloader"):
             self._stats_queue = mp.get_context().Queue()
+            store_dir = None
+            if self.cache_policy != "none":
+                store = SharedBatchStore.create()
+                weakref.finalize(self, store.close)
+                store_dir = str(store.directory)
+            self._store_dir, self._epochs = store_dir, 0
             self._dataloader = torch.utils.data.DataLoader(
                 # a copy without the DataLoader itself: a worker must not own (and finalise) its parent's loader
-                _WorkerDataset(copy.copy(self), self._stats_queue),
+                _WorkerDataset(copy.copy(self), self._stats_queue, store_dir),
                 batch_size=None,
                 num_workers=self.num_workers,
                 persistent_workers=True,
                 prefetch_factor=2,
                 pin_memory=self.pin_memory,
             )
-        yield from self._dataloader
+        batches = iter(self._dataloader)  # persistent workers: this drains a stopped earlier iteration
+        if self._store_dir is not None and self._epochs:  # so what that iteration left unread can go
+            shutil.rmtree(Path(self._store_dir) / f"epoch-{self._epochs - 1}", ignore_errors=True)
+        self._epochs += 1
+        yield from batches
         self._stats = {"workers": [s for _, s in sorted(self._stats_queue.get() for _ in range(self.num_workers))]}
+
+    def shared_cache_plan(self) -> CachePlan:
+        """The decisions of the cache the workers share: the policy replayed on the whole plan."""
+        items = self.plan_items()
+        return CachePlan.replay(
+            self.cache_policy, self.cache_capacity, self.seed, [key for _, _, key in items],
+            self.pass_traces(items), [p for p, _, _ in items],
+        )
 
     # -- reporting ---------------------------------------------------------------------------------
     @property
@@ -556,9 +647,16 @@ class PcvrLoader:
         }
         if workers:
             caches = [w["cache"] for w in workers]
-            cache = dict(caches[0])
-            for field in ("items", "hits", "misses", "bypasses", "evictions", "sweep_hits", "sweep_misses"):
-                cache[field] = sum(c[field] for c in caches)
+            if caches[0].get("shared"):
+                # one cache for all workers: its state (items, evictions, ...) is the replay's; the hits
+                # are the ones the workers counted, per worker and overall
+                cache = dict(self.shared_cache_plan().stats, shared_across_workers=True, per_worker=caches)
+                for field in ("hits", "misses", "served_by_other_workers", "writes"):
+                    cache[field] = sum(c[field] for c in caches)
+            else:
+                cache = dict(caches[0], shared_across_workers=False)
+                for field in ("items", "hits", "misses", "bypasses", "evictions", "sweep_hits", "sweep_misses"):
+                    cache[field] = sum(c[field] for c in caches)
             accesses = cache["hits"] + cache["misses"]
             cache["hit_rate"] = cache["hits"] / accesses if accesses else 0.0
             out["cache"] = cache
