@@ -360,21 +360,22 @@ def test_workers_share_one_cache(policy, mode, schema, dataset):
             assert cache["served_by_other_workers"] > 0
         else:
             assert cache["served_by_other_workers"] == 0
-        # a row group is decoded by a worker only for a run of its items holding a miss
+        # each run of the plan's items from one row group is decoded once, by one worker, and only when
+        # it holds a miss; that worker converts the run's misses for the others
         plan, items = loader.shared_cache_plan(), loader.plan_items()
-        expected_reads = total_runs = 0
-        for w in range(workers):
-            positions = list(range(w, len(items), workers))
-            runs: list[list[int]] = []
-            for p in positions:
-                if runs and items[runs[-1][-1]][2][1] == items[p][2][1]:
-                    runs[-1].append(p)
-                else:
-                    runs.append([p])
-            expected_reads += sum(any(plan.source[p] < 0 for p in run) for run in runs)
-            total_runs += len(runs)
+        runs = [[0]]
+        for p in range(1, len(items)):
+            if items[p][2][1] == items[runs[-1][-1]][2][1]:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        expected_reads = sum(any(plan.source[p] < 0 for p in run) for run in runs)
         # (every case here has runs made of hits only, so decoding them anyway would fail this)
-        assert loader.stats()["row_groups_read"] == expected_reads < total_runs
+        assert sum(w["row_groups_read"] for w in loader.stats_per_worker()) == expected_reads < len(runs)
+        if workers == 2:
+            assert cache["converted_for_other_workers"] > 0
+            by_others = sum(w["converted_by_other_workers"] for w in cache["per_worker"])
+            assert cache["converted_for_other_workers"] == by_others
         assert [p for p in Path(loader._store_dir).rglob("*") if p.is_file()] == []
 
 

@@ -51,6 +51,7 @@ row group when the loader first reads it, with the rows already served.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import queue
 import shutil
@@ -145,12 +146,34 @@ def _put(out: queue.Queue, obj, stop: threading.Event) -> None:
 
 @dataclass
 class _Shared:
-    """A worker's view of the cache shared by all workers: plan position of its k-th item = first + k * step."""
+    """A worker's view of the work shared by all workers: plan position of its k-th item = first + k * step.
+    `runs` are the plan's runs of consecutive items of one row group, [start, stop): each is decoded by
+    one worker only, the one holding its first item, which converts the run's misses of the other workers
+    too and publishes them on the store (round-robin dealing would otherwise make every worker decode
+    every row group)."""
 
     plan: CachePlan
     store: SharedBatchStore
     first: int
     step: int
+    items: list
+    runs: list[tuple[int, int]]
+
+    def producer(self, position: int) -> int:
+        """The worker that converts the (missed) batch at `position`: the owner of its run."""
+        return self.runs[bisect.bisect_right(self.run_starts, position) - 1][0] % self.step
+
+    def __post_init__(self):
+        self.run_starts = [start for start, _ in self.runs]
+
+
+@dataclass(frozen=True)
+class _Foreign:
+    """A miss of another worker in a run this worker decoded: convert it and publish it for that worker."""
+
+    position: int
+    key: BatchKey
+    data: pa.Table
 
 
 class _Pipeline:
@@ -161,6 +184,7 @@ class _Pipeline:
         self.shared = shared
         self.item_number = 0  # items handed out so far (their plan positions, with `shared`)
         self.shared_hits = self.shared_misses = self.served_by_other_workers = self.shared_writes = 0
+        self.converted_for_other_workers = self.converted_by_other_workers = 0
         self.file: pq.ParquetFile | None = None
         self.late_file: pq.ParquetFile | None = None
         self.converter = Converter(
@@ -204,6 +228,13 @@ class _Pipeline:
     def _reader(self, items: Sequence[tuple[int, int, BatchKey]], out: queue.Queue, stop: threading.Event):
         """Read-ahead thread: for each run of items in the same row group, decode it unless all cached."""
         try:
+            if self.shared is not None:
+                for entry in self._shared_entries():
+                    if stop.is_set():
+                        return
+                    _put(out, entry, stop)
+                _put(out, None, stop)
+                return
             i = 0
             while i < len(items) and not stop.is_set():
                 group = items[i][2][1]
@@ -231,9 +262,30 @@ class _Pipeline:
         except BaseException as exc:  # handed to the consumer, which re-raises it
             _put(out, exc, stop)
 
+    def _shared_entries(self):
+        """The shared mode's reader: for each run of the plan this worker owns and that holds a miss,
+        decode the row group once; the other workers' misses go first (as _Foreign, converted and
+        published on arrival), then this worker's items of the run, with their slices if they are misses."""
+        s = self.shared
+        for start, stop in s.runs:
+            mine = [p for p in range(start, stop) if p % s.step == s.first]
+            misses = [p for p in range(start, stop) if s.plan.source[p] < 0]
+            table = None
+            if start % s.step == s.first and misses:
+                table = self._read_group(s.items[start][2][1])
+                for p in misses:
+                    if p % s.step != s.first:
+                        yield _Foreign(p, s.items[p][2], self._slice(table, s.items[p][2]))
+            for p in mine:
+                data = self._slice(table, s.items[p][2]) if table is not None and s.plan.source[p] < 0 else None
+                yield s.items[p], data
+
     def _arrow_items(self, items):
         """(item, Arrow slice or None) in order, decoded ahead in a thread when read_ahead > 0."""
         if self.loader.read_ahead == 0:
+            if self.shared is not None:
+                yield from self._shared_entries()
+                return
             for item in items:
                 yield item, None
             return
@@ -258,6 +310,9 @@ class _Pipeline:
     def batches(self, items: Sequence[tuple[int, int, BatchKey]], traces: dict[int, list[BatchKey]]):
         threads = self.loader.torch_threads
         for item in self._arrow_items(items):
+            if isinstance(item, _Foreign):
+                self._produce(item)
+                continue
             previous = torch.get_num_threads()
             if threads is not None and threads != previous:
                 torch.set_num_threads(threads)
@@ -295,6 +350,14 @@ class _Pipeline:
             data = self._slice(table, key)
         return self.converter(data, row_offset=self.loader.batch_start(key))
 
+    def _produce(self, foreign: _Foreign) -> None:
+        """Convert another worker's miss from a row group decoded here; publish it for that worker and
+        for the cache hits it will serve."""
+        s = self.shared
+        batch = self.converter(foreign.data, row_offset=self.loader.batch_start(foreign.key))
+        s.store.put(foreign.position, batch, [foreign.position, *s.plan.readers.get(foreign.position, [])])
+        self.converted_for_other_workers += 1
+
     def _one_shared(self, key: BatchKey, data) -> Batch:
         s = self.shared
         position = s.first + self.item_number * s.step
@@ -304,6 +367,9 @@ class _Pipeline:
             self.served_by_other_workers += source % s.step != s.first
             return s.store.get(source, position, key)
         self.shared_misses += 1
+        if s.producer(position) != s.first:  # converted by the worker that decoded this row group
+            self.converted_by_other_workers += 1
+            return s.store.get(position, position, key)
         batch = self._convert(key, data)
         readers = s.plan.readers.get(position)
         if readers:
@@ -335,6 +401,8 @@ class _Pipeline:
                 "hit_rate": self.shared_hits / accesses if accesses else 0.0,
                 "served_by_other_workers": self.served_by_other_workers,
                 "writes": self.shared_writes,
+                "converted_for_other_workers": self.converted_for_other_workers,
+                "converted_by_other_workers": self.converted_by_other_workers,
             }
         else:
             cache = self.cache.stats()
@@ -365,10 +433,18 @@ class _WorkerDataset(torch.utils.data.IterableDataset):
         # a fresh pipeline (counters, and the shared cache's decisions from the plan's start) per
         # iteration, as in the single-process path: one iteration is the whole plan
         shared = None
-        if self.store_dir is not None:
+        if self.store_dir is not None:  # (always, from PcvrLoader; None only when used outside it)
             directory = Path(self.store_dir) / f"epoch-{self.epoch}"  # every worker counts the same epochs
             directory.mkdir(exist_ok=True)
-            shared = _Shared(self.loader.shared_cache_plan(), SharedBatchStore(directory), worker, workers)
+            plan_items = self.loader.plan_items()
+            runs, start = [], 0
+            for i in range(1, len(plan_items) + 1):
+                if i == len(plan_items) or plan_items[i][2][1] != plan_items[start][2][1]:
+                    runs.append((start, i))
+                    start = i
+            shared = _Shared(
+                self.loader.shared_cache_plan(), SharedBatchStore(directory), worker, workers, plan_items, runs
+            )
         self.epoch += 1
         pipeline = _Pipeline(self.loader, self.loader.cache_capacity, shared)
         items = self.loader.plan_items()[worker::workers]
@@ -578,15 +654,12 @@ class PcvrLoader:
 
         if not hasattr(self, "_dataloader"):
             self._stats_queue = mp.get_context().Queue()
-            store_dir = None
-            if self.cache_policy != "none":
-                store = SharedBatchStore.create()
-                weakref.finalize(self, store.close)
-                store_dir = str(store.directory)
-            self._store_dir, self._epochs = store_dir, 0
+            store = SharedBatchStore.create()
+            weakref.finalize(self, store.close)
+            self._store_dir, self._epochs = str(store.directory), 0
             self._dataloader = torch.utils.data.DataLoader(
                 # a copy without the DataLoader itself: a worker must not own (and finalise) its parent's loader
-                _WorkerDataset(copy.copy(self), self._stats_queue, store_dir),
+                _WorkerDataset(copy.copy(self), self._stats_queue, self._store_dir),
                 batch_size=None,
                 num_workers=self.num_workers,
                 persistent_workers=True,
@@ -594,7 +667,7 @@ class PcvrLoader:
                 pin_memory=self.pin_memory,
             )
         batches = iter(self._dataloader)  # persistent workers: this drains a stopped earlier iteration
-        if self._store_dir is not None and self._epochs:  # so what that iteration left unread can go
+        if self._epochs:  # so what that iteration left unread can go
             shutil.rmtree(Path(self._store_dir) / f"epoch-{self._epochs - 1}", ignore_errors=True)
         self._epochs += 1
         yield from batches
@@ -651,7 +724,7 @@ class PcvrLoader:
                 # one cache for all workers: its state (items, evictions, ...) is the replay's; the hits
                 # are the ones the workers counted, per worker and overall
                 cache = dict(self.shared_cache_plan().stats, shared_across_workers=True, per_worker=caches)
-                for field in ("hits", "misses", "served_by_other_workers", "writes"):
+                for field in ("hits", "misses", "served_by_other_workers", "writes", "converted_for_other_workers"):
                     cache[field] = sum(c[field] for c in caches)
             else:
                 cache = dict(caches[0], shared_across_workers=False)
