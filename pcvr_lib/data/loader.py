@@ -147,10 +147,12 @@ def _put(out: queue.Queue, obj, stop: threading.Event) -> None:
 @dataclass
 class _Shared:
     """A worker's view of the work shared by all workers: plan position of its k-th item = first + k * step.
-    `runs` are the plan's runs of consecutive items of one row group, [start, stop): each is decoded by
-    one worker only, the one holding its first item, which converts the run's misses of the other workers
-    too and publishes them on the store (round-robin dealing would otherwise make every worker decode
-    every row group)."""
+    `runs` are the plan's runs of consecutive items of one row group, [start, stop): run r is decoded by
+    worker r % workers only, which converts the run's misses of the other workers too and publishes them
+    on the store (round-robin dealing would otherwise make every worker decode every row group). The
+    owner gets to run r at the latest when asked for its first item at or after the run's start, at most
+    workers - 1 positions later, inside the DataLoader's prefetch window (2 x workers), so no worker waits
+    on one that waits for it."""
 
     plan: CachePlan
     store: SharedBatchStore
@@ -161,7 +163,7 @@ class _Shared:
 
     def producer(self, position: int) -> int:
         """The worker that converts the (missed) batch at `position`: the owner of its run."""
-        return self.runs[bisect.bisect_right(self.run_starts, position) - 1][0] % self.step
+        return (bisect.bisect_right(self.run_starts, position) - 1) % self.step
 
     def __post_init__(self):
         self.run_starts = [start for start, _ in self.runs]
@@ -267,11 +269,11 @@ class _Pipeline:
         decode the row group once; the other workers' misses go first (as _Foreign, converted and
         published on arrival), then this worker's items of the run, with their slices if they are misses."""
         s = self.shared
-        for start, stop in s.runs:
+        for r, (start, stop) in enumerate(s.runs):
             mine = [p for p in range(start, stop) if p % s.step == s.first]
             misses = [p for p in range(start, stop) if s.plan.source[p] < 0]
             table = None
-            if start % s.step == s.first and misses:
+            if r % s.step == s.first and misses:
                 table = self._read_group(s.items[start][2][1])
                 for p in misses:
                     if p % s.step != s.first:
