@@ -247,17 +247,10 @@ class _Pipeline:
                 # Cached payloads are passed along by reference: if one is evicted before the consumer
                 # asks for it, the consumer still counts a miss but reuses this (identical) batch
                 # instead of decoding the row group again in its own thread.
-                if self.shared is not None:  # the shared cache's hits are known from the plan
-                    s = self.shared
-                    cached = [s.plan.source[s.first + k * s.step] >= 0 or None for k in range(i, j)]
-                else:
-                    cached = [self.cache.peek(key) for _, _, key in run]
+                cached = [self.cache.peek(key) for _, _, key in run]
                 table = None if all(c is not None for c in cached) else self._read_group(group)
                 for item, payload in zip(run, cached, strict=True):
-                    if payload is None:
-                        data = self._slice(table, item[2])
-                    else:  # the consumer takes it from the cache (shared) or reuses it if evicted meanwhile
-                        data = None if self.shared is not None else _Converted(payload)
+                    data = self._slice(table, item[2]) if table is not None else _Converted(payload)
                     _put(out, (item, data), stop)
                 i = j
             _put(out, None, stop)
