@@ -456,7 +456,7 @@ def _extra_args(extra, device):
 
             dummy = _dummy_vis[device] = torch.zeros(32, dtype=torch.int32, device=device)
         return dummy, dummy, W, G
-    return roles, words, W, G
+    return roles.reshape(-1), words, W, G  # the kernels index the (B, S) codes flat: ROLE[b * S + s]
 
 
 _dummy_vis: dict = {}
