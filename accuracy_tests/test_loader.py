@@ -3,6 +3,8 @@ split sides are respected, the cache never changes what comes out, workers agree
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import numpy as np
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
@@ -327,3 +329,67 @@ def test_list_order_flag_on_the_commands_that_load_data():
         assert args.list_order == "newest-first"
         with pytest.raises(SystemExit):
             build_parser(command).parse_args([command, *extra, "--list-order", "oldest-first"])
+
+
+@pytest.mark.parametrize(
+    "policy, mode, batch_size", [("lru", "sweep", 40), ("opt", "sweep", 40), ("rr", "steps", 40), ("opt", "sweep", 100)]
+)
+def test_workers_share_one_cache(policy, mode, batch_size, schema, dataset):
+    """The workers' shared cache gives the single-process loader's batches and exactly its hits (same
+    policy, same full capacity), a batch converted by one worker serves the other, a hit decodes nothing,
+    and every published batch is read and released by the end of the iteration."""
+    # 3 batches per row group (40 + 40 + 20 rows): with an even number of batches per pass, round-robin
+    # dealing would give every key to the same worker in every pass, and nothing would cross workers;
+    # 100: one batch per group, runs of one item, whose decoding worker often holds no item of the run
+    kwargs = dict(cache_policy=policy, batch_size=batch_size, mode=mode, passes=3, steps=30, shuffle=True, seed=3,
+                  cache_capacity=8)
+    local_loader = PcvrLoader(dataset, schema, **kwargs)
+    local = list(local_loader)
+    local_cache = local_loader.stats()["cache"]
+    assert local_cache["hits"] > 0
+    for workers in (1, 2):
+        loader = PcvrLoader(dataset, schema, num_workers=workers, **kwargs)
+        got = list(loader)
+        assert len(got) == len(local)
+        for a, b in zip(local, got, strict=True):
+            assert_batches_equal(a, b)
+        cache = loader.stats()["cache"]
+        assert cache["shared_across_workers"] and len(cache["per_worker"]) == workers
+        assert (cache["hits"], cache["misses"]) == (local_cache["hits"], local_cache["misses"])
+        assert sum(w["hits"] for w in cache["per_worker"]) == cache["hits"]
+        per_worker_accesses = [w["hits"] + w["misses"] for w in cache["per_worker"]]
+        assert per_worker_accesses == [len(local[w::workers]) for w in range(workers)]
+        if workers == 2:
+            assert cache["served_by_other_workers"] > 0
+        else:
+            assert cache["served_by_other_workers"] == 0
+        # each run of the plan's items from one row group is decoded once, by one worker, and only when
+        # it holds a miss; that worker converts the run's misses for the others
+        plan, items = loader.shared_cache_plan(), loader.plan_items()
+        runs = [[0]]
+        for p in range(1, len(items)):
+            if items[p][2][1] == items[runs[-1][-1]][2][1]:
+                runs[-1].append(p)
+            else:
+                runs.append([p])
+        expected_reads = sum(any(plan.source[p] < 0 for p in run) for run in runs)
+        # (every case here has runs made of hits only, so decoding them anyway would fail this)
+        assert sum(w["row_groups_read"] for w in loader.stats_per_worker()) == expected_reads < len(runs)
+        if workers == 2:
+            assert all(w["row_groups_read"] > 0 for w in loader.stats_per_worker())  # the decoding is split
+            # (one-item runs are decoded by the worker holding the item: nothing to convert for others)
+            assert (cache["converted_for_other_workers"] > 0) == (batch_size == 40)
+            by_others = sum(w["converted_by_other_workers"] for w in cache["per_worker"])
+            assert cache["converted_for_other_workers"] == by_others
+        assert [p for p in Path(loader._store_dir).rglob("*") if p.is_file()] == []
+
+
+def test_shared_cache_replay_is_the_policy(schema, dataset):
+    """The shared cache's plan replays the policy: OPT's hits are Belady's on the loader's trace."""
+    loader = PcvrLoader(dataset, schema, cache_policy="opt", batch_size=BATCH, passes=3, shuffle=True, cache_capacity=5)
+    plan = loader.shared_cache_plan()
+    keys = [key for _, _, key in loader.plan_items()]
+    hits = sum(s >= 0 for s in plan.source)
+    assert hits == plan.stats["hits"] == belady_hit_count(keys, 5)
+    for insert, readers in plan.readers.items():
+        assert plan.source[insert] == -1 and all(plan.source[r] == insert and keys[r] == keys[insert] for r in readers)

@@ -75,7 +75,7 @@ def setup(data_scale, data_cache_dir, repo_root):
     return cfg, schema, path
 
 
-def _loader(cfg, schema, path, preset) -> PcvrLoader:
+def _loader(cfg, schema, path, preset, **options) -> PcvrLoader:
     probe = PcvrLoader(path, schema, batch_size=cfg["batch_size"])
     capacity = max(1, min(int(probe.planned_batches * CACHE_FRACTION), cfg.get("cache_max", 1 << 30)))
     return PcvrLoader(
@@ -87,6 +87,7 @@ def _loader(cfg, schema, path, preset) -> PcvrLoader:
         shuffle=True,
         seed=0,
         cache_capacity=capacity,
+        **options,
     )
 
 
@@ -299,11 +300,16 @@ def _threaded_read_seconds(path, columns, groups: int, threads: int) -> float:
 
 
 @pytest.mark.benchmark(group="data-loader-workers")
-@pytest.mark.parametrize("workers", [0, 1, 2], ids=lambda w: f"preset=none,workers={w}")
-def test_loader_workers(benchmark, setup, workers):
-    """The loader (preset none, one pass) with 0, 1, 2 worker processes against a pyarrow read of the same
-    columns with as many reader threads (1 for 0 workers: the loader's own read-ahead thread), read before
-    and after the loader round; ratio = loader rows/s over the mean of the two reads' rows/s."""
+@pytest.mark.parametrize(
+    "preset, workers",
+    [pytest.param(p, w, id=f"preset={p},workers={w}") for p in ("none", "opt") for w in (0, 1, 2)],
+)
+def test_loader_workers(benchmark, setup, preset, workers):
+    """The loader (the pipeline cases' passes, shuffle and cache capacity) with 0, 1, 2 worker processes
+    against a pyarrow read of the same columns with as many reader threads (1 for 0 workers: the loader's
+    own read-ahead thread), read before and after the loader round; ratio = loader rows/s over the mean of
+    the two reads' rows/s. With workers the cache is one cache shared by them (its hits per worker and
+    overall are stored, and must equal the single-process loader's on the same plan)."""
     cfg, schema, path = setup
     columns = schema.converter_columns
     groups = pq.ParquetFile(path).metadata.num_row_groups
@@ -313,7 +319,7 @@ def test_loader_workers(benchmark, setup, workers):
 
     def make():
         floors.append(_threaded_read_seconds(path, columns, groups, threads))
-        holder["loader"] = PcvrLoader(path, schema, batch_size=cfg["batch_size"], num_workers=workers, pin_memory=False)
+        holder["loader"] = _loader(cfg, schema, path, preset, num_workers=workers, pin_memory=False)
         return (), {}
 
     def run():
@@ -327,7 +333,25 @@ def test_loader_workers(benchmark, setup, workers):
     assert rows == loader.planned_rows == loader.stats()["rows"]  # everything planned came out, once
     file_rows = pq.ParquetFile(path).metadata.num_rows
     floor_rows_per_sec = file_rows / (sum(floors) / len(floors))
+    stats = loader.stats()
+    cache = stats["cache"]
+    assert cache["hits"] + cache["misses"] == loader.planned_batches
+    if preset != "none":  # one cache whatever the worker count: the single-process policy's hits
+        plan = loader.shared_cache_plan()
+        assert cache["hits"] == plan.stats["hits"] == sum(s >= 0 for s in plan.source)
+        if preset == "opt":
+            assert cache["hits"] == belady_hit_count([key for _, _, key in loader.plan_items()], loader.cache_capacity)
+    per_worker = cache.get("per_worker") or [cache]
     benchmark.extra_info.update(
+        preset=preset,
+        cache_capacity=loader.cache_capacity if preset != "none" else 0,
+        cache_hit_rate=cache["hit_rate"],
+        cache_hit_rate_per_worker=[w["hit_rate"] for w in per_worker],
+        cache_hits_per_worker=[w["hits"] for w in per_worker],
+        cache_served_by_other_workers=cache.get("served_by_other_workers", 0),
+        cache_shared_across_workers=cache.get("shared_across_workers", False),
+        row_groups_read=stats["row_groups_read"],
+        row_groups_read_per_worker=[w["row_groups_read"] for w in loader.stats_per_worker()],
         scale=cfg["scale"],
         num_workers=workers,
         pyarrow_threads=threads,

@@ -25,7 +25,9 @@ handed out): the copies and masks are memory-bound, and on a small shared machin
 spinning against pyarrow's decoder threads made a 200 KB clone take 13 ms instead of 5 us.
 With `num_workers > 0` a torch DataLoader runs the same pipeline in worker processes (batch_size=None,
 persistent workers, prefetch 2, pinned memory on CUDA); keys are dealt round-robin, so batches still come
-out in plan order, and each worker has its own cache of capacity // num_workers batches.
+out in plan order. The workers share one cache of the full capacity (`shared_cache.py`): its decisions are
+the policy replayed on the whole plan, so they are the single-process loader's, and a batch converted by
+one worker is read by another from shared memory without decoding (`stats()["cache"]["per_worker"]`).
 
 Presets (strict_time_filter is explicit here; the reference switched it on whenever any augmentation
 was configured, even a no-op one):
@@ -49,9 +51,12 @@ row group when the loader first reads it, with the rows already served.
 
 from __future__ import annotations
 
+import bisect
 import copy
 import queue
+import shutil
 import threading
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -66,6 +71,7 @@ from pcvr_lib.data.batch import Batch
 from pcvr_lib.data.cache import CACHE_POLICIES, make_cache
 from pcvr_lib.data.convert import LIST_ORDERS, NON_MONOTONIC_POLICIES, ORDER_CLASSES, Converter
 from pcvr_lib.data.parquet import DataError, open_dataset
+from pcvr_lib.data.shared_cache import CachePlan, SharedBatchStore
 from pcvr_lib.data.split import SIDES, SPLIT_METHODS, SplitPlan, plan_split, splitmix64
 from pcvr_lib.schema import Schema, load_schema
 
@@ -138,11 +144,49 @@ def _put(out: queue.Queue, obj, stop: threading.Event) -> None:
             continue
 
 
+@dataclass
+class _Shared:
+    """A worker's view of the work shared by all workers: plan position of its k-th item = first + k * step.
+    `runs` are the plan's runs of consecutive items of one row group, [start, stop): run r is decoded by
+    worker r % workers only, which converts the run's misses of the other workers too and publishes them
+    on the store (round-robin dealing would otherwise make every worker decode every row group). The
+    owner gets to run r at the latest when asked for its first item at or after the run's start, at most
+    workers - 1 positions later, inside the DataLoader's prefetch window (2 x workers), so no worker waits
+    on one that waits for it."""
+
+    plan: CachePlan
+    store: SharedBatchStore
+    first: int
+    step: int
+    items: list
+    runs: list[tuple[int, int]]
+
+    def producer(self, position: int) -> int:
+        """The worker that converts the (missed) batch at `position`: the owner of its run."""
+        return (bisect.bisect_right(self.run_starts, position) - 1) % self.step
+
+    def __post_init__(self):
+        self.run_starts = [start for start, _ in self.runs]
+
+
+@dataclass(frozen=True)
+class _Foreign:
+    """A miss of another worker in a run this worker decoded: convert it and publish it for that worker."""
+
+    position: int
+    key: BatchKey
+    data: pa.Table
+
+
 class _Pipeline:
     """Produces the batches of a list of (pass, position, key) items; one instance per process."""
 
-    def __init__(self, loader: PcvrLoader, cache_capacity: int):
+    def __init__(self, loader: PcvrLoader, cache_capacity: int, shared: _Shared | None = None):
         self.loader = loader
+        self.shared = shared
+        self.item_number = 0  # items handed out so far (their plan positions, with `shared`)
+        self.shared_hits = self.shared_misses = self.served_by_other_workers = self.shared_writes = 0
+        self.converted_for_other_workers = self.converted_by_other_workers = 0
         self.file: pq.ParquetFile | None = None
         self.late_file: pq.ParquetFile | None = None
         self.converter = Converter(
@@ -186,6 +230,13 @@ class _Pipeline:
     def _reader(self, items: Sequence[tuple[int, int, BatchKey]], out: queue.Queue, stop: threading.Event):
         """Read-ahead thread: for each run of items in the same row group, decode it unless all cached."""
         try:
+            if self.shared is not None:
+                for entry in self._shared_entries():
+                    if stop.is_set():
+                        return
+                    _put(out, entry, stop)
+                _put(out, None, stop)
+                return
             i = 0
             while i < len(items) and not stop.is_set():
                 group = items[i][2][1]
@@ -206,9 +257,30 @@ class _Pipeline:
         except BaseException as exc:  # handed to the consumer, which re-raises it
             _put(out, exc, stop)
 
+    def _shared_entries(self):
+        """The shared mode's reader: for each run of the plan this worker owns and that holds a miss,
+        decode the row group once; the other workers' misses go first (as _Foreign, converted and
+        published on arrival), then this worker's items of the run, with their slices if they are misses."""
+        s = self.shared
+        for r, (start, stop) in enumerate(s.runs):
+            mine = [p for p in range(start, stop) if p % s.step == s.first]
+            misses = [p for p in range(start, stop) if s.plan.source[p] < 0]
+            table = None
+            if r % s.step == s.first and misses:
+                table = self._read_group(s.items[start][2][1])
+                for p in misses:
+                    if p % s.step != s.first:
+                        yield _Foreign(p, s.items[p][2], self._slice(table, s.items[p][2]))
+            for p in mine:
+                data = self._slice(table, s.items[p][2]) if table is not None and s.plan.source[p] < 0 else None
+                yield s.items[p], data
+
     def _arrow_items(self, items):
         """(item, Arrow slice or None) in order, decoded ahead in a thread when read_ahead > 0."""
         if self.loader.read_ahead == 0:
+            if self.shared is not None:
+                yield from self._shared_entries()
+                return
             for item in items:
                 yield item, None
             return
@@ -233,6 +305,9 @@ class _Pipeline:
     def batches(self, items: Sequence[tuple[int, int, BatchKey]], traces: dict[int, list[BatchKey]]):
         threads = self.loader.torch_threads
         for item in self._arrow_items(items):
+            if isinstance(item, _Foreign):
+                self._produce(item)
+                continue
             previous = torch.get_num_threads()
             if threads is not None and threads != previous:
                 torch.set_num_threads(threads)
@@ -246,6 +321,58 @@ class _Pipeline:
     def _one(self, item, traces: dict[int, list[BatchKey]]) -> Batch:
         loader = self.loader
         (pass_index, position, key), data = item
+        if self.shared is not None:
+            batch = self._one_shared(key, data)
+        else:
+            batch = self._one_local(pass_index, key, data, traces)
+        batch = loader.filter_rows(batch, key)
+        if self.augmenter is not None:
+            gen = torch.Generator().manual_seed(_batch_seed(loader.seed, pass_index, position))
+            batch = self.augmenter(batch, gen)
+        self.rows += batch.batch_size
+        self.batch_count += 1
+        self.item_number += 1
+        return batch
+
+    def _convert(self, key: BatchKey, data) -> Batch:
+        """Convert a decoded slice, or decode the batch's row group here first (no read-ahead)."""
+        if data is None:
+            self.late_reads += self.loader.read_ahead > 0
+            try:
+                table = self._read_group(key[1], late=self.loader.read_ahead > 0)
+            except CorruptRowGroupError as exc:
+                raise CorruptRowGroupError(f"{exc}; {self.rows} rows served before it") from exc
+            data = self._slice(table, key)
+        return self.converter(data, row_offset=self.loader.batch_start(key))
+
+    def _produce(self, foreign: _Foreign) -> None:
+        """Convert another worker's miss from a row group decoded here; publish it for that worker and
+        for the cache hits it will serve."""
+        s = self.shared
+        batch = self.converter(foreign.data, row_offset=self.loader.batch_start(foreign.key))
+        s.store.put(foreign.position, batch, [foreign.position, *s.plan.readers.get(foreign.position, [])])
+        self.converted_for_other_workers += 1
+
+    def _one_shared(self, key: BatchKey, data) -> Batch:
+        s = self.shared
+        position = s.first + self.item_number * s.step
+        source = s.plan.source[position]
+        if source >= 0:
+            self.shared_hits += 1
+            self.served_by_other_workers += source % s.step != s.first
+            return s.store.get(source, position, key)
+        self.shared_misses += 1
+        if s.producer(position) != s.first:  # converted by the worker that decoded this row group
+            self.converted_by_other_workers += 1
+            return s.store.get(position, position, key)
+        batch = self._convert(key, data)
+        readers = s.plan.readers.get(position)
+        if readers:
+            s.store.put(position, batch, readers)
+            self.shared_writes += 1
+        return batch
+
+    def _one_local(self, pass_index: int, key: BatchKey, data, traces: dict[int, list[BatchKey]]) -> Batch:
         if pass_index != self.current_pass:
             self.current_pass = pass_index
             self.cache.set_trace(traces[pass_index])  # per-sweep rebuild: the rest of the plan
@@ -255,31 +382,32 @@ class _Pipeline:
                 self.reused_after_eviction += 1
                 batch = data.batch.clone()
             else:
-                if data is None:
-                    self.late_reads += loader.read_ahead > 0
-                    try:
-                        table = self._read_group(key[1], late=loader.read_ahead > 0)
-                    except CorruptRowGroupError as exc:
-                        raise CorruptRowGroupError(f"{exc}; {self.rows} rows served before it") from exc
-                    data = self._slice(table, key)
-                batch = self.converter(data, row_offset=loader.batch_start(key))
+                batch = self._convert(key, data)
             self.cache.put(key, batch)
-        batch = loader.filter_rows(batch, key)
-        if self.augmenter is not None:
-            gen = torch.Generator().manual_seed(_batch_seed(loader.seed, pass_index, position))
-            batch = self.augmenter(batch, gen)
-        self.rows += batch.batch_size
-        self.batch_count += 1
         return batch
 
     def stats(self) -> dict:
+        if self.shared is not None:
+            accesses = self.shared_hits + self.shared_misses
+            cache = {
+                "shared": True,
+                "hits": self.shared_hits,
+                "misses": self.shared_misses,
+                "hit_rate": self.shared_hits / accesses if accesses else 0.0,
+                "served_by_other_workers": self.served_by_other_workers,
+                "writes": self.shared_writes,
+                "converted_for_other_workers": self.converted_for_other_workers,
+                "converted_by_other_workers": self.converted_by_other_workers,
+            }
+        else:
+            cache = self.cache.stats()
         return {
             "rows": self.rows,
             "batches": self.batch_count,
             "row_groups_read": self.groups_read,
             "late_reads": self.late_reads,
             "reused_after_eviction": self.reused_after_eviction,
-            "cache": self.cache.stats(),
+            "cache": cache,
             "converter": dict(self.converter.stats),
         }
 
@@ -287,17 +415,33 @@ class _Pipeline:
 class _WorkerDataset(torch.utils.data.IterableDataset):
     """DataLoader side: worker w produces the plan items at positions w, w + W, ... (in plan order)."""
 
-    def __init__(self, loader: PcvrLoader, stats_queue):
+    def __init__(self, loader: PcvrLoader, stats_queue, store_dir: str | None):
         super().__init__()
         self.loader = loader
         self.stats_queue = stats_queue
+        self.store_dir = store_dir
+        self.epoch = 0
 
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        # a fresh pipeline (cache, counters) per iteration, as in the single-process path: one iteration
-        # is the whole plan, and OPT's trace starts at its beginning
-        pipeline = _Pipeline(self.loader, max(1, self.loader.cache_capacity // workers))
+        # a fresh pipeline (counters, and the shared cache's decisions from the plan's start) per
+        # iteration, as in the single-process path: one iteration is the whole plan
+        shared = None
+        if self.store_dir is not None:  # (always, from PcvrLoader; None only when used outside it)
+            directory = Path(self.store_dir) / f"epoch-{self.epoch}"  # every worker counts the same epochs
+            directory.mkdir(exist_ok=True)
+            plan_items = self.loader.plan_items()
+            runs, start = [], 0
+            for i in range(1, len(plan_items) + 1):
+                if i == len(plan_items) or plan_items[i][2][1] != plan_items[start][2][1]:
+                    runs.append((start, i))
+                    start = i
+            shared = _Shared(
+                self.loader.shared_cache_plan(), SharedBatchStore(directory), worker, workers, plan_items, runs
+            )
+        self.epoch += 1
+        pipeline = _Pipeline(self.loader, self.loader.cache_capacity, shared)
         items = self.loader.plan_items()[worker::workers]
         yield from pipeline.batches(items, self.loader.pass_traces(items))
         self.stats_queue.put((worker, pipeline.stats()))
@@ -505,17 +649,32 @@ class PcvrLoader:
 
         if not hasattr(self, "_dataloader"):
             self._stats_queue = mp.get_context().Queue()
+            store = SharedBatchStore.create()
+            weakref.finalize(self, store.close)
+            self._store_dir, self._epochs = str(store.directory), 0
             self._dataloader = torch.utils.data.DataLoader(
                 # a copy without the DataLoader itself: a worker must not own (and finalise) its parent's loader
-                _WorkerDataset(copy.copy(self), self._stats_queue),
+                _WorkerDataset(copy.copy(self), self._stats_queue, self._store_dir),
                 batch_size=None,
                 num_workers=self.num_workers,
                 persistent_workers=True,
                 prefetch_factor=2,
                 pin_memory=self.pin_memory,
             )
-        yield from self._dataloader
+        batches = iter(self._dataloader)  # persistent workers: this drains a stopped earlier iteration
+        if self._epochs:  # so what that iteration left unread can go
+            shutil.rmtree(Path(self._store_dir) / f"epoch-{self._epochs - 1}", ignore_errors=True)
+        self._epochs += 1
+        yield from batches
         self._stats = {"workers": [s for _, s in sorted(self._stats_queue.get() for _ in range(self.num_workers))]}
+
+    def shared_cache_plan(self) -> CachePlan:
+        """The decisions of the cache the workers share: the policy replayed on the whole plan."""
+        items = self.plan_items()
+        return CachePlan.replay(
+            self.cache_policy, self.cache_capacity, self.seed, [key for _, _, key in items],
+            self.pass_traces(items), [p for p, _, _ in items],
+        )
 
     # -- reporting ---------------------------------------------------------------------------------
     @property
@@ -556,9 +715,16 @@ class PcvrLoader:
         }
         if workers:
             caches = [w["cache"] for w in workers]
-            cache = dict(caches[0])
-            for field in ("items", "hits", "misses", "bypasses", "evictions", "sweep_hits", "sweep_misses"):
-                cache[field] = sum(c[field] for c in caches)
+            if caches[0].get("shared"):
+                # one cache for all workers: its state (items, evictions, ...) is the replay's; the hits
+                # are the ones the workers counted, per worker and overall
+                cache = dict(self.shared_cache_plan().stats, shared_across_workers=True, per_worker=caches)
+                for field in ("hits", "misses", "served_by_other_workers", "writes", "converted_for_other_workers"):
+                    cache[field] = sum(c[field] for c in caches)
+            else:
+                cache = dict(caches[0], shared_across_workers=False)
+                for field in ("items", "hits", "misses", "bypasses", "evictions", "sweep_hits", "sweep_misses"):
+                    cache[field] = sum(c[field] for c in caches)
             accesses = cache["hits"] + cache["misses"]
             cache["hit_rate"] = cache["hits"] / accesses if accesses else 0.0
             out["cache"] = cache
