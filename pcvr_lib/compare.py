@@ -416,14 +416,16 @@ def pytest_command(json_out: Path, tests: list[str]) -> list[str]:
             f"--benchmark-json={json_out}"]
 
 
-def run_suite(json_out: Path, tests: list[str], cwd: Path | None = None) -> None:
-    """One pytest process of the benchmark suite, writing its JSON; a failure to write JSON is an error."""
+def run_suite(json_out: Path, tests: list[str], cwd: Path | None = None,
+              extra_env: dict[str, str] | None = None) -> None:
+    """One pytest process of the benchmark suite, writing its JSON; a failure to write JSON is an error.
+    `extra_env` is set for this process only (`pcvr compare --candidate-env`)."""
     from pcvr_lib.data.generate import default_cache_dir
 
     json_out.parent.mkdir(parents=True, exist_ok=True)
     # both trees share one data cache: generated files are keyed by content, so a base worktree does not
     # regenerate them (nor rebuild the converter's native code, keyed by its source)
-    env = {**os.environ, "PCVR_CACHE_DIR": str(default_cache_dir().resolve())}
+    env = {**os.environ, "PCVR_CACHE_DIR": str(default_cache_dir().resolve()), **(extra_env or {})}
     code = subprocess.call(pytest_command(json_out.resolve(), tests), cwd=cwd, env=env)
     if not json_out.is_file():
         raise ReportError(f"pytest ({' '.join(tests)}) in {cwd or Path.cwd()} exited {code} without writing {json_out}")
@@ -595,9 +597,23 @@ def add_compare_arguments(parser) -> None:
     parser.add_argument("--noise", help="noise file (default .benchmarks/<machine>/noise.json of the candidate)")
     parser.add_argument("--work", default="results/compare", help="where the runs' JSON and the report go")
     parser.add_argument("--all", action="store_true", help="list every case, not only those outside threshold")
+    parser.add_argument("--candidate-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="set this variable in the candidate's runs only (repeatable); e.g. a planted "
+                        "slowdown (PCVR_PLANTED_CPU_SLOWDOWN=0.10) to measure what the comparison catches")
     parser.add_argument("tests", nargs=argparse.REMAINDER,
                         help="last: test paths and pytest args, e.g. perf_tests -k x "
                         "(default perf_tests)")
+
+
+def parse_env_assignments(items: list[str], option: str) -> dict[str, str]:
+    """NAME=VALUE strings -> dict; a malformed one is an error naming it."""
+    env = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name.isidentifier():
+            raise ReportError(f"{option} {item!r}: expected NAME=VALUE with NAME a variable name")
+        env[name] = value
+    return env
 
 
 def run_compare(args) -> int:
@@ -608,6 +624,7 @@ def run_compare(args) -> int:
         if args.rounds < 1:
             raise ReportError(f"--rounds {args.rounds}: at least one A-B-B-A round")
         args.tests = args.tests or ["perf_tests"]
+        side_env = {"base": {}, "new": parse_env_assignments(args.candidate_env, "--candidate-env")}
         base_dir, made_worktree = base_checkout(args.base, Path(tempfile.gettempdir()) / "pcvr-compare")
         new_dir = Path(args.new).resolve()
         dirs = {"base": base_dir, "new": new_dir}
@@ -618,7 +635,7 @@ def run_compare(args) -> int:
             out = work / f"{i + 1:02d}_{side}.json"
             print(f"pcvr compare: run {i + 1}/{4 * args.rounds} ({side}, {dirs[side]}) [{time.time() - t0:.0f}s]",
                   flush=True)
-            run_suite(out, args.tests, cwd=dirs[side])
+            run_suite(out, args.tests, cwd=dirs[side], extra_env=side_env[side])
             runs[side].append(load_run(out))
             files[side].append(str(out))
         check_same_machine(runs["base"][0], runs["new"][0], "base", "candidate")
@@ -638,6 +655,7 @@ def run_compare(args) -> int:
     print(ab_table(rows, missing, args.all))
     regressed = missing or any(r.verdict == "REGRESSED" for r in rows)
     report = {"base": args.base, "new": str(args.new), "rounds": args.rounds, "files": files,
+              "candidate_env": side_env["new"], "tests": args.tests,
               "noise": str(noise_path) if noise else None, "failed": bool(regressed), "missing": missing,
               "rows": [asdict(r) for r in rows]}
     (work / "compare.json").write_text(json.dumps(report, indent=1))

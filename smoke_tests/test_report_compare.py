@@ -223,6 +223,45 @@ def test_compare_runs_base_and_candidate_alternately_and_flags_only_the_planted_
     assert [Path(f).name for f in result["files"]["base"]] == ["01_base.json", "04_base.json"]
 
 
+def test_candidate_env_plants_on_the_candidate_side_only(tmp_path, capsys):
+    """One tree on both sides; the variable slows the candidate's runs alone, so only they are flagged."""
+    tree = tmp_path / "tree"
+    (tree / "perf_tests").mkdir(parents=True)
+    (tree / "perf_tests" / "test_env.py").write_text(textwrap.dedent("""
+        import os
+        import time
+        import pytest
+
+        def spin(seconds):
+            end = time.thread_time() + seconds
+            while time.thread_time() < end:
+                pass
+
+        @pytest.mark.benchmark(timer=time.thread_time)
+        def test_env(benchmark):
+            benchmark.extra_info["stat"] = "cpu"
+            benchmark.pedantic(spin, args=(0.02 * (1 + float(os.environ.get("TINY_SLOWER", "0"))),), rounds=5)
+    """))
+    code = main(["compare", "--base", str(tree), "--new", str(tree), "--rounds", "1", "--work", str(tmp_path / "w"),
+                 "--candidate-env", "TINY_SLOWER=0.5", "perf_tests"])
+    out = capsys.readouterr().out
+    assert code == compare.EXIT_REGRESSED, out
+    result = json.loads((tmp_path / "w" / "compare.json").read_text())
+    assert result["candidate_env"] == {"TINY_SLOWER": "0.5"}
+    (row,) = [r for r in result["rows"] if r["metric"] == "cpu"]
+    assert row["verdict"] == "REGRESSED" and 1.4 < row["ratio"] < 1.6, row
+    # the same tree without the variable: nothing to flag
+    assert main(["compare", "--base", str(tree), "--new", str(tree), "--rounds", "1", "--work",
+                 str(tmp_path / "aa"), "perf_tests"]) == compare.EXIT_OK, capsys.readouterr().out
+
+
+@pytest.mark.parametrize("item", ["NOEQUALS", "=1", "2X=1", "A B=1"])
+def test_candidate_env_must_be_name_equals_value(tmp_path, capsys, item):
+    assert main(["compare", "--base", str(tmp_path), "--work", str(tmp_path / "w"),
+                 "--candidate-env", item]) == compare.EXIT_REFUSED
+    assert f"--candidate-env {item!r}: expected NAME=VALUE" in capsys.readouterr().err
+
+
 def test_compare_refuses_a_base_that_is_neither_a_directory_nor_a_revision(tmp_path, capsys):
     assert main(["compare", "--base", "no-such-rev-xyz", "--work", str(tmp_path)]) == compare.EXIT_REFUSED
     assert "neither a directory nor a git revision" in capsys.readouterr().err
