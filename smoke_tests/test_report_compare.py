@@ -190,6 +190,22 @@ def test_abba_order_and_bootstrap_interval():
     assert low < 1.0 < high
 
 
+def test_interleaved_threshold_is_the_floor_not_the_stored_run_spread():
+    """A noise file whose group spread is 8% (a 16% threshold for `pcvr diff`) must not hide a steady 10%
+    slowdown from A-B-B-A runs: their interval carries the session's noise, the threshold is the floor."""
+    noise = {"runs": 3, "k": 2.0, "cases": {}, "groups": {"data": {"cpu": {"cases": 1, "p50": 0.08, "p90": 0.08,
+                                                                         "max": 0.08}}}}
+    def runs(values):
+        return [{"machine_info": {}, "benchmarks": [_bench("test_x[a=1]", v, group="data")]} for v in values]
+    base = runs([1.0, 1.01, 0.99, 1.0])
+    rows, missing = compare.ab_compare(base, runs([1.1, 1.11, 1.09, 1.1]), noise)
+    assert [(r.verdict, r.threshold) for r in rows] == [("REGRESSED", 0.05)] and not missing
+    case = compare.cases_of(base[0])["perf_tests/test_x.py::test_x[a=1]"]
+    assert compare.threshold(noise, case, "cpu", 1.0)[0] == pytest.approx(0.16)  # what diff would allow
+    rows, _ = compare.ab_compare(base, runs([1.0, 0.99, 1.01, 1.0]), noise)
+    assert [r.verdict for r in rows] == ["ok"]
+
+
 def _tiny_project(path: Path, spin_ms: float) -> Path:
     (path / "perf_tests").mkdir(parents=True)
     (path / "perf_tests" / "test_tiny.py").write_text(textwrap.dedent(f"""
@@ -253,6 +269,19 @@ def test_candidate_env_plants_on_the_candidate_side_only(tmp_path, capsys):
     # the same tree without the variable: nothing to flag
     assert main(["compare", "--base", str(tree), "--new", str(tree), "--rounds", "1", "--work",
                  str(tmp_path / "aa"), "perf_tests"]) == compare.EXIT_OK, capsys.readouterr().out
+    # --replay recomputes from the kept runs without running anything, and writes nothing there
+    (tmp_path / "w" / "compare.json").unlink()
+    assert main(["compare", "--replay", str(tmp_path / "w")]) == compare.EXIT_REGRESSED
+    assert main(["compare", "--replay", str(tmp_path / "aa")]) == compare.EXIT_OK
+    assert not (tmp_path / "w" / "compare.json").exists()
+    capsys.readouterr()
+    (tmp_path / "w" / "02_new.json").unlink()
+    (tmp_path / "w" / "03_new.json").unlink()
+    assert main(["compare", "--replay", str(tmp_path / "w")]) == compare.EXIT_REFUSED
+    assert "found 2 base, 0 candidate" in capsys.readouterr().err
+    assert main(["compare", "--replay", str(tmp_path / "nowhere")]) == compare.EXIT_REFUSED
+    assert main(["compare", "--work", str(tmp_path)]) == compare.EXIT_REFUSED
+    assert "--base REV_OR_DIR is needed" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("item", ["NOEQUALS", "=1", "2X=1", "A B=1"])
