@@ -7,7 +7,7 @@
 #   bash tools/h200_session.sh warm perf_norms perf_embedding perf_attention  # the kernel snapshots
 #   REPS=3 bash tools/h200_session.sh warm planted noise                      # planted slowdown + noise floor
 # (BUDGET=seconds caps the whole command; steps: warm warm_norms accuracy accuracy_norms accuracy_attention
-#  sweep norm_sweep tune host perf_norms perf_embedding perf_attention noise planted optim gpu_timer host_ab smoke)
+#  sweep norm_sweep tune host perf_norms perf_embedding perf_attention noise planted optim gpu_timer host_ab smoke accuracy_parallel)
 #
 # noise: the gated kernel suite (torch.compile peers, sweeps and host parts left out) REPS times, one JSON
 #   per repetition ($OUT/noise_repN.json), then `pcvr noise --from` them into $OUT/noise_h200.json.
@@ -20,6 +20,7 @@
 # .cache/tlpack/tl.tar.xz is TileLang's disk cache built on a CPU machine for sm_90/sm_90a:
 #   TILELANG_CACHE_DIR=$PWD/.cache/tilelang python3 -m pcvr_lib.kernels.precompile --arch sm_90a --tune --workers 2
 #   mkdir -p .cache/tlpack && tar -C .cache -cJf .cache/tlpack/tl.tar.xz tilelang
+# REP_FROM numbers the noise repetitions from there (a second call in one lease: REP_FROM=3).
 # NOISE_K narrows the noise repetitions to a subset (e.g. NOISE_K=bf16) when the whole suite does not fit.
 # host_ab: tools/launch_host_ab.py between the tree in .trees/base (carry it) and this one.
 set -u
@@ -62,6 +63,9 @@ for s in "$@"; do
         --benchmark-json="$OUT/norm_sweep.json" ;;
     accuracy)
       step accuracy 330 $PYTEST accuracy_tests --durations=15 ;;
+    accuracy_parallel)  # the whole suite in 8 pytest-xdist workers, then its failures again serially
+      step accuracy 300 python3 -m pytest -q --tb=short -n 8 accuracy_tests
+      step accuracy_rerun 120 python3 -m pytest -q --tb=short --lf --lfnf=none accuracy_tests ;;
     accuracy_norms)
       step accuracy 120 $PYTEST accuracy_tests/test_norms.py ;;
     accuracy_attention)
@@ -82,7 +86,7 @@ for s in "$@"; do
       step perf_embedding 150 $PYTEST perf_tests/test_kernels_embedding.py --benchmark-only \
         --benchmark-json="$OUT/kernels_embedding.json" ;;
     noise)
-      for i in $(seq 1 "${REPS:-3}"); do
+      for i in $(seq "${REP_FROM:-1}" $(( ${REP_FROM:-1} + ${REPS:-3} - 1 ))); do
         step "noise_rep$i" 240 $PYTEST "${KERNEL_SUITE[@]}" -k "$GATED${NOISE_K:+ and $NOISE_K}" --benchmark-only \
           --benchmark-json="$OUT/noise_rep$i.json"
       done
@@ -101,6 +105,7 @@ for s in "$@"; do
 done
 echo "--- summary"
 [ -f "$OUT/accuracy.log" ] && tail -20 "$OUT/accuracy.log" | grep -E "passed|failed|FAILED|Error" | tail -8
+[ -f "$OUT/accuracy_rerun.log" ] && tail -5 "$OUT/accuracy_rerun.log"
 [ -f "$OUT/norm_sweep.json" ] && python3 -m pcvr_lib report "$OUT/norm_sweep.json" | cut -c1-140
 [ -f "$OUT/attention_tune.log" ] && tail -45 "$OUT/attention_tune.log"
 [ -f "$OUT/kernels_norms.json" ] && python3 -m pcvr_lib report "$OUT/kernels_norms.json" --view cases | cut -c1-160 | head -80
