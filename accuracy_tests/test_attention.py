@@ -14,9 +14,11 @@ is tolerance.flash_rule.
 
 import pytest
 import torch
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
 
 from pcvr_lib.kernels import compile_log, flash_attention, key_lengths_from_mask, registry
-from pcvr_lib.kernels.attention import allowed_mask, dropout_keep_mask, workload
+from pcvr_lib.kernels.attention import allowed_mask, dropout_keep_mask, role_mask, workload
 from pcvr_lib.kernels.attention.masks import draw_seed
 from pcvr_lib.kernels.testing import poisoned_outputs, triton_interpreter_problem
 from pcvr_lib.kernels.tolerance import flash_rule, max_abs_error
@@ -31,31 +33,51 @@ _inputs = workload.inputs
 reference = workload.reference
 
 
-def _run(backend, q, k, v, do, device, kl, causal, causal_valid, p, seed):
+def _on(kw, device):
+    """flash_attention's mask keyword arguments with their tensors moved to `device`."""
+    out = dict(kw)
+    if out.get("key_lengths") is not None:
+        out["key_lengths"] = out["key_lengths"].to(device)
+    rm = out.get("role_mask")
+    if rm is not None:
+        out["role_mask"] = role_mask(rm.roles.to(device), rm.visibility.to(device),
+                                     None if rm.key_valid is None else rm.key_valid.to(device))
+    return out
+
+
+def _run(backend, q, k, v, do, device, kw, p, seed):
     q, k, v = (t.to(device).requires_grad_() for t in (q, k, v))
-    kl = kl.to(device) if kl is not None else None
-    out = flash_attention(q, k, v, key_lengths=kl, causal=causal, causal_valid=causal_valid, dropout_p=p,
-                          training=p > 0, generator=torch.Generator().manual_seed(seed), backend=backend)
+    out = flash_attention(q, k, v, **_on(kw, device), dropout_p=p, training=p > 0,
+                          generator=torch.Generator().manual_seed(seed), backend=backend)
     grads = torch.autograd.grad(out, (q, k, v), do.to(device))
     return [t.detach().cpu() for t in (out, *grads)]
 
 
+def mask_kwargs(mode, B, Sq, Skv, seed=0):
+    """(flash_attention's mask keyword arguments, the equivalent boolean (B, 1, Sq, Skv) mask) of a mode."""
+    if mode in workload.STRUCTURED:
+        kw = workload.structured_mask(mode, B, Sq, seed)
+    else:
+        use_kl, causal, causal_valid = MODES[mode]
+        kw = {"key_lengths": _lengths(B, Skv) if use_kl else None, "causal": causal, "causal_valid": causal_valid}
+    return kw, workload.reference_mask(B, Sq, Skv, kw)
+
+
 def check_case(backend, B, H, Sq, Skv, D, dtype, mode, p=0.0, device="cpu", seed=0):
     """Output and dq, dk, dv of `backend` against fp64, judged by torch's own error in the same dtype."""
-    use_kl, causal, causal_valid = MODES[mode]
     q, k, v, do = _inputs(B, H, Sq, Skv, D, dtype, seed)
-    kl = _lengths(B, Skv) if use_kl else None
-    theirs = _run("torch", q, k, v, do, device, kl, causal, causal_valid, p, seed)
+    kw, mask = mask_kwargs(mode, B, Sq, Skv, seed)
+    theirs = _run("torch", q, k, v, do, device, kw, p, seed)
     if device != "cpu":
         with poisoned_outputs(device):
-            ours = _run(backend, q, k, v, do, device, kl, causal, causal_valid, p, seed)
+            ours = _run(backend, q, k, v, do, device, kw, p, seed)
     else:
-        ours = _run(backend, q, k, v, do, device, kl, causal, causal_valid, p, seed)
+        ours = _run(backend, q, k, v, do, device, kw, p, seed)
     keep = None
     if p > 0:
         keep = dropout_keep_mask(draw_seed(torch.Generator().manual_seed(seed)), B, H, Sq, Skv, p)
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    ref = reference(q64, k64, v64, kl, causal, causal_valid, keep, p)
+    ref = reference(q64, k64, v64, None, False, False, keep, p, mask=mask)
     ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.double())
     for name, a, b, r in zip(("out", "dq", "dk", "dv"), ours, theirs, (ref.detach(), *ref_grads), strict=True):
         flash_rule(a, r, max_abs_error(b, r), dtype, f"{backend} {mode} {name} B{B} H{H} Sq{Sq} Skv{Skv} D{D} p={p}")
@@ -87,6 +109,36 @@ def test_mask_definitions():
     assert allowed_mask(1, 2, 3, None, True, False, "cpu")[0, 0].int().tolist() == [[1, 0, 0], [1, 1, 0]]
 
 
+def test_window_mask_definition():
+    # L = 5 of 6: window 2 for valid rows, the last valid query (4) sees every valid key, padded 5 itself
+    w = allowed_mask(1, 6, 6, torch.tensor([5]), False, False, "cpu", window=2, n_global=1)[0, 0]
+    assert w.int().tolist() == [[1, 0, 0, 0, 0, 0], [1, 1, 0, 0, 0, 0], [0, 1, 1, 0, 0, 0], [0, 0, 1, 1, 0, 0],
+                                [1, 1, 1, 1, 1, 0], [0, 0, 0, 0, 0, 1]]
+    # two global queries without key lengths: query 2 also sees key 3 (after it)
+    g = allowed_mask(1, 4, 4, None, False, False, "cpu", window=1, n_global=2)[0, 0]
+    assert g.int().tolist() == [[1, 0, 0, 0], [0, 1, 0, 0], [1, 1, 1, 1], [1, 1, 1, 1]]
+
+
+def test_role_mask_definition_and_checks():
+    vis = torch.tensor([[True, False], [True, True]])  # role 0 sees role 0 only, role 1 sees both
+    rm = role_mask(torch.tensor([[0, 1, 1, 0]]), vis, torch.tensor([[True, True, False, True]]))
+    m = allowed_mask(1, 4, 4, None, False, False, "cpu", roles=rm.roles, role_visibility=rm.visibility,
+                     key_valid=rm.key_valid)[0, 0]
+    # key 2 is padding: seen only by itself (the diagonal)
+    assert m.int().tolist() == [[1, 0, 0, 1], [1, 1, 0, 1], [1, 1, 1, 1], [1, 0, 0, 1]]
+    assert rm.codes.tolist() == [[0, 1, 33, 0]] and rm.words[:2].tolist() == [1, 3] and not rm.words[2:].any()
+    with pytest.raises(ValueError, match=r"role ids must be in \[0, 2\)"):
+        role_mask(torch.tensor([[0, 2]]), vis)
+    with pytest.raises(ValueError, match="square bool"):
+        role_mask(torch.tensor([[0, 1]]), vis.int())
+    with pytest.raises(ValueError, match="at most 16 roles"):
+        role_mask(torch.tensor([[0, 1]]), torch.ones(17, 17, dtype=torch.bool))
+    with pytest.raises(ValueError, match="key_valid must be a bool tensor"):
+        role_mask(torch.tensor([[0, 1]]), vis, torch.ones(1, 3, dtype=torch.bool))
+    with pytest.raises(ValueError, match=r"integer tensor of shape \(B, S\)"):
+        role_mask(torch.tensor([0, 1]), vis)
+
+
 def test_dropout_keep_mask_rate_and_seed():
     a = dropout_keep_mask(123, 2, 3, 64, 64, 0.3)
     assert torch.equal(a, dropout_keep_mask(123, 2, 3, 64, 64, 0.3))
@@ -99,9 +151,22 @@ def test_errors():
     q = torch.randn(1, 2, 8, 64, dtype=torch.float16)
     with pytest.raises(ValueError, match="unknown backend"):
         flash_attention(q, q, q, backend="nope")
-    with pytest.raises(ValueError, match="head dim 48"):
-        x = torch.randn(1, 2, 8, 48, dtype=torch.float16)
+    with pytest.raises(ValueError, match="head dim 40"):
+        x = torch.randn(1, 2, 8, 40, dtype=torch.float16)
         flash_attention(x, x, x)
+    with pytest.raises(ValueError, match="window must be an int >= 1"):
+        flash_attention(q, q, q, window=0)
+    with pytest.raises(ValueError, match="global_queries=1 needs a window"):
+        flash_attention(q, q, q, global_queries=1)
+    rm = role_mask(torch.zeros(1, 8, dtype=torch.long), torch.ones(1, 1, dtype=torch.bool))
+    with pytest.raises(ValueError, match="do not pass key_lengths"):
+        flash_attention(q, q, q, role_mask=rm, key_lengths=torch.ones(1, dtype=torch.int32))
+    with pytest.raises(ValueError, match="self-attention"):
+        flash_attention(q, q[:, :, :4], q[:, :, :4], role_mask=rm)
+    with pytest.raises(ValueError, match="cannot be combined"):
+        flash_attention(q, q, q, role_mask=rm, window=3)
+    with pytest.raises(TypeError, match="role_mask must come from role_mask"):
+        flash_attention(q, q, q, role_mask=torch.zeros(1, 8))
     with pytest.raises(TypeError, match="share one dtype"):
         flash_attention(q, q.float(), q)
     with pytest.raises(ValueError, match="shapes do not match"):
@@ -174,6 +239,19 @@ def test_torch_backend_cpu(mode, dtype):
         assert torch.equal(out[0], torch.zeros_like(out[0])), "a row with no key must be zeros"
 
 
+@pytest.mark.parametrize("mode", list(workload.STRUCTURED))
+@pytest.mark.parametrize("dtype", ["fp16", "bf16"])
+def test_torch_backend_structured_masks_cpu(mode, dtype):
+    """The torch backend (SDPA with the equivalent boolean mask) for the window and roles masks."""
+    from pcvr_lib.kernels.tolerance import assert_close
+
+    q, k, v, _ = _inputs(5, 2, 23, 23, 16, DT[dtype], seed=2)
+    kw, mask = mask_kwargs(mode, 5, 23, 23)
+    out = flash_attention(q, k, v, backend="torch", **kw)
+    ref = reference(q.double(), k.double(), v.double(), None, False, False, mask=mask)
+    assert_close(out, ref, DT[dtype], what=f"torch {mode}")
+
+
 # --------------------------------------------------------------------------------- triton (interpreter)
 
 INTERP_SHAPES = [(5, 2, 17, 17, 32), (5, 1, 33, 70, 64), (5, 1, 70, 33, 32)]
@@ -184,13 +262,57 @@ INTERP_SHAPES = [(5, 2, 17, 17, 32), (5, 1, 33, 70, 64), (5, 1, 70, 33, 32)]
 @pytest.mark.parametrize("shape", INTERP_SHAPES, ids=lambda s: "B{}xH{}xSq{}xSkv{}xD{}".format(*s))
 def test_triton_interpreter_case(shape, mode, p, monkeypatch):
     """The Triton kernels under Triton's interpreter on CPU tensors (the shared launcher interprets them)."""
+    _interpret(monkeypatch)
+    check_case("triton", *shape, torch.float16, mode, p=p, device="cpu")
+
+
+# head dims 16 and 48 (padded to 64) in every mode; the structured masks (window + global queries, roles)
+# across several key tiles, Sq == Skv (they are self-attention masks), with dropout once each
+NEW_CASES = (
+    [(5, 2, 37, 37, d, mode, 0.0) for d in (16, 48) for mode in (*MODES, *workload.STRUCTURED)]
+    + [(5, 1, 130, 130, d, mode, 0.0) for d in (16, 32) for mode in workload.STRUCTURED]
+    + [(3, 2, 110, 110, 32, "roles", 0.0), (5, 2, 70, 70, 64, "window", 0.0), (5, 2, 70, 70, 128, "roles", 0.0)]
+    + [(5, 1, 45, 45, 16, mode, 0.3) for mode in workload.STRUCTURED]
+)
+
+
+def _interpret(monkeypatch):
     if CUDA:
         pytest.skip("triton: on a GPU test_gpu_accuracy checks the compiled kernels")
     problem = registry.package_problem("triton") or triton_interpreter_problem()
     if problem:
         pytest.fail(f"triton: {problem}: the Triton attention kernels cannot be checked on this machine")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # restored after the test
-    check_case("triton", *shape, torch.float16, mode, p=p, device="cpu")
+
+
+@pytest.mark.parametrize("case", NEW_CASES, ids=lambda c: "B{}xH{}xSq{}xSkv{}xD{}-{}-p{}".format(*c))
+def test_triton_interpreter_head_dims_and_masks(case, monkeypatch):
+    _interpret(monkeypatch)
+    B, H, Sq, Skv, D, mode, p = case
+    check_case("triton", B, H, Sq, Skv, D, torch.float16, mode, p=p, device="cpu")
+
+
+@settings(max_examples=12, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(B=st.integers(1, 4), H=st.integers(1, 2), S=st.integers(1, 150), D=st.sampled_from([16, 32, 48, 64]),
+       mode=st.sampled_from(["causal_valid", "key_lengths", *workload.STRUCTURED]), seed=st.integers(0, 99))
+def test_triton_interpreter_odd_shapes(B, H, S, D, mode, seed, monkeypatch):
+    """Odd self-attention shapes (hypothesis): lengths around the tile edges, every head size, the masks."""
+    _interpret(monkeypatch)
+    check_case("triton", B, H, S, S, D, torch.float16, mode, device="cpu", seed=seed)
+
+
+@pytest.mark.parametrize("which", ["fwd", "dq", "dkdv"])
+@pytest.mark.parametrize("mode,D", [("window", 16), ("roles", 32)])
+def test_triton_structured_masks_compile_for_sm90(which, mode, D):
+    """The window and roles kernels (models' head sizes) compile for sm_90 and use wgmma."""
+    problem = registry.package_problem("triton")
+    if problem:
+        pytest.skip(f"triton: {problem}")
+    from pcvr_lib.kernels.attention import triton_impl
+
+    kernel = triton_impl.compile_for(90, which, D, "bf16", mode, has_kl=mode == "window", dropout=False)
+    assert len(kernel.asm["cubin"]) > 0
+    assert "wgmma.mma_async" in kernel.asm["ptx"], f"{which} {mode} D{D}: no Hopper wgmma in the PTX"
 
 
 @pytest.mark.parametrize("which", ["fwd", "dq", "dkdv"])
@@ -230,6 +352,29 @@ def test_tilelang_compiles_for_sm90():
         src = sources[which]
         assert "__global__" in src and "wgmma" in src, f"{which}: no Hopper matrix instructions"
         assert str(0x21F0AAAD) in src, f"{which}: the dropout hash is missing"
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("D,mode,has_kl,bucket", [(32, 5, False, 0), (16, 4, True, 1)], ids=["roles-D32", "window-D16"])
+def test_tilelang_structured_masks_compile_for_sm90(D, mode, has_kl, bucket):
+    """The roles (symbiosis' shape: bucket 0) and window (tokenformer's: bucket 1, TMA + warp-specialised)
+    kernels lower and compile for sm_90a at the models' head sizes."""
+    problem = registry.package_problem("tilelang")
+    if problem:
+        pytest.skip(f"tilelang: {problem}")
+    import shutil
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("tilelang: nvcc not found (needed to compile for sm_90a)")
+    from pcvr_lib.kernels.attention import tilelang_impl
+
+    sources = tilelang_impl.compile_only("sm_90a", D=D, dtype="bfloat16", mode=mode, has_kl=has_kl, dropout=False,
+                                         bucket=bucket)
+    assert sources["cubin_bytes"] > 0
+    for which in ("fwd", "dq", "dkdv"):
+        assert "__global__" in sources[which], f"{which}: no kernel in the lowered source"
+        if mode == 5:
+            assert "VIS[" in sources[which], f"{which}: the role visibility words are not read"
 
 
 # -------------------------------------------------------------------------------------------------- GPU

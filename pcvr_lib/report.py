@@ -1,7 +1,8 @@
-"""`pcvr report FILE [--view summary|cases|optim|data]`: the one printer of pytest-benchmark JSON.
+"""`pcvr report FILE [--view summary|cases|optim|data|models]`: the one printer of pytest-benchmark JSON.
 
 Views: `summary` (every case, the extra_info columns it has), `cases` (kernels: one row per case with
-every backend's per-call [device] time and the ratios), `optim` (optimizers), `data` (data pipeline).
+every backend's per-call [device] time and the ratios), `optim` (optimizers), `data` (data pipeline),
+`models` (model x backend x phase).
 Comparisons of runs live in pcvr_lib/compare.py (`pcvr diff`, `pcvr compare`, `pcvr noise`).
 """
 
@@ -204,7 +205,34 @@ def data_view(data: dict) -> str:
     return format_table(header, sorted(rows)) if rows else "(no data cases in this file)"
 
 
+def models_view(data: dict) -> str:
+    """Markdown, one row per (model, phase) of perf_tests/test_models.py: each backend's per-call us [device
+    us], and the fastest of triton/tilelang against torch (per call: what the issue's 1.2x target reads)."""
+    cases: dict = {}
+    notes: dict = {}
+    for b in data["benchmarks"]:
+        m = re.search(r"model=(\w+),backend=(\w+),phase=(\w+)", b.get("name", ""))
+        if not m:
+            continue
+        name, backend, phase = m.groups()
+        gpu = b.get("extra_info", {}).get("stat") == "device"
+        per_call, device, _ = case_times(b) if gpu else (b["stats"]["median"] * 1e6, None, None)
+        cases.setdefault((name, phase), {})[backend] = (per_call, device)
+        notes.setdefault((name, phase), set()).update(b.get("extra_info", {}).get("torch_ops", []))
+    backends = ("torch", "triton", "tilelang")
+    rows = []
+    for (name, phase), by in cases.items():
+        cells = [f"{by[k][0]:.0f} [{_fmt(by[k][1], '.0f')}]" if k in by else "-" for k in backends]
+        ours = [k for k in ("triton", "tilelang") if k in by]
+        best = min(ours, key=lambda k: by[k][0]) if ours else None
+        vs = f"{by['torch'][0] / by[best][0]:.2f}x ({best})" if best and "torch" in by else "-"
+        rows.append([name, phase, *cells, vs, "; ".join(sorted(notes[(name, phase)])) or "-"])
+    header = ["model", "phase", *(f"{k} us [device]" for k in backends), "best ours vs torch", "on torch"]
+    return format_table(header, rows) if rows else "(no model cases in this file)"
+
+
 VIEWS = {
+    "models": models_view,
     "summary": lambda data: format_table(*summary_rows(data)),
     "cases": cases_view,
     "optim": optim_view,

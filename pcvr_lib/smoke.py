@@ -309,9 +309,14 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per worker (default 1)")
     parser.add_argument("--amp", action="store_true", help="bf16 autocast")
     parser.add_argument("--no-diagnostics", action="store_true", help="skip the five figures and their summary")
+    from pcvr_lib.train import add_backend_arguments
+
+    add_backend_arguments(parser)
 
 
 def run(args: argparse.Namespace) -> int:
+    from pcvr_lib.train import backend_overrides
+
     for name in ("steps", "batch_size", "threads", "jobs"):
         value = getattr(args, name)
         if value is not None and value < 1:
@@ -321,5 +326,6 @@ def run(args: argparse.Namespace) -> int:
     smoke(_parse_models(args.models), _parse_seeds(args.seeds), steps=args.steps, device=args.device,
           out=args.out, batch_size=args.batch_size, max_lens=args.max_lens, jobs=args.jobs,
           threads=args.threads, amp=args.amp, table_cap=args.table_cap or None,
+          model_config=backend_overrides(args, {}),
           diagnostics=not args.no_diagnostics)
     return 0

@@ -363,13 +363,13 @@ def host_seconds(fn: Callable[[], object], calls: int, samples: int = HOST_SAMPL
     return statistics.median(per_call)
 
 
-def host_time(fn: Callable[[], object], calls: int) -> tuple[float, float]:
+def host_time(fn: Callable[[], object], calls: int, samples: int = HOST_SAMPLES) -> tuple[float, float]:
     """(host thread-CPU seconds per call, wall seconds per call until the GPU is done), warmed."""
     import torch
 
     fn()
     torch.cuda.synchronize()
-    host_s = host_seconds(fn, calls, sync=torch.cuda.synchronize)
+    host_s = host_seconds(fn, calls, samples=samples, sync=torch.cuda.synchronize)
     t0 = time.perf_counter()
     for _ in range(calls):
         fn()
@@ -406,7 +406,7 @@ def choose_calls(device_seconds: float, round_seconds: float = 1e-3, max_calls: 
 def bench_gpu(benchmark, fn: Callable[[], object] | Sequence[Callable[[], object]], *,
               setup: Callable[[], None] | None = None, rounds: int = 30, warmup_rounds: int = 3,
               flush_l2_cache: bool = True, calls: int | None = None, graph: bool = True,
-              gated: bool = True, l2: str | None = None) -> dict:
+              gated: bool = True, l2: str | None = None, host_samples: int = HOST_SAMPLES) -> dict:
     """Time `fn` for pytest-benchmark on the current CUDA device; returns the timing extra_info.
 
     `fn` is one call, or a sequence of the same call over distinct input copies that together exceed L2
@@ -414,6 +414,7 @@ def bench_gpu(benchmark, fn: Callable[[], object] | Sequence[Callable[[], object
     captured before every call, its time subtracted) or "warm" (the case says it runs from L2).
     `gated=False` marks a case informational (torch.compile peers recompile and autotune per process):
     `pcvr diff` reports it and never fails on it. `setup` runs before each round, outside the timing.
+    `host_samples`: batches of calls behind host_us (fewer for calls of milliseconds, e.g. a model step).
 
     Statistics: device seconds per call. extra_info: `device_us` (= the statistic's median),
     `device_time_method`, `host_us` (thread CPU per call), `host_wall_us`, `per_call_us`,
@@ -466,7 +467,7 @@ def bench_gpu(benchmark, fn: Callable[[], object] | Sequence[Callable[[], object
         return info
     device_s = benchmark.stats.stats.median
 
-    host_s, wall_s = host_time(fns[0], max(min(n, 20), 3))
+    host_s, wall_s = host_time(fns[0], max(min(n, 20), 3), host_samples)
     per_call_s = per_call_seconds(fns[0], choose_calls(estimate), flush=mode != "warm")
     info.update({
         "timer": f"{method}: {n} calls per {'graph' if method == 'cuda_graph' else 'round'}",

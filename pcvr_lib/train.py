@@ -949,6 +949,33 @@ def _model_config_arg(text: str | None) -> dict:
     return raw
 
 
+def add_backend_arguments(parser: argparse.ArgumentParser) -> None:
+    """--attention-backend, --rms-norm-backend (RMSNorm and LayerNorm), --embedding-backend: the model
+    options of the same names (train and smoke)."""
+    from pcvr_lib.models.common import BACKEND_OPTIONS, BACKENDS
+
+    for option in BACKEND_OPTIONS:
+        flag = "--" + option.replace("_", "-")
+        parser.add_argument(flag, choices=BACKENDS, help=f"model option {option} (default torch)")
+
+
+def backend_overrides(args: argparse.Namespace, model_config: dict) -> dict:
+    """model_config with the backend flags given on the command line; a flag that contradicts the same
+    option in --model-config is an error, not a silent override."""
+    from pcvr_lib.models.common import BACKEND_OPTIONS
+
+    merged = dict(model_config)
+    for option in BACKEND_OPTIONS:
+        value = getattr(args, option, None)
+        if value is None:
+            continue
+        if option in merged and merged[option] != value:
+            raise TrainError(f"--{option.replace('_', '-')} {value} contradicts --model-config's "
+                             f"{option}={merged[option]!r}; give it once")
+        merged[option] = value
+    return merged
+
+
 def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     from pcvr_lib.data.loader import PRESETS
     from pcvr_lib.data.split import SPLIT_METHODS
@@ -969,6 +996,7 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--schema", help="schema JSON (default: schema.json beside the data)")
     add("--max-lens", help="sequence lengths, e.g. seq_a:64,seq_b:64 (default: schema defaults)")
     add("--model-config", help="JSON object (or file) of model options, e.g. '{\"d_model\": 64}'")
+    add_backend_arguments(parser)
     add("--experiment-name", help="name the diagnostics group runs by (default: the model name)")
     add("--label", help="this run's label in reports (default: the run dir's name)")
     add("--seed", type=int, default=d.seed, help=f"seed of data order, init and dropout (default {d.seed})")
@@ -1022,7 +1050,8 @@ def _add_list_order(parser: argparse.ArgumentParser, default: str | None) -> Non
 def run_train(args: argparse.Namespace) -> int:
     config = TrainConfig(
         model=args.model, data=args.data, run_dir=args.run_dir, schema=args.schema, max_lens=args.max_lens,
-        model_config=_model_config_arg(args.model_config), experiment_name=args.experiment_name,
+        model_config=backend_overrides(args, _model_config_arg(args.model_config)),
+        experiment_name=args.experiment_name,
         label=args.label, seed=args.seed, deterministic=not args.no_deterministic, steps=args.steps,
         batch_size=args.batch_size, eval_batch_size=args.eval_batch_size, eval_every=args.eval_every,
         dense_optimizer=args.dense_optimizer, dense_lr=args.dense_lr, sparse_lr=args.sparse_lr,

@@ -4,8 +4,10 @@ Peers are third-party implementations a user would otherwise call; each benchmar
 them it times for its op in `PEERS` order (the baseline first: `speedup_vs_torch` divides by its time).
 - norms: torch eager (F.rms_norm / F.layer_norm), torch.compile of the same, Liger-Kernel's Functions;
 - embedding_bag_mean: torch eager (F.embedding_bag on in-range ids), in test_kernels_embedding;
-- flash_attention: SDPA's default dispatch ("torch", our torch backend) and SDPA forced to one
-  implementation (`sdpa_only`). (flex_attention is not benchmarked yet.)
+- flash_attention: SDPA's default dispatch ("torch", our torch backend: SDPA with the equivalent boolean
+  mask), SDPA forced to one implementation (`sdpa_only`), and torch's compiled `flex_attention` with a
+  block mask (`flex_peer`; the models' masked shapes only, informational: it is the reference point for
+  block-sparse masks, not a baseline of speedup_vs_torch).
 """
 
 from __future__ import annotations
@@ -21,7 +23,7 @@ PEERS = {
     "rms_norm": ("torch", "torch_compile", "liger"),
     "layer_norm": ("torch", "torch_compile", "liger"),
     "embedding_bag_mean": ("torch",),
-    "flash_attention": ("torch", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn"),
+    "flash_attention": ("torch", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex"),
 }
 
 
@@ -85,6 +87,44 @@ class sdpa_only:  # noqa: N801 - used like a function: `with sdpa_only("sdpa_fla
         cuda.enable_mem_efficient_sdp(self.saved[1])
         cuda.enable_math_sdp(self.saved[2])
         cuda.enable_cudnn_sdp(self.saved[3])
+
+
+def flex_peer(kw: dict, B: int, H: int, S: int, device, compile: bool = True):
+    """torch's flex_attention (compiled, one compile per case) with the block mask of flash_attention's mask
+    keyword arguments `kw` (key lengths, window + global queries, or a role mask; self-attention of length S):
+    a callable (q, k, v) -> out. The block mask is built here, outside any timed call. compile=False: eager
+    flex_attention (the CPU test of the mask functions)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    rm = kw.get("role_mask")
+    if rm is not None:
+        roles, vis = rm.roles.to(device=device, dtype=torch.long), rm.visibility.to(device)
+        valid = rm.key_valid.to(device) if rm.key_valid is not None else torch.ones_like(roles, dtype=torch.bool)
+
+        def mask_mod(b, h, i, j):
+            return (vis[roles[b, i], roles[b, j]] & valid[b, j]) | (i == j)
+    else:
+        kl = kw.get("key_lengths")
+        lengths = (kl.to(device=device, dtype=torch.long).clamp(min=0) if kl is not None
+                   else torch.full((B,), S, device=device, dtype=torch.long))
+        window, n_global = kw.get("window"), kw.get("global_queries", 0)
+        if window is None and not kw.get("causal") and not kw.get("causal_valid"):
+            def mask_mod(b, h, i, j):
+                return j < lengths[b]
+        elif window is not None:
+            def mask_mod(b, h, i, j):
+                valid_row = i < lengths[b]
+                in_window = (j <= i) & (i - j < window) & valid_row
+                is_global = valid_row & (i >= lengths[b] - n_global) & (j < lengths[b])
+                return in_window | is_global | (i == j)
+        else:
+            raise ValueError(f"flex_peer: no block mask for {sorted(kw)} (key lengths, window, role_mask only)")
+    block_mask = create_block_mask(mask_mod, B, None, S, S, device=device)
+    attend = flex_attention
+    if compile:
+        torch._dynamo.reset()  # a fresh compile per case
+        attend = torch.compile(flex_attention, dynamic=False)
+    return lambda q, k, v: attend(q, k, v, block_mask=block_mask)
 
 
 @pytest.fixture(autouse=True)

@@ -25,7 +25,8 @@ from pcvr_lib import timing
 from pcvr_lib.kernels import registry
 from pcvr_lib.kernels.tolerance import DTYPE_NAMES
 
-PEERS = ("torch", "torch_compile", "liger")
+# every peer name of conftest.PEERS: the attention ones too (SDPA forced or with its boolean mask, flex)
+PEERS = ("torch", "torch_compile", "liger", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex")
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items() if dtype != torch.float64}  # "fp16" -> torch.float16
 
 
@@ -106,8 +107,10 @@ def run_case(benchmark, *, key: CaseKey, backend: str, call: Callable[[], object
     max_abs, max_rel = check()
     benchmark.extra_info.update({"max_abs_error": max_abs, "max_rel_error": max_rel})
 
-    # torch.compile recompiles and autotunes in every process: its device time is informational, never gated
-    timing_info = timing.bench_gpu(benchmark, call, rounds=rounds, graph=graph, gated=backend != "torch_compile")
+    # torch.compile (also the flex_attention peer) recompiles and autotunes in every process: its device time is
+    # informational, never gated
+    timing_info = timing.bench_gpu(benchmark, call, rounds=rounds, graph=graph,
+                                   gated=backend not in ("torch_compile", "flex"))
     if not benchmark.enabled:
         return dict(benchmark.extra_info)
     per_call_s = timing_info["per_call_us"] / 1e6

@@ -56,7 +56,7 @@ def _peer_fn(op: str, backend: str):
 
 def _inputs(op: str, shape, dtype, grad: bool):
     tensors = workload.inputs(op, shape, dtype, "cuda", seed=1234, requires_grad=grad, draw_on_device=True)
-    dy = workload.inputs("rms_norm", shape, dtype, "cuda", seed=4321, draw_on_device=True)[0] if grad else None
+    dy = workload.grad_output(shape, dtype, "cuda") if grad else None
     return tensors, dy
 
 

@@ -15,6 +15,13 @@ beside it (graph replay for fwd, the profiler's kernel-time sum for fwd+bwd, who
 captured). FLOPs: 4*B*H*Sq*Skv*D forward, 3.5x that for fwd+bwd; half for the causal
 masks (noted in extra_info); key padding is not subtracted (nominal FLOPs).
 
+The models' shapes (workload.MODEL_PERF_SHAPES, issue 12: symbiosis' role mask, key lengths at D16,
+tokenformer's window + global query), bf16, also time `sdpa` (SDPA's default dispatch with the boolean mask
+built once outside the call, as a model would) and `flex` (torch.compile'd flex_attention with a block mask,
+conftest.flex_peer); kernel_bench records `best_peer`, `best_peer_us` and `speedup_vs_best_peer` (the best
+of the SDPA backends and flex measured before; target 1.5x). Their ids carry `set=model` (select them with `-k model`).
+FLOPs of the window and roles masks are nominal (the full S x S).
+
 Print the summary table of a saved run: python perf_tests/test_kernels_attention.py RUN.json
 """
 
@@ -30,17 +37,17 @@ import torch
 import torch.nn.functional as F
 
 from pcvr_lib.kernels import flash_attention, precompile
-from pcvr_lib.kernels.attention import OP, allowed_mask, workload
+from pcvr_lib.kernels.attention import OP, workload
 from pcvr_lib.kernels.testing import poisoned_outputs
 from pcvr_lib.kernels.tolerance import flash_rule, max_abs_error
 
 try:
     from perf_tests import kernel_bench as kb
-    from perf_tests.conftest import sdpa_only
+    from perf_tests.conftest import flex_peer, sdpa_only
 except ImportError:  # run as a script from perf_tests/
     import kernel_bench as kb
 
-    from conftest import sdpa_only
+    from conftest import flex_peer, sdpa_only
 
 CUDA = torch.cuda.is_available()
 DTYPES = {name: kb.DTYPES[name] for name in ("fp16", "bf16")}
@@ -51,6 +58,9 @@ MODE_ARGS = workload.MODES  # mask -> (key lengths, causal, causal_valid)
 GPU_SHAPES = workload.PERF_SHAPES
 TILELANG_SKIP = workload.PERF_TILELANG_SKIP
 SHAPES = GPU_SHAPES if CUDA else workload.CPU_PERF_SHAPES
+# the models' shapes: the peers a model would call (SDPA with its boolean mask, flex_attention), then ours
+MODEL_BACKENDS = ("sdpa", "sdpa_efficient", "sdpa_cudnn", "flex", "triton", "tilelang") if CUDA else ("sdpa", "flex")
+PEERS = (*SDPA, "sdpa", "flex", "torch")
 
 
 def cases():
@@ -64,6 +74,14 @@ def cases():
                             continue
                         cid = f"op={OP},backend={backend},shape={name},mask={mask},dtype={dtype},dir={direction}"
                         out.append(pytest.param(backend, (name, B, H, S, D), mask, dtype, direction, id=cid))
+    model_shapes = workload.MODEL_PERF_SHAPES if CUDA else [("B2xH2xS40xD16", 2, 2, 40, 16, ("window", "roles"),
+                                                             ("fwd", "fwd+bwd"))]
+    for name, B, H, S, D, masks, directions in model_shapes:
+        for mask in masks:
+            for direction in directions:
+                for backend in MODEL_BACKENDS:
+                    cid = f"op={OP},set=model,backend={backend},shape={name},mask={mask},dtype=bf16,dir={direction}"
+                    out.append(pytest.param(backend, (name, B, H, S, D), mask, "bf16", direction, id=cid))
     return out
 
 
@@ -81,7 +99,8 @@ _PROBLEM: dict = {}
 
 
 def problem(shape, mask, dtype, device):
-    """Inputs (q, k, v, grad_out, key lengths, SDPA boolean mask) of one case, cached across backends."""
+    """Inputs (q, k, v, grad_out, flash_attention's mask keyword arguments, SDPA boolean mask) of one case,
+    cached across backends."""
     key = (shape, mask, dtype)
     if key not in _PROBLEM:
         _PROBLEM.clear()
@@ -89,53 +108,62 @@ def problem(shape, mask, dtype, device):
         name, B, H, S, D = shape
         g = torch.Generator(device=device).manual_seed(0)
         q, k, v, do = (torch.randn(B, H, S, D, generator=g, device=device).to(DTYPES[dtype]) for _ in range(4))
-        use_kl, causal, causal_valid = MODE_ARGS[mask]
-        kl = None
-        if use_kl:
-            kl = torch.randint(S // 4, S + 1, (B,), generator=g, device=device, dtype=torch.int32)
+        if mask == "roles":
+            kw = workload.structured_mask("roles", B, S, device=device)
+        else:
+            use_kl, causal, causal_valid = MODE_ARGS.get(mask, (True, False, False))
+            kl = None
+            if use_kl:
+                kl = torch.randint(S // 4, S + 1, (B,), generator=g, device=device, dtype=torch.int32)
+            kw = {"key_lengths": kl, "causal": causal, "causal_valid": causal_valid}
+            if mask == "window":  # tokenformer: window 64, the target (last valid query) global
+                kw = {"key_lengths": kl, "window": workload.PERF_WINDOW, "global_queries": 1}
         attn_mask = None
-        if use_kl or causal or causal_valid:
-            attn_mask = allowed_mask(B, S, S, kl, causal, causal_valid, device)
-        _PROBLEM[key] = (q, k, v, do, kl, attn_mask)
+        if mask != "none":
+            attn_mask = workload.reference_mask(B, S, S, kw).to(device)
+        _PROBLEM[key] = (q, k, v, do, kw, attn_mask)
     return _PROBLEM[key]
 
 
 _REF: dict = {}
 
 
-def reference(q, k, v, do, kl, mask, direction):
+def reference(q, k, v, do, attn_mask, direction):
     """fp64 attention (and its gradients) on the device, one batch row at a time (the workload's)."""
-    use_kl, causal, causal_valid = MODE_ARGS[mask]
     q64, k64, v64 = (t.detach().double().requires_grad_(direction != "fwd") for t in (q, k, v))
-    out = workload.reference(q64, k64, v64, kl, causal, causal_valid)
+    out = workload.reference(q64, k64, v64, None, False, False, mask=attn_mask)
     if direction == "fwd":
         return [out.detach()]
     return [out.detach(), *torch.autograd.grad(out, (q64, k64, v64), do.double())]
 
 
-def baseline(rkey, q, k, v, do, kl, attn_mask, mask, direction):
+def baseline(rkey, q, k, v, do, kw, attn_mask, direction):
     """(fp64 reference, max error of SDPA's default dispatch against it) of one case, computed once with
     every SDPA backend enabled (never inside a forced one)."""
     if rkey not in _REF:
-        ref = reference(q, k, v, do, kl, mask, direction)
-        got = _as_list(make_call("torch", q, k, v, do, kl, attn_mask, mask, direction)())
+        ref = reference(q, k, v, do, attn_mask, direction)
+        got = _as_list(make_call("torch", q, k, v, do, kw, attn_mask, direction)())
         _REF[rkey] = (ref, [max_abs_error(a, r) for a, r in zip(got, ref, strict=True)])
     return _REF[rkey]
 
 
-def make_call(backend, q, k, v, do, kl, attn_mask, mask, direction):
-    _, causal, causal_valid = MODE_ARGS[mask]
+def make_call(backend, q, k, v, do, kw, attn_mask, direction):
     if direction == "fwd":
         q, k, v = (t.detach() for t in (q, k, v))
     else:
         q, k, v = (t.detach().requires_grad_() for t in (q, k, v))
-    if backend in SDPA:
+    if backend in SDPA or backend == "sdpa":
         def attend():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+    elif backend == "flex":
+        B, H, S, _ = q.shape
+        flex = flex_peer(kw, B, H, S, q.device)
+
+        def attend():
+            return flex(q, k, v)
     else:
         def attend():
-            return flash_attention(q, k, v, key_lengths=kl, causal=causal, causal_valid=causal_valid,
-                                   backend=backend)
+            return flash_attention(q, k, v, **kw, backend=backend)
     if direction == "fwd":
         return attend
 
@@ -154,23 +182,23 @@ def _as_list(result):
 def test_attention_perf(benchmark, backend, shape, mask, dtype, direction):
     if not CUDA:
         return cpu_case(benchmark, backend, shape, mask, dtype, direction)
-    if backend in SDPA:
+    if backend in PEERS:
         device = kb.require_gpu_backend(OP, "torch")
         if backend == "sdpa_flash" and mask != "none":
             pytest.skip("sdpa_flash: SDPA's flash kernel takes no attention mask")
     else:
         device = kb.require_gpu_backend(OP, backend)
-    q, k, v, do, kl, attn_mask = problem(shape, mask, dtype, device)
-    call = make_call(backend, q, k, v, do, kl, attn_mask, mask, direction)
+    q, k, v, do, kw, attn_mask = problem(shape, mask, dtype, device)
     key = kb.CaseKey(OP, f"{shape[0]},mask={mask}", dtype, direction)
     dt = DTYPES[dtype]
-    ref, torch_err = baseline((shape, mask, dtype, direction), q, k, v, do, kl, attn_mask, mask, direction)
+    ref, torch_err = baseline((shape, mask, dtype, direction), q, k, v, do, kw, attn_mask, direction)
 
     with sdpa_only(backend) if backend in SDPA else contextlib.nullcontext():
         try:
+            call = make_call(backend, q, k, v, do, kw, attn_mask, direction)
             first, first_s = kb.timed_first_call(call)
-        except RuntimeError as exc:  # SDPA: "No available kernel" for this input
-            if backend in SDPA:
+        except Exception as exc:  # SDPA: "No available kernel" for this input; flex: a compile failure
+            if backend in SDPA or backend == "flex":
                 pytest.skip(f"{backend}: not available for this case ({str(exc).splitlines()[0][:120]})")
             raise
         del first
@@ -185,37 +213,55 @@ def test_attention_perf(benchmark, backend, shape, mask, dtype, direction):
             return worst_abs, worst_rel
 
         name, B, H, S, D = shape
-        flops = workload.flops(B, H, S, D, mask, direction)
-        causal = MODE_ARGS[mask][1] or MODE_ARGS[mask][2]
+        nominal = mask if mask in MODE_ARGS else "none"  # window, roles: the full S x S (nominal FLOPs)
+        causal = MODE_ARGS[nominal][1] or MODE_ARGS[nominal][2]
+        flops = workload.flops(B, H, S, D, nominal, direction)
         nbytes = workload.bytes_moved(B, H, S, D, q.element_size(), direction)
         info = kb.run_case(benchmark, key=key, backend=backend, call=call, check=check, bytes_moved=nbytes,
                            flops=flops, compile_s=first_s if backend in ("triton", "tilelang") else None,
                            rounds=20, graph=(direction == "fwd"))
     if not benchmark.enabled:
         return
-    sdpa_times = {b: t for b, t in kb.session_times().get(key, {}).items() if b in (*SDPA, "torch")}
+    sdpa_times = {b: t for b, t in kb.session_times().get(key, {}).items() if b in (*SDPA, "torch", "sdpa")}
     extra = {"flops_note": "causal: half the full FLOPs" if causal else "full FLOPs (key padding not subtracted)"}
     if "tflops" in info and info.get("matmul_ceiling_tflops"):
         extra["fraction_of_matmul_ceiling"] = round(info["tflops"] / info["matmul_ceiling_tflops"], 4)
     extra["device_tflops"] = round(flops / (info["device_us"] * 1e-6) / 1e12, 2) if info.get("device_us") else None
-    if sdpa_times and backend not in sdpa_times:
+    per_call_s = info["per_call_us"] * 1e-6
+    if sdpa_times and backend not in PEERS:
         best = min(sdpa_times, key=sdpa_times.get)
-        per_call_s = info["per_call_us"] * 1e-6
         extra.update({"best_sdpa_backend": best, "best_sdpa_us": round(sdpa_times[best] * 1e6, 3),
                       "speedup_vs_torch": round(sdpa_times[best] / per_call_s, 3)})
     benchmark.extra_info.update(extra)
 
 
 def cpu_case(benchmark, backend, shape, mask, dtype, direction):
-    """Without a GPU only our torch backend runs (a correctness smoke of the case code; not timed)."""
-    if backend != "torch":
+    """Without a GPU only our torch backend and SDPA with the boolean mask run (a correctness smoke of the
+    case code; not timed)."""
+    if backend not in ("torch", "sdpa"):
         pytest.skip(f"{backend}: no CUDA device (GPU benchmark)")
-    q, k, v, do, kl, attn_mask = problem(shape, mask, dtype, "cpu")
-    call = make_call(backend, q, k, v, do, kl, attn_mask, mask, direction)
+    q, k, v, do, kw, attn_mask = problem(shape, mask, dtype, "cpu")
+    call = make_call(backend, q, k, v, do, kw, attn_mask, direction)
     got = _as_list(benchmark(call))
-    ref = reference(q, k, v, do, kl, mask, direction)
+    ref = reference(q, k, v, do, attn_mask, direction)
     for a, r in zip(got, ref, strict=True):
         assert float((a.double() - r).abs().max()) < 0.05 * max(float(r.abs().max()), 1e-3)
+
+
+@pytest.mark.parametrize("mask", ["key_lengths", "window", "roles"])
+def test_flex_peer_mask_matches_reference(mask):
+    """The flex peer's mask functions define the same mask as masks.py (eager flex_attention on the CPU)."""
+    B, H, S, D = 3, 2, 110, 16
+    if mask == "roles":
+        kw = workload.structured_mask("roles", B, S)
+    else:
+        kw = {"key_lengths": torch.tensor([S, 50, 1], dtype=torch.int32)}
+        if mask == "window":
+            kw.update(window=8, global_queries=1)
+    q, k, v, _ = workload.inputs(B, H, S, S, D, torch.float32, seed=5)
+    got = flex_peer(kw, B, H, S, "cpu", compile=False)(q, k, v)
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=workload.reference_mask(B, S, S, kw))
+    assert float((got - expected).abs().max()) < 1e-4
 
 
 # ---------------------------------------------------------------------------------------- summary table
@@ -232,10 +278,14 @@ def summary(path: str) -> str:
             continue
         case = f"{e['shape']} {e['dtype']} {e['dir']}"
         rows.setdefault(case, {})[e["backend"]] = e
-    lines = [f"{'case':<52} {'best SDPA us':>14} {'triton us [dev]':>18} {'x':>6} {'tilelang us [dev]':>18} {'x':>6}"]
+    lines = [f"{'case':<52} {'best SDPA us':>14} {'flex us':>8} {'triton us [dev]':>18} {'x':>6} "
+             f"{'tilelang us [dev]':>18} {'x':>6} {'x peer tri/tl':>13}"]
     for case, by in rows.items():
-        sd = [(e["per_call_us"], b) for b, e in by.items() if b in (*SDPA, "torch") and "per_call_us" in e]
+        sd = [(e["per_call_us"], b) for b, e in by.items() if b in (*SDPA, "torch", "sdpa") and "per_call_us" in e]
         best = f"{min(sd)[0]:.1f} {min(sd)[1].replace('sdpa_', '')}" if sd else "-"
+        flex = f"{by['flex']['per_call_us']:.1f}" if "per_call_us" in by.get("flex", {}) else "-"
+        peer = "/".join(f"{by[b]['speedup_vs_best_peer']:.2f}" if "speedup_vs_best_peer" in by.get(b, {}) else "-"
+                        for b in ("triton", "tilelang"))
         cols = []
         for b in ("triton", "tilelang"):
             e = by.get(b)
@@ -245,7 +295,8 @@ def summary(path: str) -> str:
                 cols.append(f"{e.get('speedup_vs_torch', float('nan')):.2f}")
             else:
                 cols += ["-", "-"]
-        lines.append(f"{case:<52} {best:>14} {cols[0]:>18} {cols[1]:>6} {cols[2]:>18} {cols[3]:>6}")
+        lines.append(f"{case:<52} {best:>14} {flex:>8} {cols[0]:>18} {cols[1]:>6} {cols[2]:>18} {cols[3]:>6} "
+                     f"{peer:>13}")
     return "\n".join(lines)
 
 

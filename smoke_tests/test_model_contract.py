@@ -185,6 +185,19 @@ def test_gpu_backends_route_to_the_kernel_package_without_fallback(name, schema,
     refused by the model with a clear message; it never silently runs torch instead."""
     if torch.cuda.is_available():
         pytest.skip("checks the CPU refusal path")
-    model = _model(name, schema, attention_backend="triton", rms_norm_backend="triton")
-    with pytest.raises((ValueError, RuntimeError), match="flash_attention|rms_norm|attention backend 'triton'"):
+    model = _model(name, schema, attention_backend="triton", rms_norm_backend="triton", embedding_backend="triton")
+    with pytest.raises((ValueError, RuntimeError),
+                       match="flash_attention|rms_norm|layer_norm|embedding_bag|attention backend 'triton'"):
         model(batch)
+
+
+@pytest.mark.parametrize("name", MODELS)
+@pytest.mark.parametrize("option,op", [("rms_norm_backend", "rms_norm|layer_norm"),
+                                       ("embedding_backend", "embedding_bag_mean")])
+def test_each_operator_switch_reaches_its_kernel(name, option, op, schema, batch):
+    """One switch alone sends its operator to the kernel package (which refuses CPU tensors here): every
+    model has norms, and every model reads the demo schema's multi-valued fields through the bag mean."""
+    if torch.cuda.is_available():
+        pytest.skip("checks the CPU refusal path")
+    with pytest.raises(RuntimeError, match=f"({op}).*requires CUDA"):
+        _model(name, schema, **{option: "triton"})(batch)

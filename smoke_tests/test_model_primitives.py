@@ -140,7 +140,7 @@ def test_attention_masks_against_fp64_reference():
     gen = torch.Generator().manual_seed(0)
     q, k, v = (torch.randn(2, 2, 6, 4, generator=gen, dtype=torch.float64) for _ in range(3))
     lengths = torch.tensor([4, 0])
-    out = attention(q, k, v, key_lengths=lengths, causal=True, window=3, global_query=lengths - 1)
+    out = attention(q, k, v, key_lengths=lengths, causal=True, window=3, global_last=True)
     assert torch.isfinite(out).all()  # a row with no valid key attends to itself
     for b in range(2):
         n = max(int(lengths[b]), 1)

@@ -118,7 +118,19 @@ def optim_claims() -> list[str]:
     muon, ortho = step(main, "muon", "mlp"), step(main, "orthogonal_adamw", "mlp")
     muon_d, ortho_d = step(main, "muon", "pcvr_dense"), step(main, "orthogonal_adamw", "pcvr_dense")
     ortho_follow = step(follow, "orthogonal_adamw", "pcvr_dense")
+    current = "h200/optim_current.json"  # stats hold device time since issue 10; per-call in extra_info
+
+    def now(variant):
+        b = named(current, f"test_optimizer_step[optimizer={variant},device=cuda,workload=pcvr_dense]")
+        return b["stats"]["median"] * 1e6, b["extra_info"]["per_call_us"]
+
+    (f_dev, f_call), (m_dev, m_call), (o_dev, o_call) = now("fused_adamw"), now("muon"), now("orthogonal_adamw")
+    tensors = named(current, "test_optimizer_step[optimizer=fused_adamw,device=cuda,workload=pcvr_dense]")[
+        "extra_info"]["tensors"]
     return [
+        f"| PCVR dense shapes, current {tensors}-tensor workload (`optim_current.json`): device time [per call] "
+        f"| {f_dev:.1f} us [{f_call:.1f}] | {m_dev:.1f} us = {m_dev / f_dev:.2f}x [{m_call:.1f}] "
+        f"| {o_dev:.1f} us = {o_dev / f_dev:.2f}x [{o_call:.1f}] |",
         f"| reference MLP | {fused_mlp:.1f} us | {muon:.1f} us = {muon / fused_mlp:.2f}x (target <= 3x) "
         f"| {ortho:.1f} us = {ortho / fused_mlp:.2f}x (target <= 2x, missed; bf16 variant "
         f"{step(follow, 'orthogonal_adamw_bf16', 'mlp'):.1f} us) |",

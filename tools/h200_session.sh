@@ -7,7 +7,8 @@
 #   bash tools/h200_session.sh warm perf_norms perf_embedding perf_attention  # the kernel snapshots
 #   REPS=3 bash tools/h200_session.sh warm planted noise                      # planted slowdown + noise floor
 # (BUDGET=seconds caps the whole command; steps: warm warm_norms accuracy accuracy_norms accuracy_attention
-#  sweep norm_sweep tune host perf_norms perf_embedding perf_attention noise planted optim gpu_timer host_ab smoke accuracy_parallel)
+#  sweep norm_sweep tune host perf_norms perf_embedding perf_attention noise planted optim gpu_timer host_ab smoke
+#  accuracy_parallel perf_models smoke_triton smoke_tilelang)
 #
 # noise: the gated kernel suite (torch.compile peers, sweeps and host parts left out) REPS times, one JSON
 #   per repetition ($OUT/noise_repN.json), then `pcvr noise --from` them into $OUT/noise_h200.json.
@@ -100,6 +101,13 @@ for s in "$@"; do
     perf_attention)
       step perf_attention 150 $PYTEST perf_tests/test_kernels_attention.py --benchmark-only \
         --benchmark-json="$OUT/attention.json" ;;
+    perf_models)  # model x backend x phase (perf_tests/test_models.py), checked against torch first
+      step perf_models 150 $PYTEST perf_tests/test_models.py --benchmark-only --durations=10 \
+        --benchmark-json="$OUT/models.json" ;;
+    smoke_triton|smoke_tilelang)  # the smoke with every operator switch on one backend (numerics end to end)
+      b=${s#smoke_}
+      step "$s" 200 python3 -m pcvr_lib smoke --models all --seeds 17,42,97 --steps 20 --device cuda \
+        --attention-backend "$b" --rms-norm-backend "$b" --embedding-backend "$b" --out "$OUT/$s" ;;
     *) echo "unknown step $s" ;;
   esac
 done
@@ -116,4 +124,6 @@ echo "--- summary"
 [ -f "$OUT/attention.json" ] && python3 -m pcvr_lib report "$OUT/attention.json" --view cases | cut -c1-160 | head -40
 [ -f "$OUT/host_ab.log" ] && tail -9 "$OUT/host_ab.log"
 [ -f "$OUT/smoke.log" ] && tail -14 "$OUT/smoke.log"
+for b in triton tilelang; do [ -f "$OUT/smoke_$b.log" ] && tail -14 "$OUT/smoke_$b.log"; done
+[ -f "$OUT/models.json" ] && python3 -m pcvr_lib report "$OUT/models.json" --view models
 exit 0

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import inspect
 import time
 
 import torch
@@ -83,6 +84,11 @@ def interpreted_triton_library():
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import JITFunction
 
+    # an interpreted library call (InterpretedFunction.__call__) patches triton.language's builtins for the
+    # interpreter and never restores them (triton 3.9): a later compile in this process would then fail
+    # ("'value' object has no attribute 'dtype'"), so the namespaces it touches are restored here
+    patched = (tl, tl.core, tl.core.tensor, tl.math, tl.core.tensor_descriptor_base)
+    saved = [(ns, dict(vars(ns))) for ns in patched]
     swapped = []
     for module in (tl, standard):
         for name, value in list(vars(module).items()):
@@ -94,6 +100,12 @@ def interpreted_triton_library():
     finally:
         for module, name, value in swapped:
             setattr(module, name, value)
+        for ns, before in saved:
+            for name in [n for n, v in vars(ns).items() if n not in before and not inspect.ismodule(v)]:
+                delattr(ns, name)
+            for name, value in before.items():
+                if vars(ns).get(name, None) is not value and name not in ("__dict__", "__weakref__"):
+                    setattr(ns, name, value)
 
 
 class Launcher:

@@ -33,6 +33,7 @@ NUM_TIME_BUCKETS = 64  # 0 = padding, 1..63 = request - event time classes
 TIME_BOUNDARIES_SEC = np.geomspace(5.0, 31_536_000.0, NUM_TIME_BUCKETS - 1)
 NUM_SEQ_STATS = 6
 BACKENDS = ("torch", "triton", "tilelang")
+BACKEND_OPTIONS = ("attention_backend", "rms_norm_backend", "embedding_backend")  # model options naming one
 
 
 # --------------------------------------------------------------------------------------------- config
@@ -49,8 +50,11 @@ class ModelConfig:
     seq_emb_skip_threshold: int | None = None  # the sequence features' own threshold (None: the same)
     vocab_cap: int | None = None  # smoke reduction: at most this many rows per feature table (hashed)
     dropout: float = 0.0
+    # operator backends (torch / triton / tilelang): attention; RMSNorm and LayerNorm (one norm family);
+    # the embedding-bag mean of the multi-valued sparse fields
     attention_backend: str = "torch"
     rms_norm_backend: str = "torch"
+    embedding_backend: str = "torch"
 
     def validate(self) -> None:
         for name in ("d_model", "num_blocks", "num_heads", "emb_dim", "emb_skip_threshold", "vocab_cap",
@@ -68,7 +72,7 @@ class ModelConfig:
             raise ValueError(f"model config head width d_model/num_heads={self.d_model // self.num_heads} must be even")
         if not 0.0 <= self.dropout < 1.0:
             raise ValueError(f"model config dropout must be in [0, 1), got {self.dropout!r}")
-        for name in ("attention_backend", "rms_norm_backend"):
+        for name in BACKEND_OPTIONS:
             if getattr(self, name) not in BACKENDS:
                 raise ValueError(f"model config {name} must be one of {BACKENDS}, got {getattr(self, name)!r}")
 
@@ -106,8 +110,9 @@ def attention(
     key_lengths: torch.Tensor | None = None,
     causal: bool = False,
     window: int | None = None,
-    global_query: torch.Tensor | None = None,
+    global_last: bool = False,
     mask: torch.Tensor | None = None,
+    role_mask=None,
     backend: str = "torch",
 ) -> torch.Tensor:
     """Multi-head attention on (B, H, S, D) tensors. The one place models call it.
@@ -115,23 +120,36 @@ def attention(
     key_lengths [B]: keys at positions >= length are padding (prefix-valid; a length of 0 counts as 1).
     causal: query i sees keys <= i. Outputs at padded query positions (>= length) are unspecified and
     never read by the models; the explicit mask lets a padded query see itself so that no row is empty.
-    window: sliding window, query i sees keys in (i - window, i]. global_query [B] (long): per
-    row, the query position that sees every valid key regardless of causal/window (the target token).
-    mask: a precomputed `attention_mask(...)` of exactly these arguments (a model with several layers
-    builds it once per forward); torch backend only.
+    window: sliding window, query i sees keys in (i - window, i]. global_last: the last valid query of
+    each row (the target token) sees every valid key regardless of causal/window.
+    mask: a precomputed `attention_mask(...)` (or its additive form) of exactly these arguments, or
+    symbiosis' role mask; a model with several layers builds it once per forward; torch backend only.
+    role_mask: `kernels.attention.role_mask(roles, visibility, key_valid)`, the same role mask for the
+    kernels (self-attention, no key lengths); other backends only.
     """
     if backend != "torch":
-        if window is not None or global_query is not None or mask is not None:
-            raise ValueError(
-                f"attention backend {backend!r}: sliding-window / global-query masks have no kernel; "
-                "use attention_backend='torch' for this model"
-            )
+        if mask is not None:
+            raise ValueError(f"attention backend {backend!r}: a precomputed mask tensor is for the torch backend; "
+                             "pass role_mask= (or the key lengths / window arguments) instead")
         from pcvr_lib import kernels
 
+        if role_mask is not None:
+            return kernels.flash_attention(q, k, v, role_mask=role_mask, backend=backend)
+        if key_lengths is not None:  # the kernels' length 0 gives zeros; here it counts as 1 (as on torch)
+            key_lengths = key_lengths.clamp(min=1)
+        if window is not None:
+            if not causal or key_lengths is None:
+                raise ValueError("attention: a sliding window needs causal=True and key_lengths")
+            # the kernels' window mode: causal window over valid queries, the last G = 1 valid query global
+            return kernels.flash_attention(q, k, v, key_lengths=key_lengths, window=window,
+                                           global_queries=1 if global_last else 0, backend=backend)
+        # without a window the last valid query already sees every valid key under causal_valid
         return kernels.flash_attention(
             q, k, v, key_lengths=key_lengths, causal=causal, causal_valid=causal and key_lengths is not None,
             backend=backend,
         )
+    if role_mask is not None:
+        raise ValueError("attention backend 'torch': pass the role mask as mask= (a boolean or additive tensor)")
     if mask is None and causal and window is None and q.shape[2] == k.shape[2]:
         # prefix-valid keys under a causal mask: a valid query i < length only sees keys <= i, all valid,
         # so the key-length mask changes nothing it computes (and the target token, the last valid one,
@@ -139,7 +157,10 @@ def attention(
         # no mask tensor and is the fastest on CPU.
         return F.scaled_dot_product_attention(q, k, v, is_causal=True)
     if mask is None:
-        mask = attention_mask(q.shape[0], q.shape[2], k.shape[2], q.device, key_lengths, causal, window, global_query)
+        target = None
+        if global_last and key_lengths is not None:
+            target = key_lengths.to(device=q.device, dtype=torch.long).clamp(min=1) - 1
+        mask = attention_mask(q.shape[0], q.shape[2], k.shape[2], q.device, key_lengths, causal, window, target)
     elif mask.dtype != torch.bool and mask.dtype != q.dtype:
         mask = mask.to(q.dtype)  # an additive mask follows the (autocast) dtype of the queries
     return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
@@ -199,6 +220,44 @@ class RMSNorm(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return rms_norm(x, self.weight, self.eps, backend=self.backend)
+
+
+def bag_mean(table: nn.Embedding, rows: torch.Tensor, backend: str = "torch") -> torch.Tensor:
+    """[..., L] table rows (0 = padding / no id) -> [..., E]: the mean embedding of each bag's non-zero
+    rows, 0 for an empty bag. The one place models switch the embedding-bag backend."""
+    if backend == "torch":
+        return masked_mean(table(rows), rows > 0, dim=-2)
+    from pcvr_lib import kernels
+
+    mean = kernels.embedding_bag_mean(table.weight, rows.reshape(-1, rows.shape[-1]), backend=backend,
+                                      sparse_grad=table.sparse)
+    return mean.view(*rows.shape[:-1], table.embedding_dim)
+
+
+class LayerNorm(nn.LayerNorm):
+    """nn.LayerNorm whose forward runs `pcvr_lib.kernels.layer_norm` with the model's norm backend (same
+    parameters and state-dict keys, so checkpoints do not depend on the backend)."""
+
+    backend: str = "torch"
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.backend == "torch":
+            return super().forward(x)
+        from pcvr_lib import kernels
+
+        return kernels.layer_norm(x, self.weight, self.bias, self.eps, backend=self.backend)
+
+
+def route_layer_norms(model: nn.Module, backend: str) -> None:
+    """Make every affine nn.LayerNorm over one dimension in `model` a `LayerNorm` on `backend`, in place
+    (the models build plain nn.LayerNorm; `build_model` calls this). Parameters and hooks are unchanged."""
+    for parent in model.modules():
+        for child in parent.children():
+            if type(child) is nn.LayerNorm and child.elementwise_affine and child.bias is not None \
+                    and len(child.normalized_shape) == 1:
+                child.__class__ = LayerNorm  # same attributes and parameters; only forward differs
+            if isinstance(child, LayerNorm):
+                child.backend = backend
 
 
 class MultiHeadAttention(nn.Module):
@@ -473,9 +532,10 @@ class FeatureEmbeddings(nn.Module):
 
     def __init__(self, schema: Schema, emb_dim: int, vocab_cap: int | None = None, *, threshold: int = 1_000_000,
                  hash_large: bool = False, seq_threshold: int | None = None, columns: int = 1,
-                 sides: tuple[str, ...] = ("user", "item")):
+                 sides: tuple[str, ...] = ("user", "item"), backend: str = "torch"):
         super().__init__()
         self.emb_dim = emb_dim
+        self.backend = backend  # embedding-bag mean of the multi-valued fields (`fields`)
         self.vocab_cap = vocab_cap
         self.columns = columns
         next_row = 1  # row 0 = padding
@@ -510,6 +570,14 @@ class FeatureEmbeddings(nn.Module):
             self.register_buffer(f"{side}_feature", torch.tensor(feature_of, dtype=torch.long), persistent=False)
             setattr(self, f"{side}_features", len(group))
             setattr(self, f"{side}_multi", any(f.dim > 1 for f in group))
+            # bags for kernels.embedding_bag_mean: feature f's slots, padded with slot D (a zero column)
+            width = max((f.dim for f in group), default=1)
+            bags = torch.full((len(group), width), len(bases), dtype=torch.long)
+            start = 0
+            for index, feat in enumerate(group):
+                bags[index, :feat.dim] = torch.arange(start, start + feat.dim)
+                start += feat.dim
+            self.register_buffer(f"{side}_bags", bags, persistent=False)
         for domain in schema.domains:
             bases, mods, keep = [], [], []
             for feat in domain.side_features:
@@ -550,9 +618,12 @@ class FeatureEmbeddings(nn.Module):
         rows = self._side_rows(batch, side)
         if self.columns > 1:
             rows = rows.transpose(1, 2)  # [B, C, D]
-        emb = self.table(rows)  # [B, (C,) D, E]
         if not getattr(self, f"{side}_multi"):
-            return emb
+            return self.table(rows)  # [B, (C,) D, E]: one id per feature, no mean to take
+        if self.backend != "torch":  # the same mean through the kernel: one bag per (row, feature)
+            bags = F.pad(rows, (0, 1))[..., getattr(self, f"{side}_bags")]  # [B, (C,) n, width]; 0 = no id
+            return bag_mean(self.table, bags, self.backend)
+        emb = self.table(rows)  # [B, (C,) D, E]
         feature = getattr(self, f"{side}_feature")
         n = getattr(self, f"{side}_features")
         axis = rows.dim() - 1
@@ -621,7 +692,7 @@ def embeddings_for(schema: Schema, config: ModelConfig, columns: int = 1,
     """The feature tables of a model config (its thresholds, hashing and the smoke's cap)."""
     return FeatureEmbeddings(schema, config.emb_dim, config.vocab_cap, threshold=config.emb_skip_threshold,
                              hash_large=config.emb_hash_large, seq_threshold=config.seq_emb_skip_threshold,
-                             columns=columns, sides=sides)
+                             columns=columns, sides=sides, backend=config.embedding_backend)
 
 
 class FeatureEncoder(nn.Module):

@@ -46,6 +46,7 @@ from pcvr_lib.models.common import (
     PerTokenLinear,
     RankMixerBlock,
     SwiGLU,
+    bag_mean,
     embeddings_for,
     masked_mean,
     pack_segments,
@@ -95,8 +96,8 @@ def ns_width(vocab: int, emb_dim: int) -> int:
 
 
 class WidthTables(nn.Module):
-    """One side's int features, each with its own width; one sparse table per width. `slots(batch)`
-    returns per feature (embeddings [B, dim, w], present [B, dim])."""
+    """One side's int features, each with its own width; one sparse table per width. `rows(int_values)`
+    gives per feature its table rows and table."""
 
     def __init__(self, features, emb_dim: int, config: ModelConfig):
         super().__init__()
@@ -117,13 +118,14 @@ class WidthTables(nn.Module):
             self.tables[str(w)] = table
         self.layout = layout
 
-    def slots(self, int_values: torch.Tensor) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    def rows(self, int_values: torch.Tensor) -> list[tuple[torch.Tensor, nn.Embedding]]:
+        """Per feature (its table rows [B, dim], 0 where no id, its table)."""
         out = []
         for feat, w, (base, n) in zip(self.features, self.widths, self.layout, strict=True):
             ids = int_values[:, feat.offset:feat.offset + feat.dim].long()
             present = (ids > 0) & (base > 0)
             rows = torch.where(present, base + torch.remainder(ids - 1, n), torch.zeros_like(ids))
-            out.append((self.tables[str(w)](rows), present))
+            out.append((rows, self.tables[str(w)]))
         return out
 
 
@@ -317,16 +319,18 @@ class DualQ(PCVRModel):
 
     # ---------------------------------------------------------------------------------------- tokens
     def _ns(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
-        user_slots = self.user_tables.slots(batch.user.int_values)
+        backend = self.config.embedding_backend
+        user_rows = self.user_tables.rows(batch.user.int_values)
         pairs = {}
         for module, i, dense in zip(self.pairs, self.pair_index, self.pair_dense, strict=True):
-            emb, present = user_slots[i]
+            rows, table = user_rows[i]  # pair features weigh each slot by its value: no bag mean
             values = batch.user.dense_values[:, dense.offset:dense.offset + dense.dim]
             ok = ~batch.user.dense_missing[:, dense.offset:dense.offset + dense.dim]
-            pairs[i] = module(emb, present, values, ok)
-        user = torch.cat([pairs[i] if i in pairs else masked_mean(e, p) for i, (e, p) in enumerate(user_slots)], -1)
+            pairs[i] = module(table(rows), rows > 0, values, ok)
+        user = torch.cat([pairs[i] if i in pairs else bag_mean(t, r, backend)
+                          for i, (r, t) in enumerate(user_rows)], -1)
         user = user * 2 * torch.sigmoid(self.lhuc(user))
-        item = torch.cat([masked_mean(e, p) for e, p in self.item_tables.slots(batch.item.int_values)], -1)
+        item = torch.cat([bag_mean(t, r, backend) for r, t in self.item_tables.rows(batch.item.int_values)], -1)
         return self.user_chunks(user), self.item_chunks(item)
 
     def _dense_tokens(self, batch: Batch) -> torch.Tensor:

@@ -5,9 +5,9 @@
   Order: user, dense, item.
 - Sequences: per domain the common tokenizer at full length plus sinusoidal positions.
 - Block (x num_blocks):
-  1. CrossSummary: `summary_queries` learned queries attend over all domains at once (one key mask over the
-     concatenation); s = LN(sigmoid(MLP[q_1..q_n, r]) * mean(q_1..q_n, r)) with r the mean over domains of
-     each domain's newest token.
+  1. CrossSummary: `summary_queries` learned queries attend over all domains at once (their valid events
+     packed to the front: one key length per row); s = LN(sigmoid(MLP[q_1..q_n, r]) * mean(q_1..q_n, r))
+     with r the mean over domains of each domain's newest token.
   2. [NS; s]: pre-LN self-attention, then pre-LN FFN (4x SiLU); s is then discarded.
   3. ctx = sigmoid(MLP(mean NS)) * mean NS.
   4. Per domain (weights shared by the domains): the personalised FFN p = x + FFN(x * sigmoid(W_g ctx) +
@@ -39,6 +39,7 @@ from pcvr_lib.models.common import (
     MultiHeadAttention,
     PCVRModel,
     gather_last,
+    pack_segments,
     sinusoidal_positions,
 )
 from pcvr_lib.models.registry import register
@@ -93,13 +94,13 @@ class CrossSummary(nn.Module):
         self.norm = nn.LayerNorm(d)
         self.empty = nn.Parameter(torch.zeros(d))  # the summary of a row with no event in any domain
 
-    def forward(self, keys: torch.Tensor, key_valid: torch.Tensor, recent: torch.Tensor) -> torch.Tensor:
-        """keys [B, S, d] (all domains), key_valid [B, S], recent [B, d] -> s [B, d]."""
+    def forward(self, keys: torch.Tensor, key_lengths: torch.Tensor, recent: torch.Tensor) -> torch.Tensor:
+        """keys [B, S, d] (every domain's valid events, packed to the front), key_lengths [B],
+        recent [B, d] -> s [B, d]."""
         b = keys.shape[0]
-        has_any = key_valid.any(1)
-        # a row without keys would be an empty softmax: let it see key 0 and replace its output below
-        mask = (key_valid | ~has_any[:, None])[:, None, None, :]
-        q = self.attn(self.queries.expand(b, -1, -1), context=keys, mask=mask)
+        has_any = key_lengths > 0
+        # a row without keys sees key 0 (attention's length 0 counts as 1); its output is replaced below
+        q = self.attn(self.queries.expand(b, -1, -1), context=keys, key_lengths=key_lengths)
         parts = torch.cat([q, recent[:, None]], dim=1)  # [B, n + 1, d]
         s = self.norm(torch.sigmoid(self.gate(parts.flatten(1))) * parts.mean(1))
         return torch.where(has_any[:, None], s, self.empty.to(s.dtype).expand_as(s))
@@ -168,17 +169,15 @@ class InterFormer(PCVRModel):
         self.out = nn.Linear(c.head_hidden, 1)
 
     def _summary(self, summary: CrossSummary, seqs, lengths):
-        keys = torch.cat(seqs, dim=1)
-        key_valid = torch.cat(
-            [torch.arange(x.shape[1], device=x.device)[None] < n[:, None] for x, n in zip(seqs, lengths, strict=True)],
-            dim=1,
-        )
+        # the domains' valid events packed to the front: a key-length mask (attention's kernels take it) in
+        # place of a segmented one; the order of keys does not change attention without positions
+        keys, key_lengths = pack_segments(list(zip(seqs, lengths, strict=True)))
         recent = torch.stack(
             [torch.where((n > 0)[:, None], gather_last(x, n), self.empty_recent.to(x.dtype))
              for x, n in zip(seqs, lengths, strict=True)],
             dim=0,
         ).mean(0)
-        return summary(keys, key_valid, recent)
+        return summary(keys, key_lengths, recent)
 
     def predict(self, batch: Batch):
         emb = self.encoder.embeddings

@@ -37,4 +37,8 @@ def model_class(name: str) -> type:
 
 def build_model(name: str, schema, config: Any = None):
     """The model `name` for `schema`; config is its config dataclass, a dict of overrides, or None."""
-    return model_class(name)(schema, config)
+    from pcvr_lib.models.common import route_layer_norms
+
+    model = model_class(name)(schema, config)
+    route_layer_norms(model, model.config.rms_norm_backend)  # the models' nn.LayerNorms on the norm backend
+    return model

@@ -198,6 +198,7 @@ class Symbiosis(PCVRModel):
         for field in (USER, ITEM, DENSE, MISSING):
             sees[field, EVENT] = False
         sees[EVENT, USER] = sees[EVENT, DENSE] = False
+        self.register_buffer("role_visibility", sees, persistent=False)  # the kernels' form of the rule
         self.register_buffer("role_mask", sees[self.roles][:, self.roles], persistent=False)
         self.blocks = nn.ModuleList(
             nn.ModuleDict({
@@ -267,18 +268,21 @@ class Symbiosis(PCVRModel):
             x = x * (~dropped)[..., None].to(x.dtype)
             valid = valid & ~dropped
         x = x + self.role_emb[self.roles] + self.domain_emb[self.domain_ids] + self.risk_emb[self.risk.long()]
-        eye = torch.eye(self.n_tokens, dtype=torch.bool, device=device)
-        mask = (self.role_mask[None] & valid[:, None, :]) | eye[None]  # [B, T, T]
-        mask = mask[:, None]
-        if c.attention_backend == "torch":  # additive: faster SDPA on CPU, built once for all blocks
-            mask = torch.zeros(mask.shape, dtype=x.dtype, device=device).masked_fill_(~mask, float("-inf"))
+        if c.attention_backend == "torch":  # [B, 1, T, T], additive: faster SDPA on CPU, built once for all blocks
+            eye = torch.eye(self.n_tokens, dtype=torch.bool, device=device)
+            mask = ((self.role_mask[None] & valid[:, None, :]) | eye[None])[:, None]
+            masks = {"mask": torch.zeros(mask.shape, dtype=x.dtype, device=device).masked_fill_(~mask, float("-inf"))}
+        else:  # the same rule for the kernels: role ids + visibility + key validity, no (B, T, T) tensor
+            from pcvr_lib.kernels.attention import role_mask
+
+            masks = {"role_mask": role_mask(self.roles.expand(b, -1), self.role_visibility, valid)}
         keep = valid[..., None].to(x.dtype)
         heads, hd = c.num_heads, c.d_model // c.num_heads
         for blk in self.blocks:
             q, k, v = blk["qkv"](blk["norm1"](x)).chunk(3, dim=-1)
             q, k = blk["q_norm"](q), blk["k_norm"](k)
             q, k, v = (t.view(b, -1, heads, hd).transpose(1, 2) for t in (q, k, v))
-            o = attention(q, k, v, mask=mask, backend=c.attention_backend)
+            o = attention(q, k, v, backend=c.attention_backend, **masks)
             x = x + blk["out"](o.transpose(1, 2).reshape(b, -1, c.d_model)) * keep
             x = x + blk["ffn"](blk["norm2"](x)) * keep
         x = self.final_norm(x)

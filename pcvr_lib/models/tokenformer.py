@@ -79,9 +79,9 @@ class TokenFormerBlock(nn.Module):
         # keys at distance <= w: the mask's window counts the query itself, so w + 1 positions
         self.window = None if window is None else window + 1
 
-    def forward(self, x, lengths, target, masks):
+    def forward(self, x, lengths, masks):
         h = self.norm1(x)
-        attn = self.attn(h, key_lengths=lengths, causal=True, window=self.window, global_query=target,
+        attn = self.attn(h, key_lengths=lengths, causal=True, window=self.window, global_last=True,
                          mask=masks.get(self.window))
         x = x + torch.sigmoid(self.gate(h)) * attn
         return x + self.ffn(self.norm2(x))
@@ -155,7 +155,7 @@ class TokenFormer(PCVRModel):
                     attention_mask(b, x.shape[1], x.shape[1], device, lengths, True, window, target)
                 )
         for block in self.blocks:
-            x = block(x, lengths, target, masks)
+            x = block(x, lengths, masks)
         x = self.final_norm(x)
         pos = torch.arange(x.shape[1], device=device)[None]
         item_start = (target - self.n_item)[:, None]

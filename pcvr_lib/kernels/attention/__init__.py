@@ -1,9 +1,14 @@
 """flash_attention: scaled dot-product attention with PCVR masks; torch (SDPA), triton and tilelang backends.
 
     out = flash_attention(q, k, v, key_lengths=lengths, causal=False, causal_valid=False,
+                          window=None, global_queries=0, role_mask=None,
                           dropout_p=0.0, training=False, scale=None, generator=None, backend="triton")
 
-q (B, H, Sq, D), k and v (B, H, Skv, D), D in {32, 64, 128}; Sq may differ from Skv. Mask modes and the
+q (B, H, Sq, D), k and v (B, H, Skv, D), D in {16, 32, 48, 64, 128} (48 runs padded to 64 in the kernels);
+Sq may differ from Skv. `window=W` (with `global_queries=G` and optional key lengths) is tokenformer's causal
+sliding window with global last queries; `role_mask=role_mask(roles, visibility, key_valid)` is symbiosis'
+role rule (self-attention; no key lengths with it). Neither builds a (B, S, S) mask in the kernels. Mask
+modes and the
 dropout keep rule are defined in masks.py (key lengths are per batch row, int32 preferred; longer than Skv
 means all keys). fp16 and bf16 run natively; fp32 inputs are computed in bf16 and the output returned as
 fp32 (documented precision: bf16). Rows with no visible key return zeros. Dropout applies only with
@@ -20,17 +25,29 @@ from __future__ import annotations
 import math
 
 import torch
+import torch.nn.functional as F
 
 from .. import registry
-from .masks import MODES, allowed_mask, draw_seed, dropout_keep_mask, key_lengths_from_mask, mode_name
+from .masks import (
+    MODES,
+    RoleMask,
+    allowed_mask,
+    draw_seed,
+    dropout_keep_mask,
+    key_lengths_from_mask,
+    mode_name,
+    role_mask,
+)
 
 __all__ = [
-    "flash_attention", "key_lengths_from_mask", "allowed_mask", "dropout_keep_mask", "MODES", "OP", "BACKENDS",
+    "flash_attention", "key_lengths_from_mask", "allowed_mask", "dropout_keep_mask", "role_mask", "RoleMask",
+    "MODES", "OP", "BACKENDS",
 ]
 
 OP = "flash_attention"
 BACKENDS = ("torch", "triton", "tilelang")
-HEAD_DIMS = (32, 64, 128)
+HEAD_DIMS = (16, 32, 48, 64, 128)
+_PADDED = {48: 64}  # head dims the kernels run zero-padded (a power of two per tile row)
 _HALF = (torch.float16, torch.bfloat16)
 
 
@@ -70,18 +87,18 @@ def _impl(backend: str, device: torch.device):
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, key_lengths, mode, scale, seed, dropout_p, impl):
-        o, lse = impl.forward(q, k, v, key_lengths, mode, scale, seed, dropout_p, True)
+    def forward(ctx, q, k, v, key_lengths, mode, scale, seed, dropout_p, impl, extra):
+        o, lse = impl.forward(q, k, v, key_lengths, mode, scale, seed, dropout_p, True, extra=extra)
         ctx.save_for_backward(q, k, v, o, lse, key_lengths)
-        ctx.args = (mode, scale, seed, dropout_p, impl)
+        ctx.args = (mode, scale, seed, dropout_p, impl, extra)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, key_lengths = ctx.saved_tensors
-        mode, scale, seed, dropout_p, impl = ctx.args
-        dq, dk, dv = impl.backward(do, q, k, v, o, lse, key_lengths, mode, scale, seed, dropout_p)
-        return dq, dk, dv, None, None, None, None, None, None
+        mode, scale, seed, dropout_p, impl, extra = ctx.args
+        dq, dk, dv = impl.backward(do, q, k, v, o, lse, key_lengths, mode, scale, seed, dropout_p, extra=extra)
+        return dq, dk, dv, None, None, None, None, None, None, None
 
 
 _OK_DTYPES = registry.FLOAT_DTYPES  # float16, bfloat16, float32
@@ -135,15 +152,45 @@ def _explain(q, k, v, key_lengths) -> None:
             raise RuntimeError(f"{OP}: key_lengths on {key_lengths.device}, q on {q.device}")
 
 
-def flash_attention(q, k, v, *, key_lengths=None, causal=False, causal_valid=False, dropout_p=0.0,
-                    training=False, scale=None, generator=None, backend="torch"):
+def _check_masks(q, k, key_lengths, window, global_queries, rmask) -> None:
+    """The window and roles arguments (only read when one is given)."""
+    if window is not None:
+        if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+            raise ValueError(f"{OP}: window must be an int >= 1 (keys (i - window, i] are visible), got {window!r}")
+        if rmask is not None:
+            raise ValueError(f"{OP}: window and role_mask cannot be combined")
+    if isinstance(global_queries, bool) or not isinstance(global_queries, int) or global_queries < 0:
+        raise ValueError(f"{OP}: global_queries must be an int >= 0, got {global_queries!r}")
+    if global_queries and window is None:
+        raise ValueError(f"{OP}: global_queries={global_queries} needs a window (without one every valid "
+                         "query already sees its whole causal past)")
+    if rmask is not None:
+        if not isinstance(rmask, RoleMask):
+            raise TypeError(f"{OP}: role_mask must come from role_mask(roles, visibility, key_valid), "
+                            f"got {type(rmask).__name__}")
+        if key_lengths is not None:
+            raise ValueError(f"{OP}: role_mask carries its own key validity; do not pass key_lengths with it")
+        B, _, Sq, _ = q.shape
+        if Sq != k.shape[2] or rmask.codes.shape != (B, Sq):
+            raise ValueError(f"{OP}: role_mask is for self-attention: roles {tuple(rmask.codes.shape)} must be "
+                             f"(B, S) = ({B}, {Sq}) with Sq == Skv (got Sq {Sq}, Skv {k.shape[2]})")
+        if rmask.codes.device != q.device:
+            raise RuntimeError(f"{OP}: role_mask on {rmask.codes.device}, q on {q.device}")
+
+
+def flash_attention(q, k, v, *, key_lengths=None, causal=False, causal_valid=False, window=None,
+                    global_queries=0, role_mask=None, dropout_p=0.0, training=False, scale=None, generator=None,
+                    backend="torch"):
     """softmax(q k^T * scale + mask) [dropout] @ v; see the module docstring for the contract."""
     _check(q, k, v, key_lengths)
+    if window is not None or role_mask is not None or global_queries:
+        _check_masks(q, k, key_lengths, window, global_queries, role_mask)
     if not 0.0 <= dropout_p < 1.0:
         raise ValueError(f"{OP}: dropout_p must be in [0, 1), got {dropout_p}")
     if q.dtype == torch.float32:  # documented: computed in bf16, returned as fp32
         out = flash_attention(q.to(torch.bfloat16), k.to(torch.bfloat16), v.to(torch.bfloat16),
-                              key_lengths=key_lengths, causal=causal, causal_valid=causal_valid,
+                              key_lengths=key_lengths, causal=causal, causal_valid=causal_valid, window=window,
+                              global_queries=global_queries, role_mask=role_mask,
                               dropout_p=dropout_p, training=training, scale=scale, generator=generator,
                               backend=backend)
         return out.float()
@@ -157,8 +204,18 @@ def flash_attention(q, k, v, *, key_lengths=None, causal=False, causal_valid=Fal
     if q.numel() == 0 or k.shape[2] == 0:  # nothing to attend to (or nobody asking): zeros, every backend
         return _empty_result(q, k, v)
     if impl is _TORCH:
-        return _torch_attention(q, k, v, key_lengths, causal, causal_valid, scale, seed, p)
-    mode = mode_name(key_lengths, causal, causal_valid)
+        return _torch_attention(q, k, v, key_lengths, causal, causal_valid, scale, seed, p, window,
+                                global_queries, role_mask)
+    mode = mode_name(key_lengths, causal, causal_valid, window, role_mask)
+    extra = None
+    if window is not None:
+        extra = (window, global_queries, None, None)
+    elif role_mask is not None:
+        extra = (0, 0, role_mask.codes, role_mask.words)
+    D = q.shape[3]
+    if D in _PADDED:  # zero columns change no score; the padded output columns are dropped
+        pad = _PADDED[D] - D
+        q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
     if key_lengths is not None and key_lengths.dtype != torch.int32:
         key_lengths = key_lengths.to(torch.int32)
     if q.stride(3) != 1:
@@ -168,8 +225,10 @@ def flash_attention(q, k, v, *, key_lengths=None, causal=False, causal_valid=Fal
     if v.stride(3) != 1:
         v = v.contiguous()
     if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        return _FlashAttention.apply(q, k, v, key_lengths, mode, scale, seed, p, impl)
-    return impl.forward(q, k, v, key_lengths, mode, scale, seed, p, False)[0]
+        out = _FlashAttention.apply(q, k, v, key_lengths, mode, scale, seed, p, impl, extra)
+    else:
+        out = impl.forward(q, k, v, key_lengths, mode, scale, seed, p, False, extra=extra)[0]
+    return out[..., :D] if D in _PADDED else out
 
 
 def _empty_result(q, k, v):
@@ -179,7 +238,7 @@ def _empty_result(q, k, v):
     return out
 
 
-def _torch_attention(q, k, v, key_lengths, causal, causal_valid, scale, seed, p):
+def _torch_attention(q, k, v, key_lengths, causal, causal_valid, scale, seed, p, window, global_queries, rmask):
     from .torch_impl import attention
 
-    return attention(q, k, v, key_lengths, causal, causal_valid, scale, seed, p)
+    return attention(q, k, v, key_lengths, causal, causal_valid, scale, seed, p, window, global_queries, rmask)

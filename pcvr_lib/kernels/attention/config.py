@@ -1,6 +1,7 @@
 """Tile configurations of the attention kernels per (head dim, bucket of Sq) (masks.length_bucket: Sq <= 128,
 <= 512, longer). Triton: (BLOCK_M, BLOCK_N, num_warps, num_stages); TileLang: (block_M, block_N, threads,
 num_stages). `python -m pcvr_lib.kernels.attention.tune` sweeps candidates; winners are copied here.
+Head dim 16 (the models' d 64 / 4 heads) has untuned 64 x 64 tiles; head dim 48 runs padded to 64.
 """
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per (head dim, bucket of Sq). Buckets 1 and 2: the winners of
@@ -9,6 +10,7 @@ num_stages). `python -m pcvr_lib.kernels.attention.tune` sweeps candidates; winn
 # with warm-up; the first, cold one had ranked (128, 64, 4, 4) first); at B4 H16 S4096 D128 the earlier
 # (128, 64, 8, 3) stayed best. Bucket 1 takes bucket 2's configs (not tuned).
 TRITON_FWD_CONFIGS = {
+    (16, 0): (64, 64, 4, 2), (16, 1): (64, 64, 4, 2), (16, 2): (64, 64, 4, 2),
     (32, 0): (64, 64, 4, 2), (64, 0): (64, 64, 4, 2), (128, 0): (64, 64, 4, 2),
     (32, 1): (128, 64, 8, 3), (64, 1): (128, 64, 8, 3), (128, 1): (128, 64, 8, 3),
     (32, 2): (128, 64, 8, 3), (64, 2): (128, 64, 8, 3), (128, 2): (128, 64, 8, 3),
@@ -19,11 +21,13 @@ TRITON_FWD_CONFIGS = {
 # (64, 64, 8, 2): 6241 -> 4236 us (the 8-warp config had been picked from ptxas spill counts of triton 3.9,
 # not timed), dK/dV (64, 128, 8, 2) against (32, 64, 4, 2): 6241 -> 5928 us.
 TRITON_BWD_DQ_CONFIGS = {
+    (16, 0): (64, 64, 4, 2), (16, 1): (64, 64, 4, 2), (16, 2): (64, 64, 4, 2),
     (32, 0): (64, 64, 4, 2), (64, 0): (64, 64, 4, 2), (128, 0): (64, 64, 8, 2),
     (32, 1): (64, 64, 4, 2), (64, 1): (64, 64, 4, 2), (128, 1): (64, 64, 4, 2),
     (32, 2): (64, 64, 4, 2), (64, 2): (64, 64, 4, 2), (128, 2): (64, 64, 4, 2),
 }
 TRITON_BWD_KV_CONFIGS = {
+    (16, 0): (64, 64, 4, 2), (16, 1): (64, 64, 4, 2), (16, 2): (64, 64, 4, 2),
     (32, 0): (64, 64, 4, 2), (64, 0): (64, 64, 4, 2), (128, 0): (32, 64, 4, 2),
     (32, 1): (32, 64, 4, 3), (64, 1): (32, 64, 4, 3), (128, 1): (64, 128, 8, 2),
     (32, 2): (32, 64, 4, 3), (64, 2): (32, 64, 4, 3), (128, 2): (64, 128, 8, 2),
@@ -32,11 +36,13 @@ TRITON_BWD_KV_CONFIGS = {
 
 # (block_M, block_N, threads, num_stages) per (head dim, bucket of Sq)
 TILELANG_FWD_CONFIGS = {
+    (16, 0): (64, 64, 128, 1), (16, 1): (64, 64, 128, 2), (16, 2): (64, 64, 128, 2),
     (32, 0): (64, 64, 128, 1), (64, 0): (64, 64, 128, 1), (128, 0): (64, 64, 128, 1),
     (32, 1): (128, 128, 256, 2), (64, 1): (128, 128, 256, 2), (128, 1): (128, 128, 256, 2),
     (32, 2): (128, 128, 256, 2), (64, 2): (128, 128, 256, 2), (128, 2): (128, 128, 256, 2),
 }
 TILELANG_BWD_CONFIGS = {  # shared by the dQ kernel (rows x keys) and the dK/dV kernel (keys x rows)
+    (16, 0): (64, 64, 128, 1), (16, 1): (64, 64, 128, 2), (16, 2): (64, 64, 128, 2),
     (32, 0): (64, 64, 128, 1), (64, 0): (64, 64, 128, 1), (128, 0): (64, 64, 128, 1),
     (32, 1): (64, 64, 128, 2), (64, 1): (64, 64, 128, 2), (128, 1): (64, 64, 128, 2),
     (32, 2): (64, 64, 128, 2), (64, 2): (64, 64, 128, 2), (128, 2): (64, 64, 128, 2),

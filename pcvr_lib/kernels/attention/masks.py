@@ -7,6 +7,14 @@ Which key j a query i may attend to, with L the sequence's key length (Skv when 
 - causal:        j <= i (top-left aligned, like SDPA's `is_causal` when Sq != Skv), and j < L
 - causal_valid:  (j <= i and i < L) or j == i: valid queries see the valid past, a padded query
                  (i >= L) sees only itself, so no row of a self-attention block is empty
+- window:        causal_valid restricted to the last W keys, plus G global queries (tokenformer):
+                 (i < L and j <= i and i - j < W) or (L - G <= i < L and j < L) or j == i. The last G valid
+                 queries (the target token, G = 1) see every valid key; with G = 1 that is the causal past
+                 without the window.
+- roles:         a per-token role id r[b, t] in [0, R) and a role-visibility matrix V (R x R, bool), with
+                 key validity k[b, t] (symbiosis; self-attention, Sq == Skv):
+                 (V[r[b, i], r[b, j]] and k[b, j]) or j == i. The diagonal keeps every row non-empty (it
+                 replaces symbiosis' "safe mask", which unmasks key 0 of a row with no valid key).
 
 A row that can see no key (L == 0, or a padded query beyond Skv) returns zeros, with zero gradients.
 
@@ -17,11 +25,15 @@ every backend (and the test reference, through `dropout_keep_mask`) draws the ve
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
-MODES = ("none", "key_lengths", "causal", "causal_valid")
+MODES = ("none", "key_lengths", "causal", "causal_valid", "window", "roles")
 # the kernels' compile-time mask code (key lengths are a separate flag, so "none" and "key_lengths" share 1)
-MODE_CODE = {"none": 1, "key_lengths": 1, "causal": 2, "causal_valid": 3}
+MODE_CODE = {"none": 1, "key_lengths": 1, "causal": 2, "causal_valid": 3, "window": 4, "roles": 5}
+MAX_ROLES = 16  # roles are bits of one int32 visibility word per query role in the kernels
+INVALID_KEY = 32  # role code bit of a padded key (role_codes): no visibility bit reaches it
 
 
 def length_bucket(s: int) -> int:
@@ -36,7 +48,11 @@ _MUL2 = 0x735A2D97
 _MASK32 = 0xFFFFFFFF
 
 
-def mode_name(key_lengths, causal: bool, causal_valid: bool) -> str:
+def mode_name(key_lengths, causal: bool, causal_valid: bool, window=None, roles=None) -> str:
+    if roles is not None:
+        return "roles"
+    if window is not None:
+        return "window"
     if causal_valid:
         return "causal_valid" if key_lengths is not None else "causal"
     if causal:
@@ -45,20 +61,88 @@ def mode_name(key_lengths, causal: bool, causal_valid: bool) -> str:
 
 
 def allowed_mask(batch: int, sq: int, skv: int, key_lengths: torch.Tensor | None, causal: bool,
-                 causal_valid: bool, device) -> torch.Tensor:
-    """Boolean (B, 1, Sq, Skv): True where query i may attend to key j (the definitions above)."""
+                 causal_valid: bool, device, window: int | None = None, n_global: int = 0,
+                 roles: torch.Tensor | None = None, role_visibility: torch.Tensor | None = None,
+                 key_valid: torch.Tensor | None = None) -> torch.Tensor:
+    """Boolean (B, 1, Sq, Skv): True where query i may attend to key j (the definitions above). This is
+    the (B, S, S) tensor the kernels never build: the torch backend and the tests use it."""
     i = torch.arange(sq, device=device).view(1, 1, sq, 1)
     j = torch.arange(skv, device=device).view(1, 1, 1, skv)
+    if roles is not None:
+        r = roles.to(device=device, dtype=torch.long)
+        vis = role_visibility.to(device=device, dtype=torch.bool)
+        allowed = vis[r[:, :, None], r[:, None, :]][:, None]  # (B, 1, S, S)
+        if key_valid is not None:
+            allowed = allowed & key_valid.to(device=device, dtype=torch.bool)[:, None, None, :]
+        return allowed | (j == i)
     if key_lengths is None:
         lengths = torch.full((batch, 1, 1, 1), skv, device=device, dtype=torch.long)
     else:
         lengths = key_lengths.to(device=device, dtype=torch.long).clamp(min=0).view(batch, 1, 1, 1)
+    if window is not None:
+        valid_row = i < lengths
+        in_window = (j <= i) & (i - j < window) & valid_row
+        is_global = valid_row & (i >= lengths - n_global) & (j < lengths)
+        return in_window | is_global | (j == i)
     if causal_valid and key_lengths is not None:
         return ((j <= i) & (i < lengths)) | (j == i)
     allowed = j < lengths
     if causal or causal_valid:
         allowed = allowed & (j <= i)
     return allowed.expand(batch, 1, sq, skv)
+
+
+@dataclass(frozen=True)
+class RoleMask:
+    """The roles mask of one batch, built once by `role_mask` (checked there) and passed to every layer.
+
+    codes: int32 (B, S), the role id plus INVALID_KEY where the key is padding (what the kernels read);
+    words: int32 (32,), bit s of word r set when role r sees role s (zero words past R);
+    roles, visibility, key_valid: the inputs, for the torch backend's boolean mask.
+    """
+
+    codes: torch.Tensor
+    words: torch.Tensor
+    roles: torch.Tensor
+    visibility: torch.Tensor
+    key_valid: torch.Tensor | None
+
+
+def role_mask(roles: torch.Tensor, role_visibility: torch.Tensor, key_valid: torch.Tensor | None = None) -> RoleMask:
+    """Check and pack a roles mask: roles (B, S) integer ids in [0, R), role_visibility (R, R) bool
+    (row: the query's role, column: the key's), key_valid (B, S) bool (True: a real token) or None.
+    The value check costs one device sync: build the mask once per batch, not per layer."""
+    where = "role_mask"
+    if not isinstance(roles, torch.Tensor) or roles.dim() != 2 or roles.dtype.is_floating_point or \
+            roles.dtype == torch.bool:
+        got = f"{roles.dtype} {tuple(roles.shape)}" if isinstance(roles, torch.Tensor) else type(roles).__name__
+        raise ValueError(f"{where}: roles must be an integer tensor of shape (B, S), got {got}")
+    if not isinstance(role_visibility, torch.Tensor) or role_visibility.dtype != torch.bool or \
+            role_visibility.dim() != 2 or role_visibility.shape[0] != role_visibility.shape[1]:
+        got = (f"{role_visibility.dtype} {tuple(role_visibility.shape)}" if isinstance(role_visibility, torch.Tensor)
+               else type(role_visibility).__name__)
+        raise ValueError(f"{where}: role_visibility must be a square bool tensor (R, R), got {got}")
+    R = role_visibility.shape[0]
+    if not 1 <= R <= MAX_ROLES:
+        raise ValueError(f"{where}: at most {MAX_ROLES} roles are supported, role_visibility is {R} x {R}")
+    if key_valid is not None and (not isinstance(key_valid, torch.Tensor) or key_valid.dtype != torch.bool
+                                  or key_valid.shape != roles.shape):
+        got = f"{key_valid.dtype} {tuple(key_valid.shape)}" if isinstance(key_valid, torch.Tensor) else "?"
+        raise ValueError(f"{where}: key_valid must be a bool tensor shaped like roles {tuple(roles.shape)}, got {got}")
+    for name, t in (("role_visibility", role_visibility), ("key_valid", key_valid)):
+        if t is not None and t.device != roles.device:
+            raise RuntimeError(f"{where}: {name} on {t.device}, roles on {roles.device}")
+    if roles.numel():
+        lo, hi = int(roles.min()), int(roles.max())
+        if lo < 0 or hi >= R:
+            raise ValueError(f"{where}: role ids must be in [0, {R}) (role_visibility is {R} x {R}), got {lo}..{hi}")
+    codes = roles.to(torch.int32)
+    if key_valid is not None:
+        codes = codes | (~key_valid).to(torch.int32) * INVALID_KEY
+    weights = torch.tensor([1 << s for s in range(R)], dtype=torch.int64, device=roles.device)
+    words = torch.zeros(32, dtype=torch.int32, device=roles.device)
+    words[:R] = (role_visibility.to(torch.int64) * weights).sum(1).to(torch.int32)
+    return RoleMask(codes.contiguous(), words, roles, role_visibility, key_valid)
 
 
 def _mix32(x: torch.Tensor) -> torch.Tensor:

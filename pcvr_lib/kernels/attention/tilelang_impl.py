@@ -41,13 +41,41 @@ def _stream(seed, bh):
     return x ^ (x >> T.uint32(15))
 
 
-def _allowed(mode, row, col, qlen, kv_len, sq, skv):
-    """Whether query `row` may see key `col` (masks.py), as a TIR boolean."""
+def _allowed(mode, row, col, qlen, kv_len, sq, skv, W=None, G=None, q_word=None, k_code=None):
+    """Whether query `row` may see key `col` (masks.py), as a TIR boolean. Window (4): W, G; roles (5): the
+    query's visibility word and the key's role code (staged in shared memory once per tile)."""
     if mode == 1:
         return (col < kv_len) & (row < sq)
     if mode == 2:
         return (col <= row) & (col < kv_len) & (row < sq)
+    if mode == 4:
+        valid_row = row < qlen
+        return (((col <= row) & (row - col < W) & valid_row) | (valid_row & (row >= qlen - G) & (col < kv_len))
+                | (col == row)) & (col < skv) & (row < sq)
+    if mode == 5:
+        seen = ((q_word >> (k_code & 31)) & 1) != 0
+        return ((seen & (k_code < 32)) | (col == row)) & (col < skv) & (row < sq)
     return (((col <= row) & (row < qlen)) | (col == row)) & (col < skv) & (row < sq)
+
+
+def _row_range(mode, m_start, bm, bn, qlen, kv_len, Skv, W, G):
+    """[lo, hi) key tiles a block of rows starting at m_start visits (forward and dQ)."""
+    if mode == 1:
+        return 0, T.ceildiv(kv_len, bn)
+    if mode == 2:
+        return 0, T.ceildiv(T.min(kv_len, m_start + bm), bn)
+    if mode == 5:
+        return 0, T.ceildiv(Skv, bn)
+    causal_hi = T.ceildiv(T.min(Skv, m_start + bm), bn)
+    if mode == 4:
+        # window band; a block with global rows sees every valid key; padded rows only themselves
+        has_global = (m_start < qlen) & (m_start + bm > qlen - G)
+        lo = T.if_then_else(m_start >= qlen, m_start // bn,
+                            T.if_then_else(has_global, 0, T.max(m_start - W + 1, 0) // bn))
+        hi = T.if_then_else(has_global, T.max(causal_hi, T.ceildiv(kv_len, bn)), causal_hi)
+        return lo, T.max(lo, hi)
+    lo = T.if_then_else(m_start >= qlen, m_start // bn, 0)
+    return lo, T.max(lo, causal_hi)
 
 
 def _padded(sq: int) -> int:
@@ -66,7 +94,7 @@ def _pass_configs(config: tuple) -> dict:
 
 
 def fwd_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
-    B, H, Sq, Skv, NKL, SqP = T.dynamic("B, H, Sq, Skv, NKL, SqP")
+    B, H, Sq, Skv, NKL, SqP, NR = T.dynamic("B, H, Sq, Skv, NKL, SqP, NR")
     acc = "float32"
     neg_inf = -T.infinity(acc)
 
@@ -78,10 +106,14 @@ def fwd_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
         O: T.Tensor([B, H, Sq, D], dtype),
         LSE: T.Tensor([B, H, SqP], acc),
         KL: T.Tensor([NKL], "int32"),
+        ROLE: T.Tensor([NR], "int32"),
+        VIS: T.Tensor([32], "int32"),
         qk_scale: T.float32,
         seed: T.int32,
         thr: T.int32,
         drop_scale: T.float32,
+        W: T.int32,
+        G: T.int32,
     ):
         with T.Kernel(T.ceildiv(Sq, bm), H, B, threads=threads) as (bx, by, bz):
             Q_s = T.alloc_shared([bm, D], dtype)
@@ -97,32 +129,33 @@ def fwd_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
             row_sum = T.alloc_fragment([bm], acc)
             l = T.alloc_fragment([bm], acc)
             lse = T.alloc_fragment([bm], acc)
+            q_word = T.alloc_shared([bm], "int32")  # roles: visibility word of each query's role
+            k_code = T.alloc_shared([bn], "int32")  # roles: role code of each key of the tile
 
-            qlen = T.max(KL[bz], 0) if has_kl else Sq
+            qlen = T.max(KL[bz], 0) if has_kl else Skv  # the valid length L of masks.py
             kv_len = T.min(qlen, Skv) if has_kl else Skv  # no key lengths: every key is valid
             m_start = bx * bm
-            if mode == 1:
-                lo = 0
-                hi = T.ceildiv(kv_len, bn)
-            elif mode == 2:
-                lo = 0
-                hi = T.ceildiv(T.min(kv_len, m_start + bm), bn)
-            else:
-                lo = T.if_then_else(m_start >= qlen, m_start // bn, 0)
-                hi = T.max(lo, T.ceildiv(T.min(Skv, m_start + bm), bn))
+            lo, hi = _row_range(mode, m_start, bm, bn, qlen, kv_len, Skv, W, G)
             stream = _stream(seed, bz * H + by)
 
             T.copy(Q[bz, by, m_start:m_start + bm, :], Q_s)
+            if mode == 5:
+                for i in T.Parallel(bm):
+                    q_word[i] = VIS[T.if_then_else(m_start + i < Sq, ROLE[bz * Sq + m_start + i], 0) & 31]
             T.fill(o, 0)
             T.fill(l, 0)
             T.fill(m, neg_inf)
             for kk in T.Pipelined(lo, hi, num_stages=stages):
                 T.copy(K[bz, by, kk * bn:(kk + 1) * bn, :], K_s)
+                if mode == 5:
+                    for j in T.Parallel(bn):
+                        k_code[j] = T.if_then_else(kk * bn + j < Skv, ROLE[bz * Skv + kk * bn + j], 32)
                 T.clear(s)
                 T.gemm(Q_s, K_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 for i, j in T.Parallel(bm, bn):
                     s[i, j] = T.if_then_else(
-                        _allowed(mode, m_start + i, kk * bn + j, qlen, kv_len, Sq, Skv), s[i, j] * qk_scale, neg_inf)
+                        _allowed(mode, m_start + i, kk * bn + j, qlen, kv_len, Sq, Skv, W, G, q_word[i], k_code[j]),
+                        s[i, j] * qk_scale, neg_inf)
                 T.copy(m, m_prev)
                 T.reduce_max(s, m, dim=1, clear=False)
                 for i in T.Parallel(bm):
@@ -152,7 +185,7 @@ def fwd_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
 
 
 def bwd_dq_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
-    B, H, Sq, Skv, NKL, SqP = T.dynamic("B, H, Sq, Skv, NKL, SqP")
+    B, H, Sq, Skv, NKL, SqP, NR = T.dynamic("B, H, Sq, Skv, NKL, SqP, NR")
     acc = "float32"
 
     @T.prim_func
@@ -166,11 +199,15 @@ def bwd_dq_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
         LSE: T.Tensor([B, H, SqP], acc),
         Delta: T.Tensor([B, H, SqP], acc),
         KL: T.Tensor([NKL], "int32"),
+        ROLE: T.Tensor([NR], "int32"),
+        VIS: T.Tensor([32], "int32"),
         qk_scale: T.float32,
         sm_scale: T.float32,
         seed: T.int32,
         thr: T.int32,
         drop_scale: T.float32,
+        W: T.int32,
+        G: T.int32,
     ):
         with T.Kernel(T.ceildiv(Sq, bm), H, B, threads=threads) as (bx, by, bz):
             Q_s = T.alloc_shared([bm, D], dtype)
@@ -187,19 +224,13 @@ def bwd_dq_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
             dp = T.alloc_fragment([bm, bn], acc)
             ds_cast = T.alloc_fragment([bm, bn], dtype)
             dq = T.alloc_fragment([bm, D], acc)
+            q_word = T.alloc_shared([bm], "int32")
+            k_code = T.alloc_shared([bn], "int32")
 
-            qlen = T.max(KL[bz], 0) if has_kl else Sq
+            qlen = T.max(KL[bz], 0) if has_kl else Skv  # the valid length L of masks.py
             kv_len = T.min(qlen, Skv) if has_kl else Skv  # no key lengths: every key is valid
             m_start = bx * bm
-            if mode == 1:
-                lo = 0
-                hi = T.ceildiv(kv_len, bn)
-            elif mode == 2:
-                lo = 0
-                hi = T.ceildiv(T.min(kv_len, m_start + bm), bn)
-            else:
-                lo = T.if_then_else(m_start >= qlen, m_start // bn, 0)
-                hi = T.max(lo, T.ceildiv(T.min(Skv, m_start + bm), bn))
+            lo, hi = _row_range(mode, m_start, bm, bn, qlen, kv_len, Skv, W, G)
             stream = _stream(seed, bz * H + by)
 
             T.copy(O[bz, by, m_start:m_start + bm, :], o_f)
@@ -212,16 +243,23 @@ def bwd_dq_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
             T.copy(LSE[bz, by, m_start:m_start + bm], lse_s)
             T.copy(Q[bz, by, m_start:m_start + bm, :], Q_s)
             T.copy(dO[bz, by, m_start:m_start + bm, :], dO_s)
+            if mode == 5:
+                for i in T.Parallel(bm):
+                    q_word[i] = VIS[T.if_then_else(m_start + i < Sq, ROLE[bz * Sq + m_start + i], 0) & 31]
             T.clear(dq)
             for kk in T.Pipelined(lo, hi, num_stages=stages):
                 T.copy(K[bz, by, kk * bn:(kk + 1) * bn, :], K_s)
                 T.copy(V[bz, by, kk * bn:(kk + 1) * bn, :], V_s)
+                if mode == 5:
+                    for j in T.Parallel(bn):
+                        k_code[j] = T.if_then_else(kk * bn + j < Skv, ROLE[bz * Skv + kk * bn + j], 32)
                 T.clear(s)
                 T.gemm(Q_s, K_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 T.clear(dp)
                 T.gemm(dO_s, V_s, dp, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 for i, j in T.Parallel(bm, bn):
-                    p = T.if_then_else(_allowed(mode, m_start + i, kk * bn + j, qlen, kv_len, Sq, Skv),
+                    p = T.if_then_else(_allowed(mode, m_start + i, kk * bn + j, qlen, kv_len, Sq, Skv, W, G,
+                                                q_word[i], k_code[j]),
                                        T.exp2(s[i, j] * qk_scale - lse_s[i]), 0.0)
                     if dropout:
                         kept = _keep(m_start + i, kk * bn + j, Skv, stream, thr)
@@ -238,7 +276,7 @@ def bwd_dq_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
 
 
 def bwd_dkdv_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
-    B, H, Sq, Skv, NKL, SqP = T.dynamic("B, H, Sq, Skv, NKL, SqP")
+    B, H, Sq, Skv, NKL, SqP, NR = T.dynamic("B, H, Sq, Skv, NKL, SqP, NR")
     acc = "float32"
 
     @T.prim_func
@@ -252,11 +290,15 @@ def bwd_dkdv_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
         LSE: T.Tensor([B, H, SqP], acc),
         Delta: T.Tensor([B, H, SqP], acc),
         KL: T.Tensor([NKL], "int32"),
+        ROLE: T.Tensor([NR], "int32"),
+        VIS: T.Tensor([32], "int32"),
         qk_scale: T.float32,
         sm_scale: T.float32,
         seed: T.int32,
         thr: T.int32,
         drop_scale: T.float32,
+        W: T.int32,
+        G: T.int32,
     ):
         with T.Kernel(T.ceildiv(Skv, bn), H, B, threads=threads) as (bx, by, bz):
             K_s = T.alloc_shared([bn, D], dtype)
@@ -271,8 +313,10 @@ def bwd_dkdv_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
             ds_cast = T.alloc_fragment([bn, bm], dtype)
             dk = T.alloc_fragment([bn, D], acc)
             dv = T.alloc_fragment([bn, D], acc)
+            q_word = T.alloc_shared([bm], "int32")
+            k_code = T.alloc_shared([bn], "int32")
 
-            qlen = T.max(KL[bz], 0) if has_kl else Sq
+            qlen = T.max(KL[bz], 0) if has_kl else Skv  # the valid length L of masks.py
             kv_len = T.min(qlen, Skv) if has_kl else Skv  # no key lengths: every key is valid
             n_start = bx * bn
             if mode == 1:
@@ -281,6 +325,16 @@ def bwd_dkdv_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
             elif mode == 2:
                 lo = n_start // bm
                 hi = T.if_then_else(n_start < kv_len, T.max(lo, T.ceildiv(Sq, bm)), lo)
+            elif mode == 4:
+                # one range over the window band, the padded rows on the diagonal and the global rows (the
+                # rows between band and global rows are visited masked: simpler than a second loop)
+                has_keys = n_start < kv_len
+                lo = T.if_then_else(has_keys, T.min(n_start, T.max(qlen - G, 0)), n_start) // bm
+                top = T.max(n_start + bn - 1 + W, T.if_then_else(has_keys, qlen, 0))
+                hi = T.max(lo, T.ceildiv(T.min(Sq, top), bm))
+            elif mode == 5:
+                lo = 0
+                hi = T.ceildiv(Sq, bm)
             else:
                 lo = n_start // bm
                 hi = T.max(lo, T.ceildiv(T.min(Sq, T.max(qlen, n_start + bn)), bm))
@@ -288,6 +342,9 @@ def bwd_dkdv_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
 
             T.copy(K[bz, by, n_start:n_start + bn, :], K_s)
             T.copy(V[bz, by, n_start:n_start + bn, :], V_s)
+            if mode == 5:
+                for i in T.Parallel(bn):
+                    k_code[i] = T.if_then_else(n_start + i < Skv, ROLE[bz * Skv + n_start + i], 32)
             T.clear(dk)
             T.clear(dv)
             for mm in T.Pipelined(lo, hi, num_stages=stages):
@@ -295,12 +352,16 @@ def bwd_dkdv_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
                 T.copy(dO[bz, by, mm * bm:(mm + 1) * bm, :], dO_s)
                 T.copy(LSE[bz, by, mm * bm:(mm + 1) * bm], lse_s)
                 T.copy(Delta[bz, by, mm * bm:(mm + 1) * bm], delta_s)
+                if mode == 5:
+                    for j in T.Parallel(bm):
+                        q_word[j] = VIS[T.if_then_else(mm * bm + j < Sq, ROLE[bz * Sq + mm * bm + j], 0) & 31]
                 T.clear(sT)
                 T.gemm(K_s, Q_s, sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 T.clear(dpT)
                 T.gemm(V_s, dO_s, dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
                 for i, j in T.Parallel(bn, bm):
-                    p = T.if_then_else(_allowed(mode, mm * bm + j, n_start + i, qlen, kv_len, Sq, Skv),
+                    p = T.if_then_else(_allowed(mode, mm * bm + j, n_start + i, qlen, kv_len, Sq, Skv, W, G,
+                                                q_word[j], k_code[i]),
                                        T.exp2(sT[i, j] * qk_scale - lse_s[j]), 0.0)
                     if dropout:
                         kept = _keep(mm * bm + j, n_start + i, Skv, stream, thr)
@@ -385,8 +446,24 @@ def _kl_arg(key_lengths, device):
     return t
 
 
+def _extra_args(extra, device):
+    """(ROLE, VIS, W, G) kernel arguments: the window's ints, the roles mask's codes and words, or dummies."""
+    W, G, roles, words = extra or (0, 0, None, None)
+    if roles is None:
+        dummy = _dummy_vis.get(device)
+        if dummy is None:
+            import torch
+
+            dummy = _dummy_vis[device] = torch.zeros(32, dtype=torch.int32, device=device)
+        return dummy, dummy, W, G
+    return roles.reshape(-1), words, W, G  # the kernels index the (B, S) codes flat: ROLE[b * S + s]
+
+
+_dummy_vis: dict = {}
+
+
 def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p: float, store_lse: bool,
-            config=None):
+            config=None, extra=None):
     import torch
 
     q, k, v = q.contiguous(), k.contiguous(), v.contiguous()
@@ -397,13 +474,14 @@ def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p:
     exe = LAUNCHERS.get(key) or KERNELS.first(key, q.device)
     o = torch.empty_like(q)
     lse = torch.empty((B, H, _padded(Sq)), dtype=torch.float32, device=q.device)
-    exe(q, k, v, o, lse, _kl_arg(key_lengths, q.device), scale * _LOG2E, seed,
-           int(round(dropout_p * (1 << 24))), 1.0 / (1.0 - dropout_p))
+    role, vis, W, G = _extra_args(extra, q.device)
+    exe(q, k, v, o, lse, _kl_arg(key_lengths, q.device), role, vis, scale * _LOG2E, seed,
+        int(round(dropout_p * (1 << 24))), 1.0 / (1.0 - dropout_p), W, G)
     return o, lse
 
 
 def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: int, dropout_p: float,
-             config=None):
+             config=None, extra=None):
     import torch
 
     q, k, v, do = q.contiguous(), k.contiguous(), v.contiguous(), do.contiguous()
@@ -415,9 +493,10 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
     dv = torch.empty_like(v)
     delta = torch.empty((B, H, _padded(Sq)), dtype=torch.float32, device=q.device)
     kl = _kl_arg(key_lengths, q.device)
-    scalars = (scale * _LOG2E, scale, seed, int(round(dropout_p * (1 << 24))), 1.0 / (1.0 - dropout_p))
+    role, vis, W, G = _extra_args(extra, q.device)
+    scalars = (scale * _LOG2E, scale, seed, int(round(dropout_p * (1 << 24))), 1.0 / (1.0 - dropout_p), W, G)
     key = ("flash_attention.dq", *variant)
-    (LAUNCHERS.get(key) or KERNELS.first(key, q.device))(q, k, v, o, do, dq, lse, delta, kl, *scalars)
+    (LAUNCHERS.get(key) or KERNELS.first(key, q.device))(q, k, v, o, do, dq, lse, delta, kl, role, vis, *scalars)
     key = ("flash_attention.dkdv", *variant)
-    (LAUNCHERS.get(key) or KERNELS.first(key, q.device))(q, k, v, do, dk, dv, lse, delta, kl, *scalars)
+    (LAUNCHERS.get(key) or KERNELS.first(key, q.device))(q, k, v, do, dk, dv, lse, delta, kl, role, vis, *scalars)
     return dq, dk, dv

@@ -15,13 +15,15 @@ from .masks import allowed_mask, dropout_keep_mask
 
 
 def attention(q, k, v, key_lengths, causal: bool, causal_valid: bool, scale: float, seed: int | None,
-              dropout_p: float) -> torch.Tensor:
+              dropout_p: float, window: int | None = None, global_queries: int = 0, role_mask=None) -> torch.Tensor:
     B, H, Sq, _ = q.shape
     Skv = k.shape[2]
-    if dropout_p == 0.0 and key_lengths is None:
+    if dropout_p == 0.0 and key_lengths is None and window is None and role_mask is None:
         # no padding: a causal row always sees key 0, so no row is empty (unless Skv == 0)
         return F.scaled_dot_product_attention(q, k, v, is_causal=causal or causal_valid, scale=scale)
-    allowed = allowed_mask(B, Sq, Skv, key_lengths, causal, causal_valid, q.device)
+    rm = role_mask
+    allowed = allowed_mask(B, Sq, Skv, key_lengths, causal, causal_valid, q.device, window, global_queries,
+                           rm.roles if rm else None, rm.visibility if rm else None, rm.key_valid if rm else None)
     has_key = allowed.any(dim=-1, keepdim=True)
     # an empty row may see every key (any finite result) and is zeroed after: no NaN in either pass
     mask = allowed | ~has_key

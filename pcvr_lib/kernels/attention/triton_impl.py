@@ -27,14 +27,14 @@ from .._triton import Launcher, cdiv, kernel
 from .config import TRITON_BWD_DQ_CONFIGS, TRITON_BWD_KV_CONFIGS, TRITON_FWD_CONFIGS
 from .masks import MODE_CODE, length_bucket
 
-_RUNTIME_INTS = ["H", "Sq", "Skv", "seed", "drop_threshold"]
+_RUNTIME_INTS = ["H", "Sq", "Skv", "seed", "drop_threshold", "W", "G"]
 
 
 @kernel(do_not_specialize=_RUNTIME_INTS)
 def _attn_fwd(
-    Q, K, V, O, LSE, KL,
+    Q, K, V, O, LSE, KL, ROLE, VIS,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som,
-    H, Sq, Skv, qk_scale, seed, drop_threshold, drop_scale,
+    H, Sq, Skv, qk_scale, seed, drop_threshold, drop_scale, W, G,
     MODE: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, STORE_LSE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
@@ -48,7 +48,7 @@ def _attn_fwd(
     offs_n0 = tl.arange(0, BLOCK_N)
 
     # -- which key tiles this block of rows can see, and which of them need no element mask
-    qlen = Sq
+    qlen = Skv  # the valid length L of masks.py: Skv without key lengths
     kv_len = Skv
     if HAS_KL:
         qlen = tl.maximum(tl.load(KL + b), 0)
@@ -60,7 +60,7 @@ def _attn_fwd(
     elif MODE == 2:
         kv_hi = tl.minimum(kv_len, m_start + BLOCK_M)
         full_hi = (tl.minimum(kv_len, m_start + 1) // BLOCK_N) * BLOCK_N
-    else:
+    elif MODE == 3:
         # causal-valid: rows i < qlen see keys j <= i; a padded row i >= qlen sees only key i
         kv_hi = tl.minimum(Skv, m_start + BLOCK_M)
         if m_start + BLOCK_M <= qlen:
@@ -69,12 +69,31 @@ def _attn_fwd(
             full_hi = 0
         if m_start >= qlen:
             kv_lo = (m_start // BLOCK_N) * BLOCK_N
+    elif MODE == 4:
+        # window: valid rows see keys (i - W, i], the last G valid rows every valid key, padded rows themselves;
+        # only the key tiles in that band are visited (every one through the masked loop)
+        kv_hi = tl.minimum(Skv, m_start + BLOCK_M)
+        full_hi = 0
+        kv_lo = (tl.maximum(m_start - W + 1, 0) // BLOCK_N) * BLOCK_N
+        if m_start >= qlen:
+            kv_lo = (m_start // BLOCK_N) * BLOCK_N
+        elif m_start + BLOCK_M > qlen - G:
+            kv_lo = 0
+            kv_hi = tl.maximum(kv_hi, kv_len)
+    else:
+        # roles: any key may be visible; the masked loop skips tiles its rows cannot see at all
+        kv_hi = Skv
+        full_hi = 0
 
     q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
     k_base = K + b.to(tl.int64) * skb + h.to(tl.int64) * skh
     v_base = V + b.to(tl.int64) * svb + h.to(tl.int64) * svh
     row_ok = offs_m < Sq
     q = tl.load(q_base + offs_m[:, None] * sqm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    if MODE == 5:  # the visibility word of each query's role (bit s: it sees role s)
+        q_vis = tl.load(VIS + (tl.load(ROLE + b.to(tl.int64) * Sq + offs_m, mask=row_ok, other=0) & 31))
+    if MODE == 4:
+        glob_row = (offs_m < qlen) & (offs_m >= qlen - G)
 
     if DROPOUT:
         # per-(b, h) stream key: one round of the hash over seed + bh * golden-ratio constant
@@ -114,34 +133,47 @@ def _attn_fwd(
     for n_start in range(tl.maximum(full_hi, kv_lo), kv_hi, BLOCK_N):
         offs_n = n_start + offs_n0
         col_ok = offs_n < Skv
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        s = tl.dot(q, tl.trans(k)) * qk_scale
         if MODE <= 1:
             allowed = (offs_n < kv_len)[None, :] & row_ok[:, None]
         elif MODE == 2:
             allowed = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < kv_len)[None, :]
-        else:
+        elif MODE == 3:
             allowed = ((offs_n[None, :] <= offs_m[:, None]) & (offs_m < qlen)[:, None]) | (
                 offs_n[None, :] == offs_m[:, None]
             )
             allowed = allowed & col_ok[None, :]
-        s = tl.where(allowed, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked row stays at p = 0
-        p = tl.exp2(s - m_sub[:, None])
-        alpha = tl.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
-        if DROPOUT:
-            x = (offs_m[:, None] * Skv + offs_n[None, :]).to(tl.uint32) ^ hk
-            x ^= x >> 16
-            x *= 0x21F0AAAD
-            x ^= x >> 15
-            x *= 0x735A2D97
-            x ^= x >> 15
-            p = tl.where((x >> 8) >= drop_threshold, p, 0.0)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-        m_i = m_new
+        elif MODE == 4:
+            allowed = ((offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] > offs_m[:, None] - W)
+                       & (offs_m < qlen)[:, None]) | (glob_row[:, None] & (offs_n < kv_len)[None, :]) | (
+                offs_n[None, :] == offs_m[:, None])
+            allowed = allowed & col_ok[None, :]
+        else:
+            k_role = tl.load(ROLE + b.to(tl.int64) * Skv + offs_n, mask=col_ok, other=32)
+            allowed = (((q_vis[:, None] >> (k_role[None, :] & 31)) & 1) != 0) & (k_role < 32)[None, :]
+            allowed = (allowed | (offs_n[None, :] == offs_m[:, None])) & col_ok[None, :]
+        visit = True
+        if MODE == 5:  # a tile none of these rows may see costs only the role loads
+            visit = tl.max(allowed.to(tl.int32)) > 0
+        if visit:
+            k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            s = tl.dot(q, tl.trans(k)) * qk_scale
+            s = tl.where(allowed, s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked row stays at p = 0
+            p = tl.exp2(s - m_sub[:, None])
+            alpha = tl.exp2(m_i - m_sub)
+            l_i = l_i * alpha + tl.sum(p, 1)
+            if DROPOUT:
+                x = (offs_m[:, None] * Skv + offs_n[None, :]).to(tl.uint32) ^ hk
+                x ^= x >> 16
+                x *= 0x21F0AAAD
+                x ^= x >> 15
+                x *= 0x735A2D97
+                x ^= x >> 15
+                p = tl.where((x >> 8) >= drop_threshold, p, 0.0)
+            v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            m_i = m_new
 
     empty = l_i == 0.0
     inv_l = tl.where(empty, 0.0, drop_scale / tl.where(empty, 1.0, l_i))
@@ -155,9 +187,9 @@ def _attn_fwd(
 
 @kernel(do_not_specialize=_RUNTIME_INTS)
 def _attn_bwd_dq(
-    Q, K, V, O, DO, DQ, LSE, DELTA, KL,
+    Q, K, V, O, DO, DQ, LSE, DELTA, KL, ROLE, VIS,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som, sdob, sdoh, sdom,
-    H, Sq, Skv, qk_scale, sm_scale, seed, drop_threshold, drop_scale,
+    H, Sq, Skv, qk_scale, sm_scale, seed, drop_threshold, drop_scale, W, G,
     MODE: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
@@ -171,7 +203,7 @@ def _attn_bwd_dq(
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n0 = tl.arange(0, BLOCK_N)
 
-    qlen = Sq
+    qlen = Skv  # the valid length L of masks.py: Skv without key lengths
     kv_len = Skv
     if HAS_KL:
         qlen = tl.maximum(tl.load(KL + b), 0)
@@ -183,7 +215,7 @@ def _attn_bwd_dq(
     elif MODE == 2:
         kv_hi = tl.minimum(kv_len, m_start + BLOCK_M)
         full_hi = (tl.minimum(kv_len, m_start + 1) // BLOCK_N) * BLOCK_N
-    else:
+    elif MODE == 3:
         kv_hi = tl.minimum(Skv, m_start + BLOCK_M)
         if m_start + BLOCK_M <= qlen:
             full_hi = (tl.minimum(Skv, m_start + 1) // BLOCK_N) * BLOCK_N
@@ -191,6 +223,21 @@ def _attn_bwd_dq(
             full_hi = 0
         if m_start >= qlen:
             kv_lo = (m_start // BLOCK_N) * BLOCK_N
+    elif MODE == 4:
+        # window: valid rows see keys (i - W, i], the last G valid rows every valid key, padded rows themselves;
+        # only the key tiles in that band are visited (every one through the masked loop)
+        kv_hi = tl.minimum(Skv, m_start + BLOCK_M)
+        full_hi = 0
+        kv_lo = (tl.maximum(m_start - W + 1, 0) // BLOCK_N) * BLOCK_N
+        if m_start >= qlen:
+            kv_lo = (m_start // BLOCK_N) * BLOCK_N
+        elif m_start + BLOCK_M > qlen - G:
+            kv_lo = 0
+            kv_hi = tl.maximum(kv_hi, kv_len)
+    else:
+        # roles: any key may be visible; the masked loop skips tiles its rows cannot see at all
+        kv_hi = Skv
+        full_hi = 0
 
     row_ok = offs_m < Sq
     b64 = b.to(tl.int64)
@@ -202,6 +249,10 @@ def _attn_bwd_dq(
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     tl.store(DELTA + bh.to(tl.int64) * Sq + offs_m, delta, mask=row_ok)
     lse = tl.load(LSE + bh.to(tl.int64) * Sq + offs_m, mask=row_ok, other=float("inf"))
+    if MODE == 5:
+        q_vis = tl.load(VIS + (tl.load(ROLE + b64 * Sq + offs_m, mask=row_ok, other=0) & 31))
+    if MODE == 4:
+        glob_row = (offs_m < qlen) & (offs_m >= qlen - G)
     k_base = K + b64 * skb + h64 * skh
     v_base = V + b64 * svb + h64 * svh
 
@@ -233,30 +284,43 @@ def _attn_bwd_dq(
     for n_start in range(tl.maximum(full_hi, kv_lo), kv_hi, BLOCK_N):
         offs_n = n_start + offs_n0
         col_ok = offs_n < Skv
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
         if MODE <= 1:
             allowed = (offs_n < kv_len)[None, :] & row_ok[:, None]
         elif MODE == 2:
             allowed = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < kv_len)[None, :]
-        else:
+        elif MODE == 3:
             allowed = ((offs_n[None, :] <= offs_m[:, None]) & (offs_m < qlen)[:, None]) | (
                 offs_n[None, :] == offs_m[:, None]
             )
             allowed = allowed & col_ok[None, :]
-        p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
-        p = tl.where(allowed, p, 0.0)
-        dp = tl.dot(do, tl.trans(v))
-        if DROPOUT:
-            x = (offs_m[:, None] * Skv + offs_n[None, :]).to(tl.uint32) ^ hk
-            x ^= x >> 16
-            x *= 0x21F0AAAD
-            x ^= x >> 15
-            x *= 0x735A2D97
-            x ^= x >> 15
-            dp = tl.where((x >> 8) >= drop_threshold, dp * drop_scale, 0.0)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        elif MODE == 4:
+            allowed = ((offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] > offs_m[:, None] - W)
+                       & (offs_m < qlen)[:, None]) | (glob_row[:, None] & (offs_n < kv_len)[None, :]) | (
+                offs_n[None, :] == offs_m[:, None])
+            allowed = allowed & col_ok[None, :]
+        else:
+            k_role = tl.load(ROLE + b64 * Skv + offs_n, mask=col_ok, other=32)
+            allowed = (((q_vis[:, None] >> (k_role[None, :] & 31)) & 1) != 0) & (k_role < 32)[None, :]
+            allowed = (allowed | (offs_n[None, :] == offs_m[:, None])) & col_ok[None, :]
+        visit = True
+        if MODE == 5:
+            visit = tl.max(allowed.to(tl.int32)) > 0
+        if visit:
+            k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+            p = tl.where(allowed, p, 0.0)
+            dp = tl.dot(do, tl.trans(v))
+            if DROPOUT:
+                x = (offs_m[:, None] * Skv + offs_n[None, :]).to(tl.uint32) ^ hk
+                x ^= x >> 16
+                x *= 0x21F0AAAD
+                x ^= x >> 15
+                x *= 0x735A2D97
+                x ^= x >> 15
+                dp = tl.where((x >> 8) >= drop_threshold, dp * drop_scale, 0.0)
+            ds = p * (dp - delta[:, None])
+            dq += tl.dot(ds.to(k.dtype), k)
     dq = dq * sm_scale
     tl.store(DQ + bh.to(tl.int64) * Sq * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
@@ -264,9 +328,9 @@ def _attn_bwd_dq(
 
 @kernel(do_not_specialize=_RUNTIME_INTS)
 def _attn_bwd_dkdv(
-    Q, K, V, DO, DK, DV, LSE, DELTA, KL,
+    Q, K, V, DO, DK, DV, LSE, DELTA, KL, ROLE, VIS,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom,
-    H, Sq, Skv, qk_scale, sm_scale, seed, drop_threshold, drop_scale,
+    H, Sq, Skv, qk_scale, sm_scale, seed, drop_threshold, drop_scale, W, G,
     MODE: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
@@ -281,7 +345,7 @@ def _attn_bwd_dkdv(
     offs_m0 = tl.arange(0, BLOCK_M)
     col_ok = offs_n < Skv
 
-    qlen = Sq
+    qlen = Skv  # the valid length L of masks.py: Skv without key lengths
     kv_len = Skv
     if HAS_KL:
         qlen = tl.maximum(tl.load(KL + b), 0)
@@ -295,10 +359,23 @@ def _attn_bwd_dkdv(
         q_lo = (n_start // BLOCK_M) * BLOCK_M
         q_hi = tl.where(n_start < kv_len, Sq, 0)
         q_mid = tl.where(edge, q_hi, tl.minimum(q_hi, ((n_start + BLOCK_N + BLOCK_M - 1) // BLOCK_M) * BLOCK_M))
-    else:
+    elif MODE == 3:
         q_lo = (n_start // BLOCK_M) * BLOCK_M
         q_hi = tl.minimum(Sq, tl.maximum(qlen, n_start + BLOCK_N))
         q_mid = q_hi
+    elif MODE == 4:
+        # window: rows [n_start, n_start + BLOCK_N - 1 + W) see these keys (padded rows: only their own key);
+        # then the global rows [qlen - G, qlen) outside [q_lo, q_mid), in a second masked loop
+        q_lo = (n_start // BLOCK_M) * BLOCK_M
+        q_mid = tl.minimum(Sq, n_start + BLOCK_N - 1 + W)
+        q_hi = tl.where(n_start < kv_len, tl.minimum(Sq, qlen), 0)
+    else:
+        q_lo = 0
+        q_hi = Sq
+        q_mid = Sq
+    q2_lo = q_mid
+    if MODE == 4:
+        q2_lo = (tl.maximum(qlen - G, 0) // BLOCK_M) * BLOCK_M
 
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
@@ -317,42 +394,60 @@ def _attn_bwd_dkdv(
         hk *= 0x735A2D97
         hk ^= hk >> 15
 
+    if MODE == 5:  # key role codes of this tile (bit 5 set: padding)
+        k_role = tl.load(ROLE + b64 * Skv + offs_n, mask=col_ok, other=32)
+
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     for m_start in range(q_lo, q_mid, BLOCK_M):
         offs_m = m_start + offs_m0
         row_ok = offs_m < Sq
-        q = tl.load(q_base + offs_m[:, None] * sqm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * sdom + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
-        delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
-        pT = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
         if MODE <= 1:
             allowedT = (offs_n < kv_len)[:, None] & row_ok[None, :]
         elif MODE == 2:
             allowedT = (offs_n[:, None] <= offs_m[None, :]) & (offs_n < kv_len)[:, None] & row_ok[None, :]
-        else:
+        elif MODE == 3:
             allowedT = ((offs_n[:, None] <= offs_m[None, :]) & (offs_m < qlen)[None, :]) | (
                 offs_n[:, None] == offs_m[None, :]
             )
             allowedT = allowedT & col_ok[:, None] & row_ok[None, :]
-        pT = tl.where(allowedT, pT, 0.0)
-        dpT = tl.dot(v, tl.trans(do))
-        if DROPOUT:
-            x = (offs_m[None, :] * Skv + offs_n[:, None]).to(tl.uint32) ^ hk
-            x ^= x >> 16
-            x *= 0x21F0AAAD
-            x ^= x >> 15
-            x *= 0x735A2D97
-            x ^= x >> 15
-            keep = (x >> 8) >= drop_threshold
-            dv += tl.dot(tl.where(keep, pT * drop_scale, 0.0).to(do.dtype), do)
-            dpT = tl.where(keep, dpT * drop_scale, 0.0)
+        elif MODE == 4:
+            glob_row = (offs_m < qlen) & (offs_m >= qlen - G)
+            allowedT = ((offs_n[:, None] <= offs_m[None, :]) & (offs_n[:, None] > offs_m[None, :] - W)
+                        & (offs_m < qlen)[None, :]) | ((offs_n < kv_len)[:, None] & glob_row[None, :]) | (
+                offs_n[:, None] == offs_m[None, :])
+            # rows from q_mid on belong to the second loop (this tile of rows may reach past q_mid)
+            allowedT = allowedT & col_ok[:, None] & (row_ok & (offs_m < q_mid))[None, :]
         else:
-            dv += tl.dot(pT.to(do.dtype), do)
-        dsT = pT * (dpT - delta[None, :])
-        dk += tl.dot(dsT.to(q.dtype), q)
-    for m_start in range(q_mid, q_hi, BLOCK_M):
+            q_vis = tl.load(VIS + (tl.load(ROLE + b64 * Sq + offs_m, mask=row_ok, other=0) & 31))
+            allowedT = (((q_vis[None, :] >> (k_role[:, None] & 31)) & 1) != 0) & (k_role < 32)[:, None]
+            allowedT = (allowedT | (offs_n[:, None] == offs_m[None, :])) & col_ok[:, None] & row_ok[None, :]
+        visit = True
+        if MODE == 5:  # a query tile that sees none of these keys is skipped
+            visit = tl.max(allowedT.to(tl.int32)) > 0
+        if visit:
+            q = tl.load(q_base + offs_m[:, None] * sqm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * sdom + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
+            delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
+            pT = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
+            pT = tl.where(allowedT, pT, 0.0)
+            dpT = tl.dot(v, tl.trans(do))
+            if DROPOUT:
+                x = (offs_m[None, :] * Skv + offs_n[:, None]).to(tl.uint32) ^ hk
+                x ^= x >> 16
+                x *= 0x21F0AAAD
+                x ^= x >> 15
+                x *= 0x735A2D97
+                x ^= x >> 15
+                keep = (x >> 8) >= drop_threshold
+                dv += tl.dot(tl.where(keep, pT * drop_scale, 0.0).to(do.dtype), do)
+                dpT = tl.where(keep, dpT * drop_scale, 0.0)
+            else:
+                dv += tl.dot(pT.to(do.dtype), do)
+            dsT = pT * (dpT - delta[None, :])
+            dk += tl.dot(dsT.to(q.dtype), q)
+    for m_start in range(q2_lo, q_hi, BLOCK_M):
         offs_m = m_start + offs_m0
         row_ok = offs_m < Sq
         q = tl.load(q_base + offs_m[:, None] * sqm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
@@ -360,6 +455,9 @@ def _attn_bwd_dkdv(
         lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
         delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
         pT = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
+        if MODE == 4:  # global rows outside the window band (the first loop counted [q_lo, q_mid))
+            glob_row = ((offs_m < q_lo) | (offs_m >= q_mid)) & (offs_m < qlen) & (offs_m >= qlen - G)
+            pT = tl.where((offs_n < kv_len)[:, None] & glob_row[None, :], pT, 0.0)
         dpT = tl.dot(v, tl.trans(do))
         if DROPOUT:
             x = (offs_m[None, :] * Skv + offs_n[:, None]).to(tl.uint32) ^ hk
@@ -402,8 +500,9 @@ def _fast_ok(tensors, strides) -> bool:
 
 
 def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p: float,
-            store_lse: bool, config=None):
-    """O (and the base-2 LSE, (B*H, Sq) fp32, when store_lse) for contiguous-last-dim q, k, v."""
+            store_lse: bool, config=None, extra=None):
+    """O (and the base-2 LSE, (B*H, Sq) fp32, when store_lse) for contiguous-last-dim q, k, v.
+    `extra`: (window W, global queries G, role codes, visibility words) of the window and roles masks."""
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     o = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
@@ -414,11 +513,13 @@ def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p:
     qs, ks, vs = q.stride(), k.stride(), v.stride()
     strides = (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], H * Sq * D, Sq * D, D)
     code = MODE_CODE[mode]
-    args = (q, k, v, o, lse, key_lengths if has_kl else o, *strides,
-            H, Sq, Skv, scale * 1.4426950408889634, seed, _threshold(dropout_p), 1.0 / (1.0 - dropout_p),
+    W, G, roles, vis = extra or _NO_EXTRA
+    roles = o if roles is None else roles
+    args = (q, k, v, o, lse, key_lengths if has_kl else o, roles, o if vis is None else vis, *strides,
+            H, Sq, Skv, scale * 1.4426950408889634, seed, _threshold(dropout_p), 1.0 / (1.0 - dropout_p), W, G,
             code, has_kl, dropout, store_lse, bm, bn, D)
     grid = (cdiv(Sq, bm), B * H, 1)
-    if _fast_ok((q, k, v, key_lengths) if has_kl else (q, k, v), strides):
+    if _fast_ok((q, k, v, roles, key_lengths) if has_kl else (q, k, v, roles), strides):
         key = (q.get_device(), q.dtype, code, has_kl, dropout, store_lse, bm, bn, D, warps, stages)
         _launch_fwd(key, grid, args, warps, stages)
     else:
@@ -427,7 +528,7 @@ def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p:
 
 
 def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: int, dropout_p: float,
-             dq_config=None, kv_config=None):
+             dq_config=None, kv_config=None, extra=None):
     """(dQ, dK, dV): two launches, dQ (which also writes delta = rowsum(dO*O)) then dK/dV."""
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
@@ -441,17 +542,20 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
     kl = key_lengths if has_kl else delta
     dropout = dropout_p > 0.0
     code = MODE_CODE[mode]
+    W, G, roles, vis = extra or _NO_EXTRA
+    roles = delta if roles is None else roles
+    vis = delta if vis is None else vis
     qs, ks, vs, dos = q.stride(), k.stride(), v.stride(), do.stride()
     s_qkv = (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
     s_o = (H * Sq * D, Sq * D, D)
     s_do = (dos[0], dos[1], dos[2])
     common = (H, Sq, Skv, scale * 1.4426950408889634, scale, seed, _threshold(dropout_p), 1.0 / (1.0 - dropout_p),
-              code, has_kl, dropout)
-    fast = _fast_ok((q, k, v, do, kl), s_qkv + s_do)
+              W, G, code, has_kl, dropout)
+    fast = _fast_ok((q, k, v, do, kl, roles), s_qkv + s_do)
     dev = q.get_device()
 
     bm, bn, warps, stages = dq_config or TRITON_BWD_DQ_CONFIGS[(D, length_bucket(Sq))]
-    args = (q, k, v, o, do, dq, lse, delta, kl, *s_qkv, *s_o, *s_do, *common, bm, bn, D)
+    args = (q, k, v, o, do, dq, lse, delta, kl, roles, vis, *s_qkv, *s_o, *s_do, *common, bm, bn, D)
     grid = (cdiv(Sq, bm), B * H, 1)
     if fast:
         _launch_dq((dev, q.dtype, code, has_kl, dropout, bm, bn, D, warps, stages), grid, args, warps, stages)
@@ -459,13 +563,16 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
         _launch_dq.jit(grid, args, warps, stages)
 
     bm, bn, warps, stages = kv_config or TRITON_BWD_KV_CONFIGS[(D, length_bucket(Sq))]
-    args = (q, k, v, do, dk, dv, lse, delta, kl, *s_qkv, *s_do, *common, bm, bn, D)
+    args = (q, k, v, do, dk, dv, lse, delta, kl, roles, vis, *s_qkv, *s_do, *common, bm, bn, D)
     grid = (cdiv(Skv, bn), B * H, 1)
     if fast:
         _launch_dkdv((dev, q.dtype, code, has_kl, dropout, bm, bn, D, warps, stages), grid, args, warps, stages)
     else:
         _launch_dkdv.jit(grid, args, warps, stages)
     return dq, dk, dv
+
+
+_NO_EXTRA = (0, 0, None, None)
 
 
 def _threshold(p: float) -> int:
@@ -494,7 +601,7 @@ def compile_for(arch: int, which: str, D: int, dtype: str = "bf16", mode: str = 
             signature[name] = f"*{dtype}"
         elif name in ("LSE", "DELTA"):
             signature[name] = "*fp32"
-        elif name == "KL":
+        elif name in ("KL", "ROLE", "VIS"):
             signature[name] = "*i32"
         elif name in ("qk_scale", "sm_scale", "drop_scale"):
             signature[name] = "fp32"

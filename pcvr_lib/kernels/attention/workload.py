@@ -10,7 +10,7 @@ import math
 import torch
 
 from .config import TILELANG_BWD_CONFIGS, TILELANG_FWD_CONFIGS
-from .masks import MODE_CODE, allowed_mask, length_bucket, mode_name
+from .masks import MODE_CODE, allowed_mask, length_bucket, mode_name, role_mask
 
 # mask name -> (uses key lengths, causal, causal_valid)
 MODES = {
@@ -21,6 +21,20 @@ MODES = {
     "causal_valid": (True, False, True),
 }
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+# the masks no (B, S, S) tensor describes in the kernels (Triton and torch only): name -> window, global
+# queries, key lengths (None: roles). "window": tokenformer's causal window + the global last valid query;
+# "window_g3": three global queries without key lengths; "roles": symbiosis' role rule + key validity.
+STRUCTURED = {"window": (8, 1, True), "window_g3": (5, 3, False), "roles": None}
+
+# symbiosis' roles (models-ii.md section 2): CLS 0, candidate 1, user 2, item 3, dense 4, missing 5,
+# events 6, stats 7. CLS, candidate and stats see every role; field tokens (user, item, dense, missing)
+# every role but events; events every role but user and dense.
+SYMBIOSIS_VISIBILITY = torch.ones(8, 8, dtype=torch.bool)
+SYMBIOSIS_VISIBILITY[2:6, 6] = False
+SYMBIOSIS_VISIBILITY[6, 2] = False
+SYMBIOSIS_VISIBILITY[6, 4] = False
+# the stream of 110 tokens: CLS, candidate, 7 user, 4 item, 3 dense, 3 missing, 90 events, stats
+SYMBIOSIS_LAYOUT = [0, 1] + [2] * 7 + [3] * 4 + [4] * 3 + [5] * 3 + [6] * 90 + [7]
 
 # accuracy_tests/test_attention.py, on a GPU: (B, H, Sq, Skv, D, dtype, mode, dropout p)
 GPU_CASES = (
@@ -32,6 +46,12 @@ GPU_CASES = (
        (2, 2, 1000, 1000, 64, "fp16", "causal_valid", 0.0), (2, 2, 1000, 1000, 64, "bf16", "none", 0.0),
        (2, 1, 600, 1000, 128, "bf16", "none", 0.0)]
     + [(5, 2, 33, 47, 64, dt, mode, 0.3) for dt in ("fp16", "bf16") for mode in ("key_lengths", "causal_valid")]
+    # issue 12: head dims 16 and 48 in every mode, the structured masks at the models' shapes and odd ones
+    + [(5, 2, 37, 37, d, "bf16", mode, 0.0) for d in (16, 48) for mode in (*MODES, *STRUCTURED)]
+    + [(3, 2, 110, 110, 32, "bf16", "roles", 0.0), (4, 2, 320, 320, 16, "bf16", "window", 0.0),
+       (5, 1, 130, 130, 16, "fp16", "window_g3", 0.0), (5, 2, 130, 130, 48, "bf16", "key_lengths", 0.0),
+       (3, 2, 600, 600, 16, "bf16", "window", 0.0), (3, 2, 300, 300, 64, "bf16", "roles", 0.0)]
+    + [(5, 2, 45, 45, 16, "bf16", mode, 0.3) for mode in ("window", "roles")]
 )
 # TileLang compiles each variant (head dim, dtype, mask mode, dropout, tile config) for seconds, so its GPU
 # matrix covers every mode, head dim, bucket, odd length and dropout once, not every combination.
@@ -41,6 +61,10 @@ TILELANG_CASES = (
        (5, 2, 1, 1, 64, "bf16", "causal_valid", 0.0), (5, 2, 65, 65, 32, "bf16", "key_lengths", 0.0),
        (2, 2, 1000, 1000, 64, "bf16", "none", 0.0), (2, 1, 600, 1000, 128, "bf16", "none", 0.0),
        (5, 2, 33, 47, 64, "bf16", "causal_valid", 0.3)]
+    # issue 12: head dims 16 and 48, the structured masks (the models' shapes and a multi-tile one)
+    + [(5, 2, 37, 37, 16, "bf16", "key_lengths", 0.0), (5, 2, 37, 37, 48, "bf16", "causal_valid", 0.0),
+       (3, 2, 110, 110, 32, "bf16", "roles", 0.0), (4, 2, 320, 320, 16, "bf16", "window", 0.0),
+       (5, 1, 130, 130, 16, "bf16", "window_g3", 0.0)]
 )
 # the row-count test's calls (bucket 0, fp16, key lengths)
 RECOMPILE_CASE = (2, 2, 100, 100, 64, "fp16", "key_lengths", 0.0)
@@ -55,12 +79,50 @@ PERF_SHAPES = [
 # TileLang's benchmark cases are the targets' (PCVR with key lengths, and the two long shapes)
 PERF_TILELANG_SKIP = {("B8xH8xS128xD64", "none"), ("B64xH8xS256xD64", "none"), ("B64xH8xS256xD64", "key_lengths")}
 CPU_PERF_SHAPES = [("B2xH2xS16xD32", 2, 2, 16, 32, ("key_lengths",), ("fwd", "fwd+bwd"))]
+# the models' shapes (models-ii.md section 5, issue 12), bf16: symbiosis' role mask, the key-length blocks
+# (d 64 / 4 heads), tokenformer's causal window 64 + the global target query (with key lengths)
+MODEL_PERF_SHAPES = [
+    ("B256xH8xS110xD32", 256, 8, 110, 32, ("roles",), ("fwd", "fwd+bwd")),
+    ("B256xH4xS256xD16", 256, 4, 256, 16, ("key_lengths",), ("fwd", "fwd+bwd")),
+    ("B256xH4xS512xD16", 256, 4, 512, 16, ("key_lengths",), ("fwd", "fwd+bwd")),
+    ("B256xH4xS320xD16", 256, 4, 320, 16, ("window",), ("fwd", "fwd+bwd")),
+]
+PERF_WINDOW = 64  # tokenformer's window (one global query: the target)
 
 
 def key_lengths(batch: int, skv: int) -> torch.Tensor:
     """Key lengths covering an all-padding row (0), full rows, a partial row and an over-long one."""
     pattern = [0, skv, skv // 2 + 1, skv + 5, 1]
     return torch.tensor([pattern[i % len(pattern)] for i in range(batch)], dtype=torch.int32)
+
+
+def structured_mask(mode: str, B: int, S: int, seed: int = 0, window: int | None = None, device="cpu") -> dict:
+    """flash_attention's keyword arguments of a STRUCTURED mask for a self-attention block of length S.
+    roles: symbiosis' layout at S = 110 (random roles otherwise), ~20% of the keys padding (every key of
+    the last row when B >= 3: its tokens see themselves only)."""
+    if mode == "roles":
+        g = torch.Generator().manual_seed(seed)
+        if S == len(SYMBIOSIS_LAYOUT):
+            roles = torch.tensor(SYMBIOSIS_LAYOUT).expand(B, S).clone()
+        else:
+            roles = torch.randint(0, 8, (B, S), generator=g)
+        valid = torch.rand(B, S, generator=g) > 0.2
+        if B >= 3:
+            valid[-1] = False
+        return {"role_mask": role_mask(roles.to(device), SYMBIOSIS_VISIBILITY.to(device), valid.to(device))}
+    w, n_global, use_kl = STRUCTURED[mode]
+    kw = {"window": window or w, "global_queries": n_global}
+    if use_kl:
+        kw["key_lengths"] = key_lengths(B, S).to(device)
+    return kw
+
+
+def reference_mask(B: int, Sq: int, Skv: int, kw: dict) -> torch.Tensor:
+    """The boolean (B, 1, Sq, Skv) mask equivalent to flash_attention's mask keyword arguments `kw`."""
+    rm = kw.get("role_mask")
+    return allowed_mask(B, Sq, Skv, kw.get("key_lengths"), kw.get("causal", False), kw.get("causal_valid", False),
+                        "cpu" if rm is None else rm.codes.device, kw.get("window"), kw.get("global_queries", 0),
+                        rm.roles if rm else None, rm.visibility if rm else None, rm.key_valid if rm else None)
 
 
 def inputs(B, H, Sq, Skv, D, dtype, seed) -> list[torch.Tensor]:
@@ -73,15 +135,19 @@ def inputs(B, H, Sq, Skv, D, dtype, seed) -> list[torch.Tensor]:
     return [t.to(dtype) for t in (q, k, v, do)]
 
 
-def reference(q, k, v, key_lengths, causal, causal_valid, keep=None, p=0.0) -> torch.Tensor:
+def reference(q, k, v, key_lengths, causal, causal_valid, keep=None, p=0.0, mask=None) -> torch.Tensor:
     """fp64 attention with the mask of masks.py, where the inputs live, one batch row at a time (the score
-    matrix of one row only); rows without a key are zeros. `keep`: dropout's keep mask with rate p."""
+    matrix of one row only); rows without a key are zeros. `keep`: dropout's keep mask with rate p.
+    `mask`: a boolean (B, 1, Sq, Skv) mask (reference_mask) instead of key_lengths/causal/causal_valid."""
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     outs = []
     for b in range(B):
-        kl = key_lengths[b:b + 1] if key_lengths is not None else None
-        allowed = allowed_mask(1, Sq, Skv, kl, causal, causal_valid, q.device)
+        if mask is not None:
+            allowed = mask[b:b + 1].to(q.device)
+        else:
+            kl = key_lengths[b:b + 1] if key_lengths is not None else None
+            allowed = allowed_mask(1, Sq, Skv, kl, causal, causal_valid, q.device)
         scores = torch.matmul(q[b:b + 1].double(), k[b:b + 1].double().transpose(-1, -2)) / math.sqrt(D)
         has_key = allowed.any(dim=-1, keepdim=True)
         probs = torch.softmax(scores.masked_fill(~allowed, float("-inf")).masked_fill(~has_key, 0.0), dim=-1)
@@ -105,16 +171,32 @@ def bytes_moved(B, H, S, D, elem_bytes: int, direction: str) -> int:
     return 4 * B * H * S * D * elem_bytes * (1 if direction == "fwd" else 2)
 
 
+def mask_spec(mode: str) -> tuple[bool, int]:
+    """(uses key lengths, kernel mode code) of a mask name of MODES or STRUCTURED."""
+    if mode == "roles":
+        return False, MODE_CODE["roles"]
+    if mode in STRUCTURED:
+        return STRUCTURED[mode][2], MODE_CODE["window"]
+    use_kl, causal, causal_valid = MODES[mode]
+    return use_kl, MODE_CODE[mode_name(True if use_kl else None, causal, causal_valid)]
+
+
+def _padded_dim(D: int) -> int:
+    return 64 if D == 48 else D  # the entry point pads head dim 48 to 64
+
+
 def variants(backend: str) -> list[tuple]:
     """(D, dtype, mask mode, dropout, length bucket) of every case of `backend` in the suites."""
     cases = GPU_CASES if backend == "triton" else TILELANG_CASES
-    out = {(D, DTYPES[dt], mode, p > 0, length_bucket(sq)) for (_, _, sq, _, D, dt, mode, p) in cases}
+    out = {(_padded_dim(D), DTYPES[dt], mode, p > 0, length_bucket(sq)) for (_, _, sq, _, D, dt, mode, p) in cases}
     _, _, sq, _, D, dt, mode, p = RECOMPILE_CASE
     out.add((D, DTYPES[dt], mode, False, length_bucket(sq)))
     for name, _, _, S, D, masks, _ in PERF_SHAPES:
         for mask in masks:
             if backend == "triton" or (name, mask) not in PERF_TILELANG_SKIP:
                 out.update((D, dt, mask, False, length_bucket(S)) for dt in DTYPES.values())
+    out.update((D, torch.bfloat16, mask, False, length_bucket(S))
+               for _, _, _, S, D, masks, _ in MODEL_PERF_SHAPES for mask in masks)
     return sorted(out, key=str)
 
 
@@ -123,8 +205,7 @@ def tilelang_variants(tune: bool = False) -> list[tuple]:
     use (and, with `tune`, tune.py's candidates: bf16, no mask)."""
     out = set()
     for D, dtype, mode, dropout, bucket in variants("tilelang"):
-        use_kl, causal, causal_valid = MODES[mode]
-        code = MODE_CODE[mode_name(True if use_kl else None, causal, causal_valid)]
+        use_kl, code = mask_spec(mode)
         out.add(("fwd", D, dtype, code, use_kl, dropout, TILELANG_FWD_CONFIGS[(D, bucket)]))
         out.update((w, D, dtype, code, use_kl, dropout, TILELANG_BWD_CONFIGS[(D, bucket)]) for w in ("dq", "dkdv"))
     if tune:
@@ -141,11 +222,15 @@ def run_once(backend: str, D: int, dtype: torch.dtype, mode: str, dropout: bool,
     from . import flash_attention
 
     S = {0: 64, 1: 256, 2: 640}[bucket]
-    use_kl, causal, causal_valid = MODES[mode]
     q, k, v = (torch.randn(1, 1, S, D, device="cuda", dtype=dtype) for _ in range(3))
-    kl = torch.tensor([S - 3], device="cuda", dtype=torch.int32) if use_kl else None
-    args = dict(key_lengths=kl, causal=causal, causal_valid=causal_valid, dropout_p=0.25 if dropout else 0.0,
-                training=dropout, backend=backend, generator=torch.Generator().manual_seed(0))
+    if mode in STRUCTURED:
+        args = structured_mask(mode, 1, S, device="cuda")
+    else:
+        use_kl, causal, causal_valid = MODES[mode]
+        kl = torch.tensor([S - 3], device="cuda", dtype=torch.int32) if use_kl else None
+        args = dict(key_lengths=kl, causal=causal, causal_valid=causal_valid)
+    args.update(dropout_p=0.25 if dropout else 0.0, training=dropout, backend=backend,
+                generator=torch.Generator().manual_seed(0))
     with torch.no_grad():
         flash_attention(q, k, v, **args)
     q.requires_grad_()

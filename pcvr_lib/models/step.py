@@ -1,0 +1,52 @@
+"""One model on one operator backend, ready to run a training step or an inference pass on a fixed batch:
+what the model-level benchmark times and what the backend tests compare (the same step as `pcvr train`:
+BCE on the logits, `optim.train_step` with AdamW on the dense and sparse Adagrad on the tables)."""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pcvr_lib.data.batch import Batch
+from pcvr_lib.models.common import BACKEND_OPTIONS
+from pcvr_lib.models.registry import build_model
+
+
+def backend_options(backend: str) -> dict[str, str]:
+    """Every operator switch of a model config set to `backend`."""
+    return {name: backend for name in BACKEND_OPTIONS}
+
+
+class ModelStep:
+    """`name` built with `seed` on `backend` (every operator switch; `config` may override single switches),
+    with its optimizers, on `batch`."""
+
+    def __init__(self, name: str, schema, batch: Batch, backend: str, *, config: dict | None = None,
+                 seed: int = 0, device: str | torch.device = "cpu", max_grad_norm: float = 1.0):
+        from pcvr_lib.optim import build_optimizer_set
+
+        torch.manual_seed(seed)  # the same initial weights on every backend
+        self.model = build_model(name, schema, {**backend_options(backend), **(config or {})}).to(device)
+        self.batch = batch.to(device)
+        self.optimizers = build_optimizer_set(self.model.dense_parameters(), self.model.sparse_parameters())
+        self.max_grad_norm = max_grad_norm
+
+    def loss(self) -> torch.Tensor:
+        logits = self.model(self.batch)
+        return F.binary_cross_entropy_with_logits(logits.float().squeeze(-1), self.batch.label.float())
+
+    def train_step(self) -> dict:
+        from pcvr_lib.optim import train_step
+
+        self.model.train()
+        return train_step(self.loss(), self.optimizers, max_grad_norm=self.max_grad_norm, skip_nonfinite=False)
+
+    @torch.no_grad()
+    def infer(self) -> torch.Tensor:
+        self.model.eval()
+        return self.model(self.batch)
+
+    @torch.no_grad()
+    def eval_loss(self) -> float:
+        self.model.eval()
+        return float(self.loss())

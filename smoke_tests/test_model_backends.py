@@ -1,0 +1,127 @@
+"""The models on our kernels: the Triton backend of the norms (RMSNorm and LayerNorm) and of the
+embedding-bag mean gives the torch backend's logits (and so its loss), before and after one training
+step, on CPU under Triton's interpreter.
+
+Attention stays on torch here: the model runs in fp32, which flash_attention computes in bf16, and the
+interpreter cannot run bf16 (numpy has no bf16); the attention kernels are checked in fp16 under the
+interpreter by accuracy_tests/test_attention.py and the model-level routing on the H200 by
+perf_tests/test_models.py (its check before timing)."""
+
+from __future__ import annotations
+
+import argparse
+
+import pytest
+import torch
+
+from pcvr_lib.kernels import registry
+from pcvr_lib.kernels.tolerance import assert_close
+from pcvr_lib.models import model_names
+from pcvr_lib.models.step import ModelStep
+from pcvr_lib.train import TrainError, add_backend_arguments, backend_overrides
+from smoke_tests.model_checks import demo_schema, random_batch
+
+TINY = {"vocab_cap": 64, "d_model": 48, "num_heads": 2, "num_blocks": 1, "emb_dim": 16}
+
+
+def _logits(name, schema, batch, **backends):
+    """Logits before and after one training step (the loss a step sees is their BCE: logits are the
+    stricter check, a loss averages small differences away)."""
+    step = ModelStep(name, schema, batch, "torch", config={**TINY, **backends})
+    before = step.infer()
+    torch.manual_seed(1)  # the same dropout draws on every backend
+    step.train_step()
+    return before, step.infer()
+
+
+@pytest.mark.parametrize("name", model_names())
+def test_triton_norms_and_embedding_give_the_torch_loss(name, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("CPU interpreter check; on a GPU perf_tests/test_models.py checks every backend")
+    if registry.package_problem("triton"):
+        pytest.skip(f"triton: {registry.package_problem('triton')}")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")  # restored after the test
+    schema = demo_schema(max_len=6)
+    batch = random_batch(schema, batch=2, seed=3)
+    expected = _logits(name, schema, batch)
+    actual = _logits(name, schema, batch, rms_norm_backend="triton", embedding_backend="triton")
+    for what, a, e in zip(("initial logits", "logits after one step"), actual, expected, strict=True):
+        assert_close(a, e, torch.float32, what=f"{name} {what}, triton vs torch")
+
+
+def test_backend_flags_set_the_model_options_and_refuse_a_contradiction():
+    parser = argparse.ArgumentParser()
+    add_backend_arguments(parser)
+    args = parser.parse_args(["--attention-backend", "triton", "--embedding-backend", "tilelang"])
+    assert backend_overrides(args, {"d_model": 32}) == {
+        "d_model": 32, "attention_backend": "triton", "embedding_backend": "tilelang"}
+    assert backend_overrides(args, {"attention_backend": "triton"})["attention_backend"] == "triton"
+    with pytest.raises(TrainError, match="--attention-backend triton contradicts --model-config's"):
+        backend_overrides(args, {"attention_backend": "torch"})
+    with pytest.raises(SystemExit):
+        parser.parse_args(["--rms-norm-backend", "cuda"])
+
+
+def test_models_report_view_compares_the_fastest_backend_with_torch():
+    from pcvr_lib.report import models_view
+
+    def case(backend, per_call_us, device_us, torch_ops=()):
+        return {"name": f"test_model[model=tokenformer,backend={backend},phase=train_step]",
+                "stats": {"median": device_us * 1e-6},
+                "extra_info": {"stat": "device", "per_call_us": per_call_us, "device_us": device_us,
+                               "torch_ops": list(torch_ops)}}
+
+    text = models_view({"benchmarks": [case("torch", 1200.0, 900.0), case("triton", 1000.0, 700.0, ["attention"]),
+                                       case("tilelang", 800.0, 750.0, ["attention"])]})
+    row = next(line for line in text.splitlines() if line.startswith("tokenformer"))
+    assert "1200 [900]" in row and "800 [750]" in row and "1.50x (tilelang)" in row
+    assert row.rstrip().endswith("attention")
+
+
+def _kernel_and_torch(monkeypatch, **args):
+    """common.attention on the Triton kernels (interpreter, fp16) and on torch (fp32 of the same inputs)."""
+    from pcvr_lib.models.common import attention
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    gen = torch.Generator().manual_seed(0)
+    sq = args.pop("sq", 20)
+    q = torch.randn(2, 2, sq, 16, generator=gen).half()
+    k, v = (torch.randn(2, 2, 20, 16, generator=gen).half() for _ in range(2))
+    torch_args = {key: value for key, value in args.items() if key != "role_mask"}
+    if "role_mask" in args:
+        rm = args["role_mask"]
+        allowed = rm.visibility[rm.roles[:, :, None], rm.roles[:, None, :]] & rm.key_valid[:, None, :]
+        torch_args["mask"] = (allowed | torch.eye(20, dtype=torch.bool))[:, None]
+    ours = attention(q, k, v, backend="triton", **args)
+    expected = attention(q.float(), k.float(), v.float(), **torch_args)
+    return ours, expected
+
+
+LENGTHS = torch.tensor([20, 7])
+
+
+@pytest.mark.parametrize("case", ["key_lengths_cross", "causal", "window_global_last", "causal_global_last",
+                                  "roles"])
+def test_attention_call_sites_on_the_kernels_match_torch(case, monkeypatch):
+    """Each mask the models pass (baseline/queryformer/dualq cross, onetrans, tokenformer's two kinds of
+    block, symbiosis' roles) gives torch's output on valid queries through the Triton kernels (fp16 under
+    the interpreter: the models' fp32 calls run in bf16, which the interpreter cannot)."""
+    if torch.cuda.is_available() or registry.package_problem("triton"):
+        pytest.skip("CPU interpreter check")
+    from pcvr_lib.kernels.attention import role_mask
+
+    args = {
+        "key_lengths_cross": {"sq": 3, "key_lengths": LENGTHS},
+        "causal": {"key_lengths": LENGTHS, "causal": True},
+        "window_global_last": {"key_lengths": LENGTHS, "causal": True, "window": 5, "global_last": True},
+        "causal_global_last": {"key_lengths": LENGTHS, "causal": True, "global_last": True},
+        "roles": {"role_mask": role_mask(
+            torch.tensor([0, 0, 1, 1, 2] * 4).expand(2, -1), torch.tensor([[1, 0, 1], [1, 1, 0], [1, 1, 1]]).bool(),
+            torch.arange(20)[None] < LENGTHS[:, None])},
+    }[case]
+    ours, expected = _kernel_and_torch(monkeypatch, **args)
+    if case in ("causal", "window_global_last", "causal_global_last"):  # padded queries are unspecified
+        for b, n in enumerate(LENGTHS.tolist()):
+            assert_close(ours[b, :, :n], expected[b, :, :n], torch.float16, what=f"{case} row {b}")
+    else:
+        assert_close(ours, expected, torch.float16, what=case)
