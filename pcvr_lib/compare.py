@@ -416,14 +416,16 @@ def pytest_command(json_out: Path, tests: list[str]) -> list[str]:
             f"--benchmark-json={json_out}"]
 
 
-def run_suite(json_out: Path, tests: list[str], cwd: Path | None = None) -> None:
-    """One pytest process of the benchmark suite, writing its JSON; a failure to write JSON is an error."""
+def run_suite(json_out: Path, tests: list[str], cwd: Path | None = None,
+              extra_env: dict[str, str] | None = None) -> None:
+    """One pytest process of the benchmark suite, writing its JSON; a failure to write JSON is an error.
+    `extra_env` is set for this process only (`pcvr compare --candidate-env`)."""
     from pcvr_lib.data.generate import default_cache_dir
 
     json_out.parent.mkdir(parents=True, exist_ok=True)
     # both trees share one data cache: generated files are keyed by content, so a base worktree does not
     # regenerate them (nor rebuild the converter's native code, keyed by its source)
-    env = {**os.environ, "PCVR_CACHE_DIR": str(default_cache_dir().resolve())}
+    env = {**os.environ, "PCVR_CACHE_DIR": str(default_cache_dir().resolve()), **(extra_env or {})}
     code = subprocess.call(pytest_command(json_out.resolve(), tests), cwd=cwd, env=env)
     if not json_out.is_file():
         raise ReportError(f"pytest ({' '.join(tests)}) in {cwd or Path.cwd()} exited {code} without writing {json_out}")
@@ -509,6 +511,15 @@ def ab_samples(runs: list[dict], metric_kind: str) -> dict[str, list[float]]:
     return out
 
 
+def ab_threshold(noise: dict | None, case: Case, metric: str, base_s: float) -> float:
+    """The smallest change an interleaved comparison reports: the relative and absolute floors only. The A/A
+    spreads of the noise file describe two runs far apart in time (what `pcvr diff` must allow for); in
+    A-B-B-A runs the bootstrap interval measures the noise of this session, so adding them again would
+    hide any slowdown below 2x the stored-run spread (21-37% on the 2-core machine, notes/comparison.md)."""
+    floors_only = {**noise, "cases": {}, "groups": {}} if noise else None
+    return threshold(floors_only, case, metric, base_s)[0]
+
+
 @dataclass
 class AbRow:
     case: str
@@ -524,7 +535,8 @@ class AbRow:
 
 def ab_compare(base_runs: list[dict], new_runs: list[dict], noise: dict | None) -> tuple[list[AbRow], list[str]]:
     """Per case and metric (the gated statistic, host time, per-call time): the ratio new/base with its
-    bootstrap interval; REGRESSED only when the whole interval lies above 1 + threshold."""
+    bootstrap interval; REGRESSED only when the whole interval lies above 1 + threshold. The threshold here
+    is the floors alone (`ab_threshold`): the interval already carries this session's run-to-run noise."""
     rows, missing = [], []
     base_cases = cases_of(base_runs[0])
     new_ids = set.intersection(*(set(cases_of(r)) for r in new_runs))
@@ -535,7 +547,7 @@ def ab_compare(base_runs: list[dict], new_runs: list[dict], noise: dict | None) 
             case = base_cases[cid]
             metric = case.kind if metric_kind == "stat" else metric_kind
             ratio, low, high = bootstrap_ratio(a[cid], b[cid])
-            limit, _ = threshold(noise, case, metric, statistics.median(a[cid]))
+            limit = ab_threshold(noise, case, metric, statistics.median(a[cid]))
             if not case.gated:
                 verdict = "informational"
             elif low > 1 + limit:
@@ -589,38 +601,69 @@ def base_checkout(base: str, work: Path) -> tuple[Path, bool]:
 
 
 def add_compare_arguments(parser) -> None:
-    parser.add_argument("--base", required=True, help="git revision or directory of the base tree")
+    parser.add_argument("--base", help="git revision or directory of the base tree")
+    parser.add_argument("--replay", metavar="DIR", help="run nothing: compare the NN_base/NN_new runs an earlier "
+                        "`pcvr compare` left in DIR (its --work), e.g. with another noise file")
     parser.add_argument("--new", default=".", help="directory of the candidate tree (default: this checkout)")
     parser.add_argument("--rounds", type=int, default=2, help="A-B-B-A rounds (default 2: 4 runs per side)")
     parser.add_argument("--noise", help="noise file (default .benchmarks/<machine>/noise.json of the candidate)")
     parser.add_argument("--work", default="results/compare", help="where the runs' JSON and the report go")
     parser.add_argument("--all", action="store_true", help="list every case, not only those outside threshold")
+    parser.add_argument("--candidate-env", action="append", default=[], metavar="NAME=VALUE",
+                        help="set this variable in the candidate's runs only (repeatable); e.g. a planted "
+                        "slowdown (PCVR_PLANTED_CPU_SLOWDOWN=0.10) to measure what the comparison catches")
     parser.add_argument("tests", nargs=argparse.REMAINDER,
                         help="last: test paths and pytest args, e.g. perf_tests -k x "
                         "(default perf_tests)")
+
+
+def parse_env_assignments(items: list[str], option: str) -> dict[str, str]:
+    """NAME=VALUE strings -> dict; a malformed one is an error naming it."""
+    env = {}
+    for item in items:
+        name, sep, value = item.partition("=")
+        if not sep or not name.isidentifier():
+            raise ReportError(f"{option} {item!r}: expected NAME=VALUE with NAME a variable name")
+        env[name] = value
+    return env
+
+
+def replay_runs(folder: Path) -> tuple[dict[str, list[dict]], dict[str, list[str]]]:
+    """The runs of an earlier `pcvr compare` (its NN_base.json / NN_new.json files), in run order."""
+    runs: dict[str, list[dict]] = {"base": [], "new": []}
+    files: dict[str, list[str]] = {"base": [], "new": []}
+    if not folder.is_dir():
+        raise ReportError(f"--replay {folder}: not a directory")
+    for path in sorted(folder.glob("[0-9][0-9]_*.json")):
+        side = path.stem.split("_", 1)[1]
+        if side in runs:
+            runs[side].append(load_run(path))
+            files[side].append(str(path))
+    if not runs["base"] or not runs["new"]:
+        raise ReportError(f"--replay {folder}: needs NN_base.json and NN_new.json runs of `pcvr compare` "
+                          f"(found {len(files['base'])} base, {len(files['new'])} candidate)")
+    return runs, files
 
 
 def run_compare(args) -> int:
     work = Path(args.work)
     made_worktree = False
     base_dir = None
+    side_env: dict[str, dict[str, str]] = {"base": {}, "new": {}}
     try:
-        if args.rounds < 1:
-            raise ReportError(f"--rounds {args.rounds}: at least one A-B-B-A round")
-        args.tests = args.tests or ["perf_tests"]
-        base_dir, made_worktree = base_checkout(args.base, Path(tempfile.gettempdir()) / "pcvr-compare")
-        new_dir = Path(args.new).resolve()
-        dirs = {"base": base_dir, "new": new_dir}
-        runs: dict[str, list[dict]] = {"base": [], "new": []}
-        files: dict[str, list[str]] = {"base": [], "new": []}
-        t0 = time.time()
-        for i, side in enumerate(abba_order(args.rounds)):
-            out = work / f"{i + 1:02d}_{side}.json"
-            print(f"pcvr compare: run {i + 1}/{4 * args.rounds} ({side}, {dirs[side]}) [{time.time() - t0:.0f}s]",
-                  flush=True)
-            run_suite(out, args.tests, cwd=dirs[side])
-            runs[side].append(load_run(out))
-            files[side].append(str(out))
+        if args.replay:
+            runs, files = replay_runs(Path(args.replay))
+            new_dir = Path(".").resolve()
+        else:
+            if not args.base:
+                raise ReportError("--base REV_OR_DIR is needed (or --replay DIR of an earlier comparison)")
+            if args.rounds < 1:
+                raise ReportError(f"--rounds {args.rounds}: at least one A-B-B-A round")
+            args.tests = args.tests or ["perf_tests"]
+            side_env["new"] = parse_env_assignments(args.candidate_env, "--candidate-env")
+            base_dir, made_worktree = base_checkout(args.base, Path(tempfile.gettempdir()) / "pcvr-compare")
+            new_dir = Path(args.new).resolve()
+            runs, files = run_abba(args, {"base": base_dir, "new": new_dir}, side_env, work)
         check_same_machine(runs["base"][0], runs["new"][0], "base", "candidate")
         noise_path = Path(args.noise) if args.noise else default_noise_path(runs["new"][0], new_dir / ".benchmarks")
         noise = load_noise(noise_path)
@@ -637,9 +680,27 @@ def run_compare(args) -> int:
             subprocess.run(["git", "worktree", "remove", "--force", str(base_dir)], capture_output=True)
     print(ab_table(rows, missing, args.all))
     regressed = missing or any(r.verdict == "REGRESSED" for r in rows)
-    report = {"base": args.base, "new": str(args.new), "rounds": args.rounds, "files": files,
-              "noise": str(noise_path) if noise else None, "failed": bool(regressed), "missing": missing,
-              "rows": [asdict(r) for r in rows]}
-    (work / "compare.json").write_text(json.dumps(report, indent=1))
-    print(f"pcvr compare: runs and compare.json under {work}")
+    if not args.replay:  # a replay writes nothing (its folder may be committed fixtures)
+        report = {"base": args.base, "new": str(args.new), "rounds": args.rounds, "files": files,
+                  "candidate_env": side_env["new"], "tests": args.tests,
+                  "noise": str(noise_path) if noise else None, "failed": bool(regressed), "missing": missing,
+                  "rows": [asdict(r) for r in rows]}
+        (work / "compare.json").write_text(json.dumps(report, indent=1))
+        print(f"pcvr compare: runs and compare.json under {work}")
     return EXIT_REGRESSED if regressed else EXIT_OK
+
+
+def run_abba(args, dirs: dict[str, Path], side_env: dict[str, dict[str, str]],
+             work: Path) -> tuple[dict[str, list[dict]], dict[str, list[str]]]:
+    """A-B-B-A x rounds separate pytest processes; each run's JSON is kept as work/NN_side.json."""
+    runs: dict[str, list[dict]] = {"base": [], "new": []}
+    files: dict[str, list[str]] = {"base": [], "new": []}
+    t0 = time.time()
+    for i, side in enumerate(abba_order(args.rounds)):
+        out = work / f"{i + 1:02d}_{side}.json"
+        print(f"pcvr compare: run {i + 1}/{4 * args.rounds} ({side}, {dirs[side]}) [{time.time() - t0:.0f}s]",
+              flush=True)
+        run_suite(out, args.tests, cwd=dirs[side], extra_env=side_env[side])
+        runs[side].append(load_run(out))
+        files[side].append(str(out))
+    return runs, files

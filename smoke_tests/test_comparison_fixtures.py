@@ -35,3 +35,29 @@ def test_recorded_pair(folder, pair, capsys):
     flagged = {r.case for r in rows if r.verdict == "REGRESSED"}
     planted = {cid for cid in pair["planted_cases"]}
     assert planted <= flagged, f"planted but not flagged: {sorted(planted - flagged)}\n{out}"
+
+
+# ---------------------------------------------------------------- interleaved A/B (`pcvr compare`), recorded
+
+AB = FIXTURES / "cpu" / "ab"
+AB_MANIFEST = json.loads((AB / "expected.json").read_text())
+AB_CASES = [pytest.param(c, id=f"cpu-ab:{c['dir']}") for c in AB_MANIFEST["comparisons"]]
+
+
+@pytest.mark.parametrize("comparison", AB_CASES)
+def test_recorded_interleaved_comparison(comparison, capsys):
+    """The A-B-B-A runs of one tree (A/A) must pass; with a planted slowdown on the candidate side the cases
+    flagged when recorded must be flagged again, no others (`pcvr compare --replay`; the bootstrap is seeded).
+    `expect: missed` records a planted size below this machine's detection limit (notes/comparison.md)."""
+    folder, noise = AB / comparison["dir"], ROOT / AB_MANIFEST["noise"]
+    code = main(["compare", "--replay", str(folder), "--noise", str(noise), "--all"])
+    out = capsys.readouterr().out
+    runs, _ = compare.replay_runs(folder)
+    rows, missing = compare.ab_compare(runs["base"], runs["new"], compare.load_noise(noise))
+    flagged = {r.case for r in rows if r.verdict == "REGRESSED"}
+    assert not missing, out
+    assert flagged == set(comparison["flagged"]), out
+    if comparison["expect"] == "fail":
+        assert code == compare.EXIT_REGRESSED and flagged, out
+    else:  # pass (A/A) or missed (planted below the limit)
+        assert code == compare.EXIT_OK and not flagged, out

@@ -190,6 +190,22 @@ def test_abba_order_and_bootstrap_interval():
     assert low < 1.0 < high
 
 
+def test_interleaved_threshold_is_the_floor_not_the_stored_run_spread():
+    """A noise file whose group spread is 8% (a 16% threshold for `pcvr diff`) must not hide a steady 10%
+    slowdown from A-B-B-A runs: their interval carries the session's noise, the threshold is the floor."""
+    noise = {"runs": 3, "k": 2.0, "cases": {}, "groups": {"data": {"cpu": {"cases": 1, "p50": 0.08, "p90": 0.08,
+                                                                         "max": 0.08}}}}
+    def runs(values):
+        return [{"machine_info": {}, "benchmarks": [_bench("test_x[a=1]", v, group="data")]} for v in values]
+    base = runs([1.0, 1.01, 0.99, 1.0])
+    rows, missing = compare.ab_compare(base, runs([1.1, 1.11, 1.09, 1.1]), noise)
+    assert [(r.verdict, r.threshold) for r in rows] == [("REGRESSED", 0.05)] and not missing
+    case = compare.cases_of(base[0])["perf_tests/test_x.py::test_x[a=1]"]
+    assert compare.threshold(noise, case, "cpu", 1.0)[0] == pytest.approx(0.16)  # what diff would allow
+    rows, _ = compare.ab_compare(base, runs([1.0, 0.99, 1.01, 1.0]), noise)
+    assert [r.verdict for r in rows] == ["ok"]
+
+
 def _tiny_project(path: Path, spin_ms: float) -> Path:
     (path / "perf_tests").mkdir(parents=True)
     (path / "perf_tests" / "test_tiny.py").write_text(textwrap.dedent(f"""
@@ -221,6 +237,58 @@ def test_compare_runs_base_and_candidate_alternately_and_flags_only_the_planted_
     verdicts = {r["case"].split("[")[1]: r["verdict"] for r in result["rows"] if r["metric"] == "cpu"}
     assert verdicts["planted]"] == "REGRESSED" and verdicts["same]"] != "REGRESSED"
     assert [Path(f).name for f in result["files"]["base"]] == ["01_base.json", "04_base.json"]
+
+
+def test_candidate_env_plants_on_the_candidate_side_only(tmp_path, capsys):
+    """One tree on both sides; the variable slows the candidate's runs alone, so only they are flagged."""
+    tree = tmp_path / "tree"
+    (tree / "perf_tests").mkdir(parents=True)
+    (tree / "perf_tests" / "test_env.py").write_text(textwrap.dedent("""
+        import os
+        import time
+        import pytest
+
+        def spin(seconds):
+            end = time.thread_time() + seconds
+            while time.thread_time() < end:
+                pass
+
+        @pytest.mark.benchmark(timer=time.thread_time)
+        def test_env(benchmark):
+            benchmark.extra_info["stat"] = "cpu"
+            benchmark.pedantic(spin, args=(0.02 * (1 + float(os.environ.get("TINY_SLOWER", "0"))),), rounds=5)
+    """))
+    code = main(["compare", "--base", str(tree), "--new", str(tree), "--rounds", "1", "--work", str(tmp_path / "w"),
+                 "--candidate-env", "TINY_SLOWER=0.5", "perf_tests"])
+    out = capsys.readouterr().out
+    assert code == compare.EXIT_REGRESSED, out
+    result = json.loads((tmp_path / "w" / "compare.json").read_text())
+    assert result["candidate_env"] == {"TINY_SLOWER": "0.5"}
+    (row,) = [r for r in result["rows"] if r["metric"] == "cpu"]
+    assert row["verdict"] == "REGRESSED" and 1.4 < row["ratio"] < 1.6, row
+    # the same tree without the variable: nothing to flag
+    assert main(["compare", "--base", str(tree), "--new", str(tree), "--rounds", "1", "--work",
+                 str(tmp_path / "aa"), "perf_tests"]) == compare.EXIT_OK, capsys.readouterr().out
+    # --replay recomputes from the kept runs without running anything, and writes nothing there
+    (tmp_path / "w" / "compare.json").unlink()
+    assert main(["compare", "--replay", str(tmp_path / "w")]) == compare.EXIT_REGRESSED
+    assert main(["compare", "--replay", str(tmp_path / "aa")]) == compare.EXIT_OK
+    assert not (tmp_path / "w" / "compare.json").exists()
+    capsys.readouterr()
+    (tmp_path / "w" / "02_new.json").unlink()
+    (tmp_path / "w" / "03_new.json").unlink()
+    assert main(["compare", "--replay", str(tmp_path / "w")]) == compare.EXIT_REFUSED
+    assert "found 2 base, 0 candidate" in capsys.readouterr().err
+    assert main(["compare", "--replay", str(tmp_path / "nowhere")]) == compare.EXIT_REFUSED
+    assert main(["compare", "--work", str(tmp_path)]) == compare.EXIT_REFUSED
+    assert "--base REV_OR_DIR is needed" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("item", ["NOEQUALS", "=1", "2X=1", "A B=1"])
+def test_candidate_env_must_be_name_equals_value(tmp_path, capsys, item):
+    assert main(["compare", "--base", str(tmp_path), "--work", str(tmp_path / "w"),
+                 "--candidate-env", item]) == compare.EXIT_REFUSED
+    assert f"--candidate-env {item!r}: expected NAME=VALUE" in capsys.readouterr().err
 
 
 def test_compare_refuses_a_base_that_is_neither_a_directory_nor_a_revision(tmp_path, capsys):
