@@ -17,6 +17,8 @@ NOISE_RUNS ?= 3
 # make ab: the base tree (a git revision or a directory) for interleaved A-B-B-A runs
 BASE ?= HEAD
 AB_ROUNDS ?= 2
+# NAME=VALUE settings for the candidate's runs only (e.g. AB_ENV=PCVR_PLANTED_CPU_SLOWDOWN=0.10 plants a slowdown)
+AB_ENV ?=
 REPORT_VIEW ?= summary
 SMOKE_MODELS ?= all
 SMOKE_SEEDS ?= 17,42,97
@@ -77,7 +79,8 @@ noise: setup
 
 # Interleaved A-B-B-A runs of BASE (git revision or directory) and this tree, bootstrap interval per case.
 ab: setup
-	$(PYTHON) -m pcvr_lib compare --base $(BASE) --rounds $(AB_ROUNDS) --work $(RESULTS)/ab $(COMPARE_TESTS)
+	$(PYTHON) -m pcvr_lib compare --base $(BASE) --rounds $(AB_ROUNDS) --work $(RESULTS)/ab \
+		$(foreach e,$(AB_ENV),--candidate-env $(e)) $(COMPARE_TESTS)
 
 report: setup
 	$(PYTHON) -m pcvr_lib report $(BENCH_JSON) --view $(REPORT_VIEW)
