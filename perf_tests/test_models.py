@@ -21,6 +21,8 @@ per-call time in extra_info, with `speedup_vs_torch` (per-call, same session) on
 
 from __future__ import annotations
 
+import functools
+
 import pytest
 import torch
 
@@ -41,38 +43,90 @@ CPU_CONFIG = {"vocab_cap": 64, "d_model": 48, "num_heads": 2, "num_blocks": 1}
 SEED = 0
 
 _PER_CALL_US: dict[tuple[str, str], float] = {}  # (model, phase) -> the torch backend's per-call us
+# One build per (model, backend), shared by both phases; only the current model's are kept (GPU memory).
+_STEPS: dict[tuple[str, str], ModelStep] = {}
+_REFERENCE: dict[str, dict] = {}  # model -> the torch backend's logits at init and loss after one step
+_FAILED: dict[tuple[str, str], str] = {}  # (model, backend) -> why its check failed (the other phase repeats it)
+OPERATOR_SWITCHES = ("attention_backend", "rms_norm_backend", "embedding_backend")
 
 
-def _schema():
-    return load_schema(DEMO_SCHEMA) if CUDA else demo_schema(max_len=6)  # the file's lengths: the reference's
-
-
+@functools.cache
 def _inputs():
-    schema = _schema()
+    """The schema and the batch, built once per session (a batch of 256 takes seconds on the host)."""
+    schema = load_schema(DEMO_SCHEMA) if CUDA else demo_schema(max_len=6)  # the file's lengths: the reference's
     return schema, random_batch(schema, batch=GPU_BATCH if CUDA else 4, seed=3)
 
 
-def _step(name: str, backend: str, schema, batch) -> ModelStep:
+def _build(name: str, backend: str, switches: dict | None = None) -> ModelStep:
+    schema, batch = _inputs()
     config = {"vocab_cap": GPU_TABLE_CAP} if CUDA else dict(CPU_CONFIG)
-    return ModelStep(name, schema, batch, backend, config=config, seed=SEED,
+    return ModelStep(name, schema, batch, backend, config={**config, **(switches or {})}, seed=SEED,
                      device="cuda" if CUDA else "cpu")
 
 
-def _check(name: str, backend: str, schema, batch) -> tuple[ModelStep, dict]:
-    """The backend against torch: logits at init, then the loss after one step. Returns the backend's
-    ModelStep (one step on: the timed calls continue from it) and the losses."""
-    ref, ours = _step(name, "torch", schema, batch), _step(name, backend, schema, batch)
-    assert_close(ours.infer(), ref.infer(), torch.bfloat16, what=f"{name} {backend} logits at init")
-    losses = []
-    for s in (ref, ours):
-        torch.manual_seed(1)  # the same dropout draws
-        s.train_step()
-        losses.append(s.eval_loss())
+def _one_step(step: ModelStep) -> dict:
+    """Logits at init, then the loss after one training step (same dropout draws on every backend)."""
+    logits = step.infer()
+    torch.manual_seed(1)
+    step.train_step()
+    return {"logits": logits, "loss": step.eval_loss()}
+
+
+def _step(name: str, backend: str) -> ModelStep:
+    """The (model, backend) step of both phases; the torch one also gives the model's reference."""
+    for key in [k for k in _STEPS if k[0] != name]:
+        del _STEPS[key]
+    if (name, backend) not in _STEPS:
+        if backend == "torch":
+            step = _build(name, "torch")
+            _REFERENCE[name] = _one_step(step)
+            step.loss_after_step = _REFERENCE[name]["loss"]
+        else:
+            step = _checked(name, backend)
+        _STEPS[(name, backend)] = step
+    return _STEPS[(name, backend)]
+
+
+def _compare(name: str, what: str, ours: dict) -> str | None:
+    """None when `ours` matches the torch backend's reference within bf16, else what differs."""
+    ref = _REFERENCE[name]
+    try:
+        assert_close(ours["logits"], ref["logits"], torch.bfloat16, what=f"{what}: logits at init")
+    except AssertionError as exc:
+        return str(exc)
     tol = tolerance(torch.bfloat16)
-    expected, actual = losses
-    assert abs(actual - expected) <= (tol.atol + tol.rtol) * abs(expected), (
-        f"{name} {backend}: loss after one step {actual!r}, torch backend {expected!r}")
-    return ours, {"loss_after_step": actual, "torch_loss_after_step": expected}
+    if not abs(ours["loss"] - ref["loss"]) <= (tol.atol + tol.rtol) * abs(ref["loss"]):
+        return f"{what}: loss after one step {ours['loss']!r}, torch backend {ref['loss']!r}"
+    return None
+
+
+def _checked(name: str, backend: str) -> ModelStep:
+    """The backend's step after its check against torch (fails the case with the reason, and names the
+    operator switch that alone reproduces the difference). The step is one training step on."""
+    if (name, backend) in _FAILED:
+        pytest.fail(_FAILED[(name, backend)])
+    if name not in _REFERENCE:
+        _step(name, "torch")
+    step = _build(name, backend)
+    try:
+        ours = _one_step(step)
+        problem = _compare(name, f"{name} {backend}", ours)
+    except Exception as exc:  # noqa: BLE001 - reported with the per-switch diagnosis below
+        problem = f"{name} {backend}: {type(exc).__name__}: {exc}"
+    if problem is None:
+        step.loss_after_step = ours["loss"]
+        return step
+    del step
+    alone = []
+    for switch in OPERATOR_SWITCHES:  # which switch alone reproduces it (the others on torch)
+        try:
+            single = _one_step(_build(name, "torch", {switch: backend}))
+            why = _compare(name, f"{switch}={backend} alone", single)
+        except Exception as exc:  # noqa: BLE001 - part of the diagnosis
+            why = f"{switch}={backend} alone: {type(exc).__name__}: {exc}"
+        alone.append(why or f"{switch}={backend} alone: matches torch")
+    _FAILED[(name, backend)] = problem + "\n  " + "\n  ".join(alone)
+    pytest.fail(_FAILED[(name, backend)])
 
 
 CASES = [pytest.param(m, b, p, id=f"model={m},backend={b},phase={p}")
@@ -89,22 +143,19 @@ def test_model(benchmark, name, backend, phase):
         if not ok:
             pytest.skip(f"{backend}: {why}")
     benchmark.group = f"model={name},phase={phase}"
-    schema, batch = _inputs()
-    info = {"batch": batch.batch_size}
+    step = _step(name, backend)  # checked against torch first (non-torch backends)
+    info = {"batch": step.batch.batch_size, "parameters": step.model.parameter_counts(),
+            "loss_after_step": step.loss_after_step, "torch_loss_after_step": _REFERENCE[name]["loss"]}
     if backend != "torch":
-        step, losses = _check(name, backend, schema, batch)
-        info.update(losses)
-    else:
-        step = _step(name, backend, schema, batch)
+        info["checked"] = "logits at init and loss after one step vs torch (bf16 tolerance)"
     call = step.train_step if phase == "train_step" else step.infer
-    info["parameters"] = step.model.parameter_counts()
     benchmark.extra_info.update(info)
     if not CUDA:
         timing.bench_cpu(benchmark, call, rounds=3)
         return
-    # milliseconds per call: one call per profiled round, few host samples (the case must stay ~1-2 s)
-    result = timing.bench_gpu(benchmark, call, graph=False, rounds=5, warmup_rounds=1, calls=1, l2="warm",
-                              host_samples=5)
+    # a call takes milliseconds: a few profiled rounds and host samples keep a case at ~1-2 s
+    result = timing.bench_gpu(benchmark, call, graph=False, rounds=3, warmup_rounds=0, calls=1, l2="warm",
+                              host_samples=3)
     per_call = result.get("per_call_us")
     if per_call:
         if backend == "torch":

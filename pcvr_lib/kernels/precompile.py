@@ -43,6 +43,10 @@ def tilelang_jobs(ops, arch: str, tune: bool = False) -> list[tuple]:
             from pcvr_lib.kernels.attention import workload
 
             variants = workload.tilelang_variants(tune)
+        # the models' variants (perf_tests/test_models.py), recorded on CPU by pcvr_lib.models.kernel_variants
+        from pcvr_lib.models.kernel_variants import MODEL_VARIANTS
+
+        variants = list(variants) + [v for v in MODEL_VARIANTS[op] if v not in set(variants)]
         jobs += [(op, variant, arch) for variant in variants]
     return jobs
 
