@@ -22,6 +22,7 @@ per-call time in extra_info, with `speedup_vs_torch` (per-call, same session) on
 from __future__ import annotations
 
 import functools
+import sys
 
 import pytest
 import torch
@@ -126,6 +127,8 @@ def _checked(name: str, backend: str) -> ModelStep:
             why = f"{switch}={backend} alone: {type(exc).__name__}: {exc}"
         alone.append(why or f"{switch}={backend} alone: matches torch")
     _FAILED[(name, backend)] = problem + "\n  " + "\n  ".join(alone)
+    # at once in the log (past pytest's sys capture): a session cut short still shows why
+    print(f"CHECK FAILED {name} {backend}: {_FAILED[(name, backend)]}", file=sys.__stderr__, flush=True)
     pytest.fail(_FAILED[(name, backend)])
 
 
