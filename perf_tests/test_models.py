@@ -13,14 +13,22 @@ norms and the embedding in the models, and every attention call site in fp16), r
 --benchmark-disable in CI.
 
 Checked first: the backend's logits at initialisation and its loss after one training step against the
-torch backend's (same seed, same dropout draws), bf16 tolerance (fp32 models; flash_attention computes
-fp32 inputs in bf16). Timed with `timing.bench_gpu(graph=False)`: a training step cannot be captured in
-a CUDA graph (the optimizers' host reads), so device time is the profiler's kernel sum per call; host and
-per-call time in extra_info, with `speedup_vs_torch` (per-call, same session) once the torch case ran.
+torch backend's (same seed, same dropout draws) by flash-attention's rule (`tolerance.flash_rule`): error
+at most twice torch's own at the kernels' precision plus one bf16 ulp of the largest value. The fp32
+models' attention runs in bf16 in flash_attention, so "torch's own" is the same model with its attention
+routed through flash_attention's torch backend (SDPA on the bf16 inputs). The fixed bf16 tolerance used
+before (relative to the logits' RMS) is the likely cause of symbiosis' failures on the H200 (the reason
+was not logged): its 4 blocks of 110 tokens feed logits of RMS 0.07, and on CPU at batch 64 bf16
+attention alone (no kernel) reached 0.99 of that bound at init (baseline 0.25); batch 256 has 4x the rows.
+
+Timed with `timing.bench_gpu(graph=False)`: a training step cannot be captured in a CUDA graph (the
+optimizers' host reads), so device time is the profiler's kernel sum per call; host and per-call time in
+extra_info, with `speedup_vs_torch` (per-call, same session) once the torch case ran.
 """
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import sys
 
@@ -29,7 +37,7 @@ import torch
 
 from pcvr_lib import timing
 from pcvr_lib.kernels import registry
-from pcvr_lib.kernels.tolerance import assert_close, tolerance
+from pcvr_lib.kernels.tolerance import ULP, flash_rule, max_abs_error
 from pcvr_lib.models import model_names
 from pcvr_lib.models.step import ModelStep
 from pcvr_lib.schema import load_schema
@@ -80,7 +88,7 @@ def _step(name: str, backend: str) -> ModelStep:
     if (name, backend) not in _STEPS:
         if backend == "torch":
             step = _build(name, "torch")
-            _REFERENCE[name] = _one_step(step)
+            _REFERENCE[name] = _reference(name, step)
             step.loss_after_step = _REFERENCE[name]["loss"]
         else:
             step = _checked(name, backend)
@@ -88,16 +96,45 @@ def _step(name: str, backend: str) -> ModelStep:
     return _STEPS[(name, backend)]
 
 
+@contextlib.contextmanager
+def _attention_on_torch():
+    """Every flash_attention call on its torch backend (SDPA; fp32 inputs computed in bf16, as the kernels)."""
+    from pcvr_lib import kernels
+
+    original = kernels.flash_attention
+    kernels.flash_attention = lambda *args, backend="torch", **kw: original(*args, backend="torch", **kw)
+    try:
+        yield
+    finally:
+        kernels.flash_attention = original
+
+
+def _reference(name: str, step: ModelStep) -> dict:
+    """The torch backend's logits at init and loss after one step (fp32), and the error of torch itself
+    when the attention runs at the kernels' precision: the same model routed through flash_attention
+    (attention switch on) with flash_attention held on its torch backend."""
+    ref = _one_step(step)
+    if not CUDA:  # only the torch backend runs on CPU: nothing to compare with
+        return ref
+    with _attention_on_torch():
+        own = _one_step(_build(name, "torch", {"attention_backend": "triton"}))
+    ref["own_logits_error"] = max_abs_error(own["logits"], ref["logits"].double())
+    ref["own_loss_error"] = abs(own["loss"] - ref["loss"])
+    return ref
+
+
 def _compare(name: str, what: str, ours: dict) -> str | None:
-    """None when `ours` matches the torch backend's reference within bf16, else what differs."""
+    """None when `ours` matches the torch backend's reference by flash-attention's rule, else what differs."""
     ref = _REFERENCE[name]
     try:
-        assert_close(ours["logits"], ref["logits"], torch.bfloat16, what=f"{what}: logits at init")
+        flash_rule(ours["logits"], ref["logits"].double(), ref["own_logits_error"], torch.bfloat16,
+                   what=f"{what}: logits at init")
     except AssertionError as exc:
         return str(exc)
-    tol = tolerance(torch.bfloat16)
-    if not abs(ours["loss"] - ref["loss"]) <= (tol.atol + tol.rtol) * abs(ref["loss"]):
-        return f"{what}: loss after one step {ours['loss']!r}, torch backend {ref['loss']!r}"
+    bound = 2.0 * ref["own_loss_error"] + ULP[torch.bfloat16] * abs(ref["loss"])
+    if not abs(ours["loss"] - ref["loss"]) <= bound:
+        return (f"{what}: loss after one step {ours['loss']!r}, torch backend {ref['loss']!r} (allowed difference "
+                f"{bound:.3g}: 2 x torch's own at bf16 attention {ref['own_loss_error']:.3g} + ulp)")
     return None
 
 
