@@ -340,6 +340,23 @@ def test_triton_long_tma_configs_interpreter(config, monkeypatch):
         assert torch.allclose(lse, lse_ref, rtol=0, atol=1e-5), f"{mode} {config}: LSE differs"
 
 
+def test_tune_long_sweep_under_interpreter(monkeypatch, tmp_path):
+    """The H200 sweep's CPU path: every candidate checked (flash rule) before it is timed, JSON and summary."""
+    _interpret(monkeypatch)
+    import json
+
+    from pcvr_lib.kernels.attention import tune_long
+
+    out = tmp_path / "attention_long.json"
+    tune_long.main(["--device", "cpu", "--shapes", "1x1x520x64:causal", "--dtypes", "fp16", "--workers", "0",
+                    "--max-candidates", "1", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    kernels = {(r["direction"], r["kernel"]) for r in doc["rows"]}
+    assert kernels == {("fwd", "long"), ("fwd", "old"), ("fwd+bwd", "long"), ("fwd+bwd", "old")}
+    assert all(r["pass"] and r["us"] > 0 for r in doc["rows"]), doc["rows"]
+    assert [s["passed"] for s in doc["summary"]] == ["1/1", "1/1"]
+
+
 @pytest.mark.parametrize("which,config", [("fwd", None), ("fwd", (128, 64, 8, 3, True, False)),
                                           ("fwd", (128, 64, 8, 3, True, True)), ("bwd", None)])
 def test_triton_long_compiles_for_sm90(which, config):
