@@ -12,7 +12,9 @@ first, then the diagonal / key-length edge tiles), with:
 - optionally (USE_TMA) Q, K, V read through device-side tensor descriptors (TMA on sm_90; the descriptor of
   each (b, h) is built in the kernel, `triton.set_allocator` gives it its scratch), out-of-range rows read
   as zeros;
-- optionally (WARP_SPEC) the unmasked loop as `tl.range(..., warp_specialize=True)`.
+- optionally (WARP_SPEC) the unmasked loop as `tl.range(..., warp_specialize=True)` (triton 3.9 compiles
+  it for sm_90 without warp-specialised code in the PTX: no setmaxnreg; what 3.6 does is for the sweep);
+- causal masks: row blocks launched last-first (the heaviest first, a shorter tail).
 
 Backward (`_bwd_long`): one program per key tile computes dK and dV over the query tiles that see it and
 adds its share of dQ into an fp32 buffer with atomics (5 matmuls per tile pair instead of the 7 of the
@@ -46,6 +48,8 @@ def _fwd_long(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
+    if MODE >= 2:  # causal: the last row blocks see the most keys; start them first (shorter tail)
+        pid_m = tl.num_programs(0) - 1 - pid_m
     bh = tl.program_id(1)
     b = bh // H
     h = bh % H

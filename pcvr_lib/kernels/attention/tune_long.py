@@ -42,7 +42,8 @@ from .workload import reference
 LONG_FWD = {
     64: [(128, 64, 8, 3, False, False), (128, 64, 4, 3, False, False), (128, 128, 8, 3, False, False),
          (128, 64, 8, 3, True, False), (128, 64, 4, 3, True, False), (128, 128, 8, 2, True, False),
-         (64, 64, 4, 3, True, False), (128, 64, 8, 3, True, True), (128, 64, 4, 3, True, True)],
+         (64, 64, 4, 3, True, False), (128, 128, 8, 3, True, False), (128, 64, 8, 3, True, True),
+         (128, 64, 4, 3, True, True), (128, 128, 8, 3, True, True)],
     128: [(128, 64, 8, 3, False, False), (128, 64, 8, 3, True, False), (128, 64, 8, 2, True, False),
           (128, 128, 8, 2, True, False), (128, 64, 4, 3, True, False), (128, 64, 8, 3, True, True),
           (128, 128, 8, 2, True, True)],
