@@ -325,19 +325,24 @@ def test_triton_long_interpreter_odd_shapes(B, Sq, Skv, D, mode, p, seed, monkey
     check_case("triton", B, 1, Sq, Skv, D, torch.float16, mode, p=p, device="cpu", seed=seed)
 
 
-@pytest.mark.parametrize("config", [(128, 64, 8, 3, True, False), (64, 64, 4, 3, True, True)])
-def test_triton_long_tma_configs_interpreter(config, monkeypatch):
-    """The TMA-descriptor (and warp-specialised) forward configs of the sweep give the default's result."""
+@pytest.mark.parametrize("config,bwd_config", [((128, 64, 8, 3, True, False), (32, 128, 4, 3, True)),
+                                               ((64, 64, 4, 3, True, True), (64, 64, 4, 2, True))])
+def test_triton_long_tma_configs_interpreter(config, bwd_config, monkeypatch):
+    """The TMA-descriptor (and warp-specialised) configs of the sweep give the default configs' results."""
     _interpret(monkeypatch)
     from pcvr_lib.kernels.attention import triton_long
 
-    q, k, v, _ = _inputs(2, 1, 600, 530, 64, torch.float16, 3)
+    q, k, v, do = _inputs(2, 1, 600, 530, 64, torch.float16, 3)
     kl = torch.tensor([530, 301], dtype=torch.int32)
     for mode, lengths in (("key_lengths", kl), ("causal", None), ("causal_valid", kl)):
         o_ref, lse_ref = triton_long.forward(q, k, v, lengths, mode, 0.125, 0, 0.0, True)
         o, lse = triton_long.forward(q, k, v, lengths, mode, 0.125, 0, 0.0, True, config=config)
         assert torch.equal(o, o_ref), f"{mode} {config}: output differs from the default config's"
         assert torch.allclose(lse, lse_ref, rtol=0, atol=1e-5), f"{mode} {config}: LSE differs"
+        g_ref = triton_long.backward(do, q, k, v, o_ref, lse_ref, lengths, mode, 0.125, 0, 0.0)
+        g = triton_long.backward(do, q, k, v, o_ref, lse_ref, lengths, mode, 0.125, 0, 0.0, config=bwd_config)
+        for name, a, b in zip(("dq", "dk", "dv"), g, g_ref, strict=True):
+            assert torch.allclose(a.float(), b.float(), rtol=0, atol=2e-3), f"{mode} {bwd_config}: {name} differs"
 
 
 def test_tune_long_sweep_under_interpreter(monkeypatch, tmp_path):
@@ -358,7 +363,8 @@ def test_tune_long_sweep_under_interpreter(monkeypatch, tmp_path):
 
 
 @pytest.mark.parametrize("which,config", [("fwd", None), ("fwd", (128, 64, 8, 3, True, False)),
-                                          ("fwd", (128, 64, 8, 3, True, True)), ("bwd", None)])
+                                          ("fwd", (128, 64, 8, 3, True, True)), ("bwd", None),
+                                          ("bwd", (64, 128, 8, 2, True))])
 def test_triton_long_compiles_for_sm90(which, config):
     """The long kernels build for sm_90 with wgmma; the TMA configs read through cp.async.bulk.tensor."""
     problem = registry.package_problem("triton")

@@ -200,7 +200,7 @@ def _bwd_long(
     Q, K, V, DO, DQ, DK, DV, LSE, DELTA, KL,
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sdob, sdoh, sdom,
     H, Sq, Skv, qk_scale, sm_scale, seed, drop_threshold, drop_scale,
-    MODE: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr,
+    MODE: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr, USE_TMA: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     """dK, dV of one key tile over the query tiles that see it; dQ += dS K of each pair (fp32 atomics)."""
@@ -248,6 +248,11 @@ def _bwd_long(
     lse_base = LSE + bh.to(tl.int64) * Sq
     delta_base = DELTA + bh.to(tl.int64) * Sq
     dq_base = DQ + bh.to(tl.int64) * Sq * HEAD_DIM
+    if USE_TMA:  # q and dO tiles through TMA (rows past Sq read as zeros, as the masked loads below)
+        q_desc = tl.make_tensor_descriptor(q_base, shape=[Sq, HEAD_DIM], strides=[sqm, 1],
+                                           block_shape=[BLOCK_M, HEAD_DIM])
+        do_desc = tl.make_tensor_descriptor(do_base, shape=[Sq, HEAD_DIM], strides=[sdom, 1],
+                                            block_shape=[BLOCK_M, HEAD_DIM])
 
     if DROPOUT:
         hk = seed.to(tl.uint32) + bh.to(tl.uint32) * 0x61C88647
@@ -262,8 +267,12 @@ def _bwd_long(
     for m_start in tl.range(q_lo, q_hi, BLOCK_M):
         offs_m = m_start + offs_m0
         row_ok = offs_m < Sq
-        q = tl.load(q_base + offs_m[:, None] * sqm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-        do = tl.load(do_base + offs_m[:, None] * sdom + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+        if USE_TMA:
+            q = q_desc.load([m_start, 0])
+            do = do_desc.load([m_start, 0])
+        else:
+            q = tl.load(q_base + offs_m[:, None] * sqm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+            do = tl.load(do_base + offs_m[:, None] * sdom + offs_d[None, :], mask=row_ok[:, None], other=0.0)
         lse = tl.load(lse_base + offs_m, mask=row_ok, other=float("inf"))
         delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
         pT = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
@@ -367,7 +376,7 @@ def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p:
 
 def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: int, dropout_p: float, config=None):
     """(dQ, dK, dV): delta + dQ zeroing, then one launch per key tile; dQ is summed in fp32 with atomics
-    (not deterministic in its last bits). config (BLOCK_M, BLOCK_N, warps, stages)."""
+    (not deterministic in its last bits). config (BLOCK_M, BLOCK_N, warps, stages, TMA)."""
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     if do.stride(-1) != 1:
@@ -393,12 +402,16 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
     else:
         _launch_delta.jit(grid, args, 4, 1)
 
-    bm, bn, warps, stages = config or TRITON_LONG_BWD_CONFIGS[D]
+    bm, bn, warps, stages, use_tma = config or TRITON_LONG_BWD_CONFIGS[D]
+    use_tma = bool(use_tma) and (fast or not q.is_cuda)  # TMA needs 16-byte aligned bases and row strides
+    if use_tma and q.is_cuda:
+        _ensure_allocator()
     args = (q, k, v, do, dq32, dk, dv, lse, delta, kl, *s_qkv, *s_do, H, Sq, Skv, scale * LOG2E, scale, seed,
-            _threshold(dropout_p), 1.0 / (1.0 - dropout_p), code, has_kl, dropout, bm, bn, D)
+            _threshold(dropout_p), 1.0 / (1.0 - dropout_p), code, has_kl, dropout, use_tma, bm, bn, D)
     grid = (cdiv(Skv, bn), B * H, 1)
     if fast:
-        _launch_bwd((dev, q.dtype, code, has_kl, dropout, bm, bn, D, warps, stages), grid, args, warps, stages)
+        _launch_bwd((dev, q.dtype, code, has_kl, dropout, use_tma, bm, bn, D, warps, stages), grid, args, warps,
+                    stages)
     else:
         _launch_bwd.jit(grid, args, warps, stages)
     return dq32.to(q.dtype), dk, dv
@@ -418,11 +431,12 @@ def compile_for(arch: int, which: str, D: int, dtype: str = "bf16", mode: str = 
     if which == "fwd":
         bm, bn, warps, stages, use_tma, warp_spec = config or TRITON_LONG_FWD_CONFIGS[D]
     else:
-        bm, bn, warps, stages = config or TRITON_LONG_BWD_CONFIGS[D]
+        bm, bn, warps, stages, use_tma = config or TRITON_LONG_BWD_CONFIGS[D]
     constexprs = {"MODE": MODE_CODE[mode], "HAS_KL": has_kl, "DROPOUT": dropout, "BLOCK_M": bm, "BLOCK_N": bn,
                   "HEAD_DIM": D}
+    constexprs["USE_TMA"] = bool(use_tma)
     if which == "fwd":
-        constexprs.update(STORE_LSE=True, USE_TMA=bool(use_tma), WARP_SPEC=bool(warp_spec))
+        constexprs.update(STORE_LSE=True, WARP_SPEC=bool(warp_spec))
     signature = {}
     for name in fn.arg_names:
         if name in constexprs:
