@@ -1,4 +1,6 @@
 """Flash attention in Triton: one forward kernel, two backward kernels (dQ with delta, then dK/dV).
+Sq > 512 with the masks none / key lengths / causal / causal-valid goes to triton_long.py (its config tables
+in config.py decide per head dim); everything else runs here.
 
 Layout (B, H, S, D), last dim contiguous. Scores are kept in base 2 (`qk_scale = scale * log2(e)`); the
 forward saves the per-row log-sum-exp in that base (+inf for rows without any key, so that the backward's
