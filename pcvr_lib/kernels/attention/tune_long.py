@@ -71,7 +71,7 @@ def _compile_job(job):
     kind, D, dtype, mode, cfg = job
     t0 = time.perf_counter()
     try:
-        q, k, v, do = (torch.randn(1, 2, 640, D, device="cuda", dtype=dtype) for _ in range(4))
+        q, k, v, do = (torch.randn(1, 2, 700, D, device="cuda", dtype=dtype) for _ in range(4))  # a tail tile
         scale = 1.0 / math.sqrt(D)
         if kind == "long_fwd":
             tlong.forward(q, k, v, None, mode, scale, 0, 0.0, False, config=cfg)
@@ -89,6 +89,36 @@ def _compile_job(job):
     except Exception as exc:  # noqa: BLE001 - reported; the candidate is then recorded as not compiling
         lines = str(exc).strip().splitlines()
         return job, time.perf_counter() - t0, f"{type(exc).__name__}: {lines[-1][:200] if lines else ''}"
+
+
+_CUDA_FAULT = ("cuda", "illegal", "misaligned", "launch failure")
+
+
+def compile_all(jobs, workers: int) -> dict:
+    """Run every job in a pool of spawned processes; returns {job: error} of the jobs that failed.
+
+    A CUDA fault (e.g. a misaligned TMA access) poisons its process: the later jobs of that worker fail too.
+    Those failures are retried, each in a fresh process; what still fails is left out of the sweep (it
+    would poison the sweep's own process) and reported."""
+    errors = {}
+    t0 = time.perf_counter()
+    with mp.get_context("spawn").Pool(workers) as pool:
+        for job, _seconds, error in pool.imap_unordered(_compile_job, jobs):
+            if error:
+                errors[job] = error
+    retry = [job for job, err in errors.items() if any(w in err.lower() for w in _CUDA_FAULT)]
+    if retry:
+        with mp.get_context("spawn").Pool(min(workers, len(retry)), maxtasksperchild=1) as pool:
+            for job, _seconds, error in pool.imap_unordered(_compile_job, retry):
+                if error:
+                    errors[job] = error
+                else:
+                    del errors[job]
+    for job, error in errors.items():
+        print(f"compile {job[0]} D{job[1]} {dtype_name(job[2])} {job[3]} {job[4]}: {error}", flush=True)
+    print(f"compiled {len(jobs)} variants in {time.perf_counter() - t0:.1f} s ({len(retry)} retried alone), "
+          f"{len(errors)} failed", flush=True)
+    return errors
 
 
 def _device_seconds(fn, reps: int, device) -> float:
@@ -112,8 +142,10 @@ def _flash_check(ours, ref, base_err, dtype, what):
         flash_rule(a[:1], r, e, dtype, f"{what} {name}")
 
 
-def sweep_case(B, H, S, D, mode, dtype, device, reps, fwd_cands, bwd_cands, with_old=True):
-    """Rows (dicts) of one shape x dtype, both directions."""
+def sweep_case(B, H, S, D, mode, dtype, device, reps, fwd_cands, bwd_cands, with_old=True, broken=None):
+    """Rows (dicts) of one shape x dtype, both directions. `broken`: {compile job: error} of candidates that
+    failed in the compile pool (recorded, never run here)."""
+    broken = broken or {}
     from pcvr_lib.kernels.tolerance import max_abs_error
 
     g = torch.Generator(device="cpu").manual_seed(0)
@@ -134,10 +166,12 @@ def sweep_case(B, H, S, D, mode, dtype, device, reps, fwd_cands, bwd_cands, with
     case = f"B{B}xH{H}xS{S}xD{D} {mode} {dtype_name(dtype)}"
     rows = []
 
-    def record(direction, kernel, cfg, run, check):
+    def record(direction, kernel, cfg, run, check, job=None):
         row = {"case": case, "direction": direction, "kernel": kernel, "config": cfg, "pass": False,
                "error": None, "us": None, "tflops": None}
         try:
+            if job in broken:
+                raise RuntimeError(f"failed in the compile pool: {broken[job]}")
             check(run())
             row["pass"] = True
         except Exception as exc:  # noqa: BLE001 - a failing or non-compiling candidate is recorded, not timed
@@ -158,11 +192,12 @@ def sweep_case(B, H, S, D, mode, dtype, device, reps, fwd_cands, bwd_cands, with
     # forward
     for cfg in fwd_cands:
         record("fwd", "long", list(cfg), lambda: tlong.forward(q, k, v, None, mode, scale, 0, 0.0, False, config=cfg),
-               fwd_check)
+               fwd_check, ("long_fwd", D, dtype, mode, cfg))
     old_fwd, old_dq, old_kv = _old_configs(D)
     if with_old:
         record("fwd", "old", [list(old_fwd)], lambda: tr.forward(q, k, v, None, mode, scale, 0, 0.0, False,
-                                                                 config=old_fwd), fwd_check)
+                                                                 config=old_fwd), fwd_check,
+               ("old", D, dtype, mode, (old_fwd, old_dq, old_kv)))
     passed = [r for r in rows if r["direction"] == "fwd" and r["kernel"] == "long" and r["pass"]]
     best_fwd = tuple(min(passed, key=lambda r: r["us"])["config"]) if passed else fwd_cands[0]
 
@@ -172,14 +207,16 @@ def sweep_case(B, H, S, D, mode, dtype, device, reps, fwd_cands, bwd_cands, with
         return (o, *tlong.backward(do, q, k, v, o, lse, None, mode, scale, 0, 0.0, config=cfg))
 
     for cfg in bwd_cands:
-        record("fwd+bwd", "long", [list(best_fwd), list(cfg)], lambda: long_full(cfg), full_check)
+        record("fwd+bwd", "long", [list(best_fwd), list(cfg)], lambda: long_full(cfg), full_check,
+               ("long_bwd", D, dtype, mode, cfg))
 
     def old_full():
         o, lse = tr.forward(q, k, v, None, mode, scale, 0, 0.0, True, config=old_fwd)
         return (o, *tr.backward(do, q, k, v, o, lse, None, mode, scale, 0, 0.0, dq_config=old_dq, kv_config=old_kv))
 
     if with_old:
-        record("fwd+bwd", "old", [list(old_fwd), list(old_dq), list(old_kv)], old_full, full_check)
+        record("fwd+bwd", "old", [list(old_fwd), list(old_dq), list(old_kv)], old_full, full_check,
+               ("old", D, dtype, mode, (old_fwd, old_dq, old_kv)))
 
     if device.type == "cuda":
         from torch.nn.attention import SDPBackend, sdpa_kernel
@@ -257,6 +294,7 @@ def main(argv=None) -> int:
     fwd_c = {D: LONG_FWD[D][:n] for D in LONG_FWD}
     bwd_c = {D: LONG_BWD[D][:n] for D in LONG_BWD}
 
+    broken = {}
     if device.type == "cuda" and args.workers > 0:
         jobs = []
         for D, mode in sorted({(s[3], s[4]) for s in shapes}):
@@ -264,19 +302,14 @@ def main(argv=None) -> int:
                 jobs += [("long_fwd", D, dt, mode, c) for c in fwd_c[D]]
                 jobs += [("long_bwd", D, dt, mode, c) for c in bwd_c[D]]
                 jobs.append(("old", D, dt, mode, _old_configs(D)))
-        t0 = time.perf_counter()
-        with mp.get_context("spawn").Pool(args.workers) as pool:
-            for job, _seconds, error in pool.imap_unordered(_compile_job, jobs):
-                if error:
-                    print(f"compile {job[0]} D{job[1]} {dtype_name(job[2])} {job[3]} {job[4]}: {error}", flush=True)
-        print(f"compiled {len(jobs)} variants in {time.perf_counter() - t0:.1f} s", flush=True)
+        broken = compile_all(jobs, args.workers)
 
     rows = []
     t_start = time.perf_counter()
     for B, H, S, D, mode in shapes:
         for dt in dtypes:
             t0 = time.perf_counter()
-            rows += sweep_case(B, H, S, D, mode, dt, device, args.reps, fwd_c[D], bwd_c[D])
+            rows += sweep_case(B, H, S, D, mode, dt, device, args.reps, fwd_c[D], bwd_c[D], broken=broken)
             print(f"case B{B}xH{H}xS{S}xD{D} {mode} {dtype_name(dt)}: {time.perf_counter() - t0:.1f} s", flush=True)
             doc = {"device": torch.cuda.get_device_name() if device.type == "cuda" else "cpu (interpreter)",
                    "triton": __import__("triton").__version__, "torch": torch.__version__,
