@@ -78,7 +78,7 @@ for s in "$@"; do
     tune)
       step attention_tune 150 python3 -m pcvr_lib.kernels.attention.tune --workers 16 ;;
     tune_small)  # the models' head size 16 (key-length shapes of issue 12): Triton tile candidates, unmasked
-      step attention_tune_small ${TUNE_SMALL_S:-100} python3 -m pcvr_lib.kernels.attention.tune --skip-tilelang \
+      step attention_tune_small ${TUNE_SMALL_S:-130} python3 -m pcvr_lib.kernels.attention.tune --skip-tilelang \
         --shapes 256x4x256x16,256x4x512x16 --dtype bf16 ;;
     tune_long)  # the long-sequence Triton kernels vs the old ones vs cuDNN (notes/attention.md, session 3)
       step attention_long 290 python3 -m pcvr_lib.kernels.attention.tune_long --workers 15 \
