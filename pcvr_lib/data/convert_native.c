@@ -104,6 +104,14 @@ static inline int64_t put_tokens_rev(const int64_t *x, int64_t k, int64_t L, int
 static inline int64_t put_runs(const int64_t *x, const int64_t *run_src, const int64_t *run_len, int64_t nr,
                                int64_t step, int64_t lim, int64_t L, int64_t voc, int32_t *o) {
     int64_t n = 0, p = 0;
+    if (nr == 1 && voc > 0) { /* the common case (one contiguous run): the vectorised copies */
+        const int64_t e = run_src[0], len = run_len[0];
+        if (step == 1) {
+            int64_t inside = lim - e < len ? lim - e : len;
+            return put_tokens(x + e, inside > 0 ? inside : 0, L, voc, o);
+        }
+        if (e < lim) return put_tokens_rev(x + e - len + 1, len, L, voc, o);
+    }
     if (voc > 0) {
         for (int64_t r = 0; r < nr; p += run_len[r++]) {
             const int64_t e = run_src[r], len = run_len[r];
