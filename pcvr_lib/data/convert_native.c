@@ -99,6 +99,18 @@ static inline int64_t put_tokens_rev(const int64_t *x, int64_t k, int64_t L, int
     return n;
 }
 
+/* o[j] = x[k - 1 - j] for j < k (timestamps of a newest-first list, oldest first), reading x in ascending
+   addresses (the hardware prefetcher follows ascending streams). */
+static inline void copy_rev_i64(const int64_t *x, int64_t k, int64_t *o) {
+    int64_t j = k;
+#if defined(__AVX512F__)
+    const __m512i rev = _mm512_set_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+    for (; j >= 8; j -= 8) /* output [j - 8, j) from x[k - j .. k - j + 8) */
+        _mm512_storeu_si512((void *)(o + j - 8), _mm512_permutexvar_epi64(rev, _mm512_loadu_si512((const void *)(x + k - j))));
+#endif
+    for (; j > 0; j--) o[j - 1] = x[k - j];
+}
+
 /* The kept events given as nr runs in output order: run r covers events run_src[r], run_src[r] + step, ...
    (run_len[r] of them; step +1 or -1); events at or past lim (the column's own length) read as 0. */
 static inline int64_t put_runs(const int64_t *x, const int64_t *run_src, const int64_t *run_len, int64_t nr,
@@ -361,7 +373,7 @@ static void domain_row(const Domain *d, int64_t b, int64_t dir, const int64_t *p
             if (step == 1) {
                 memcpy(ts_out + p, t + run_src[r], (size_t)run_len[r] * sizeof(int64_t));
             } else {
-                for (int64_t j = run_len[r] - 1; j >= 0; j--) ts_out[p + j] = t[run_src[r] - j];
+                copy_rev_i64(t + run_src[r] - run_len[r] + 1, run_len[r], ts_out + p);
             }
         }
         length = k;
@@ -370,7 +382,7 @@ static void domain_row(const Domain *d, int64_t b, int64_t dir, const int64_t *p
         if (step == 1) {
             memcpy(ts_out, t + n - k, (size_t)k * sizeof(int64_t));
         } else {
-            for (int64_t j = k - 1; j >= 0; j--) ts_out[j] = t[k - 1 - j]; /* source ascending */
+            copy_rev_i64(t, k, ts_out);
         }
         if (F == 0) length = k;
     }
