@@ -99,6 +99,46 @@ static inline int64_t put_tokens_rev(const int64_t *x, int64_t k, int64_t L, int
     return n;
 }
 
+/* Token rules on a span of k elements into o[0..k), unaligned (a run of kept events inside a row): forward,
+   o[j] = rule(x[j]), or reversed (rev), o[j] = rule(x[k - 1 - j]); returns the out-of-vocab count. voc > 0. */
+static inline int64_t put_span(const int64_t *x, int64_t k, int64_t voc, int32_t *o, int rev) {
+    int64_t n = 0;
+#if defined(__AVX512F__) && defined(__AVX512VL__)
+    const __m512i zero = _mm512_setzero_si512(), vv = _mm512_set1_epi64(voc);
+    const __m512i back = _mm512_set_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+    if (!rev) {
+        for (int64_t j = 0; j < k; j += 8) {
+            const int64_t rem = k - j;
+            const __mmask8 in = rem >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << rem) - 1);
+            const __m512i v = _mm512_maskz_loadu_epi64(in, (const void *)(x + j));
+            const __mmask8 ok = in & _mm512_cmpgt_epi64_mask(v, zero) & _mm512_cmplt_epi64_mask(v, vv);
+            n += __builtin_popcount((unsigned)(in & _mm512_cmpge_epi64_mask(v, vv)));
+            _mm256_mask_storeu_epi32((void *)(o + j), in, _mm512_cvtepi64_epi32(_mm512_maskz_mov_epi64(ok, v)));
+        }
+        return n;
+    }
+    /* output [j - 8, j) from x[k - j .. k - j + 8) reversed; j from k down: the source ascending. With j < 8,
+       source lanes >= j and output lanes < 8 - j lie outside: masked (masked lanes never fault) */
+    for (int64_t j = k; j > 0; j -= 8) {
+        const __mmask8 load = j >= 8 ? (__mmask8)0xFF : (__mmask8)((1u << j) - 1);
+        const __mmask8 store = j >= 8 ? (__mmask8)0xFF : (__mmask8)(0xFFu << (8 - j));
+        __m512i v = _mm512_maskz_loadu_epi64(load, (const void *)(x + k - j));
+        v = _mm512_permutexvar_epi64(back, v);
+        const __mmask8 ok = store & _mm512_cmpgt_epi64_mask(v, zero) & _mm512_cmplt_epi64_mask(v, vv);
+        n += __builtin_popcount((unsigned)(store & _mm512_cmpge_epi64_mask(v, vv)));
+        _mm256_mask_storeu_epi32((void *)(o + j - 8), store, _mm512_cvtepi64_epi32(_mm512_maskz_mov_epi64(ok, v)));
+    }
+    return n;
+#else
+    for (int64_t j = 0; j < k; j++) {
+        const int64_t v = rev ? x[k - 1 - j] : x[j];
+        n += v >= voc;
+        o[j] = (v > 0 && v < voc) ? (int32_t)v : 0;
+    }
+    return n;
+#endif
+}
+
 /* o[j] = x[k - 1 - j] for j < k (timestamps of a newest-first list, oldest first), reading x in ascending
    addresses (the hardware prefetcher follows ascending streams). */
 static inline void copy_rev_i64(const int64_t *x, int64_t k, int64_t *o) {
@@ -131,23 +171,13 @@ static inline int64_t put_runs(const int64_t *x, const int64_t *run_src, const i
             if (step == 1) {
                 int64_t inside = lim - e < len ? lim - e : len;
                 if (inside < 0) inside = 0;
-                const int64_t *xe = x + e;
-                for (int64_t j = 0; j < inside; j++) {
-                    int64_t v = xe[j];
-                    n += v >= voc;
-                    d[j] = (v > 0 && v < voc) ? (int32_t)v : 0;
-                }
+                n += put_span(x + e, inside, voc, d, 0);
                 for (int64_t j = inside; j < len; j++) d[j] = 0;
             } else { /* events e, e - 1, ...: the first ones may lie past the column's end */
                 int64_t outside = e - lim + 1 < len ? e - lim + 1 : len;
                 if (outside < 0) outside = 0;
-                const int64_t *xe = x + e;
                 for (int64_t j = 0; j < outside; j++) d[j] = 0;
-                for (int64_t j = len - 1; j >= outside; j--) { /* source ascending */
-                    int64_t v = xe[-j];
-                    n += v >= voc;
-                    d[j] = (v > 0 && v < voc) ? (int32_t)v : 0;
-                }
+                n += put_span(x + e - len + 1, len - outside, voc, d + outside, 1);
             }
         }
     }
