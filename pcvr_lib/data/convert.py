@@ -75,6 +75,15 @@ class OutOfVocabError(DataError):
     """An id >= vocab_size met with clip_oov=False."""
 
 
+def check_order_options(list_order: str, non_monotonic: str) -> None:
+    """The list-order options (of a Converter, and of callers that pass them on): ValueError naming the
+    option and the allowed values."""
+    if list_order not in LIST_ORDERS:
+        raise ValueError(f"list_order must be one of {', '.join(LIST_ORDERS)}, got {list_order!r}")
+    if non_monotonic not in NON_MONOTONIC_POLICIES:
+        raise ValueError(f"non_monotonic must be one of {', '.join(NON_MONOTONIC_POLICIES)}, got {non_monotonic!r}")
+
+
 def _non_monotonic_error(column: str, row: int, count: int) -> DataError:
     return DataError(
         f"column {column!r}: row {row}: event timestamps are neither non-decreasing nor non-increasing "
@@ -493,12 +502,7 @@ class Converter:
         strict_on_eval: bool = False,
     ) -> None:
         self.schema = schema
-        if list_order not in LIST_ORDERS:
-            raise ValueError(f"list_order must be one of {', '.join(LIST_ORDERS)}, got {list_order!r}")
-        if non_monotonic not in NON_MONOTONIC_POLICIES:
-            raise ValueError(
-                f"non_monotonic must be one of {', '.join(NON_MONOTONIC_POLICIES)}, got {non_monotonic!r}"
-            )
+        check_order_options(list_order, non_monotonic)
         self.list_order = list_order
         self.non_monotonic = non_monotonic
         self.training = bool(training)
