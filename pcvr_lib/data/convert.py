@@ -95,7 +95,7 @@ def _non_monotonic_error(column: str, row: int, count: int) -> DataError:
 # the output arrays of a side's features and of a domain, in FeatureBlock / SequenceBlock field order
 FEATURE_ARRAYS = ("int_values", "int_missing", "dense_values", "dense_missing")
 SEQUENCE_ARRAYS = ("values", "timestamps", "lengths")
-ARROW_ARRAY_BYTES = 80  # sizeof(struct ArrowArray) of the Arrow C data interface
+_ArrowArrayStruct = ctypes.c_byte * 80  # sizeof(struct ArrowArray) of the Arrow C data interface
 
 
 def _column(data: pa.RecordBatch | pa.Table, index: int | str) -> pa.Array:
@@ -442,11 +442,12 @@ class _ArenaPool:
         self.lock = threading.Lock()  # one Converter may serve several loader threads
         self.layouts: dict[tuple, tuple[int, dict[str, tuple[int, np.dtype, tuple[int, ...]]]]] = {}
 
-    def views(self, shapes: dict[str, tuple[np.dtype, tuple[int, ...]]]) -> dict[str, np.ndarray]:
+    def views(self, shapes: dict[str, tuple[np.dtype, tuple[int, ...]]]) -> tuple[dict[str, np.ndarray], int]:
+        """The output arrays of one batch, views of one free arena, and the arena's address."""
         with self.lock:  # choosing an arena and making its views must not interleave with another thread
             return self._views(shapes)
 
-    def _views(self, shapes: dict[str, tuple[np.dtype, tuple[int, ...]]]) -> dict[str, np.ndarray]:
+    def _views(self, shapes: dict[str, tuple[np.dtype, tuple[int, ...]]]) -> tuple[dict[str, np.ndarray], int]:
         key = tuple((name, shape) for name, (_, shape) in shapes.items())
         if key not in self.layouts:
             offset, layout = 0, {}
@@ -476,10 +477,8 @@ class _ArenaPool:
                 self.arenas[slot] = np.empty(total, dtype=np.uint8)
                 self.free_refs[slot] = sys.getrefcount(self.arenas[slot])
                 arena = self.arenas[slot]
-        return {
-            name: np.ndarray(shape, dtype=dt, buffer=arena, offset=offset)
-            for name, (offset, dt, shape) in layout.items()
-        }
+        views = {name: np.ndarray(shape, dtype=dt, buffer=arena, offset=o) for name, (o, dt, shape) in layout.items()}
+        return views, _ptr(arena)
 
 
 class Converter:
@@ -620,9 +619,9 @@ class Converter:
             user_id[null] = NULL_USER_ID
             self.stats["null_user_id"] += int(null.sum())
 
-        out = self._pool.views(self._shapes(rows))
+        out, base = self._pool.views(self._shapes(rows))
         if native:
-            self._convert_native(data, out, request_ts, row_offset)
+            self._convert_native(data, out, base, request_ts, row_offset)
         else:
             for side in ("user", "item"):
                 self._features(side, cols, rows, out)
@@ -694,6 +693,8 @@ class Converter:
                 dom += [index[f.column], f.vocab_size]
             slots += [(d.name, f.column) for f in d.side_features]
         self._spec_feat, self._spec_dom = np.array(feat, dtype=np.int64), np.array(dom, dtype=np.int64)
+        self._spec_ptrs = (_ptr(self._spec_feat), _ptr(self._spec_dom))
+        self._out_offsets: dict[int, np.ndarray] = {}
         self._oob_slots = slots
         self._out_names = [f"{side}.{k}" for side in ("user", "item") for k in FEATURE_ARRAYS] + [
             f"{d.name}.{k}" for d in schema.domains for k in SEQUENCE_ARRAYS
@@ -721,7 +722,7 @@ class Converter:
             data = pa.RecordBatch.from_arrays(arrays, names=data.schema.names)
         return data
 
-    def _convert_native(self, data, out: dict, request_ts: np.ndarray, row_offset: int) -> None:
+    def _convert_native(self, data, out: dict, base: int, request_ts: np.ndarray, row_offset: int) -> None:
         """Every user / item feature and sequence domain of a batch (rows > 0) in one C call, which walks the
         RecordBatch's buffers through the Arrow C data interface (no Python per column)."""
         rb = self._record_batch(data)
@@ -730,13 +731,16 @@ class Converter:
         classes = np.zeros((len(domains), 4), dtype=np.int64)
         child_nulls = np.zeros(rb.num_columns, dtype=np.int8)
         bad = np.zeros(3, dtype=np.int64)
-        outs = np.array([_ptr(out[name]) for name in self._out_names], dtype=np.uint64)
+        rows = rb.num_rows
+        if rows not in self._out_offsets:  # the arena layout is fixed per batch size
+            self._out_offsets[rows] = np.array([_ptr(out[name]) - base for name in self._out_names], dtype=np.int64)
+        outs = self._out_offsets[rows] + base
         mode = {"auto": 0, "newest-last": 1, "newest-first": -1}[self.list_order]
-        exported = ctypes.create_string_buffer(ARROW_ARRAY_BYTES)
+        exported = _ArrowArrayStruct()
         rb._export_to_c(ctypes.addressof(exported))
         try:
             status = self._lib.pcvr_convert_batch(
-                ctypes.addressof(exported), _ptr(self._spec_feat), _ptr(self._spec_dom), _ptr(outs), _ptr(request_ts),
+                ctypes.addressof(exported), *self._spec_ptrs, _ptr(outs), _ptr(request_ts),
                 int(self.strict_time_filter), mode, int(self.non_monotonic == "sort"),
                 _ptr(oob), _ptr(classes), _ptr(child_nulls), _ptr(bad),
             )  # fmt: skip
@@ -760,8 +764,13 @@ class Converter:
             if not self.clip_oov:  # the numpy backend raises naming the column, the value and the row
                 self._numpy_twin()(data, row_offset)
                 raise AssertionError("native and numpy converters disagree on out-of-vocabulary ids")
+            per_group, per_feature = self.stats["oob_per_group"], self.stats["oob_per_feature"]
             for i in np.flatnonzero(oob).tolist():
-                self._count_oob(*self._oob_slots[i], int(oob[i]))
+                group, column = self._oob_slots[i]
+                n = int(oob[i])
+                per_group[group] += n
+                per_feature[column] = per_feature.get(column, 0) + n
+            self.stats["oob_total"] += int(oob.sum())
 
     def _numpy_twin(self) -> Converter:
         """A numpy-backend converter with the same settings (to raise the named out-of-vocabulary error)."""
