@@ -435,6 +435,19 @@ static void domain_row(const Domain *d, int64_t b, int64_t dir, const int64_t *p
     d->lengths[b] = (int32_t)length;
 }
 
+/* Asks for the first cache lines of row b's kept windows (newest last: the list's tail; else its head), so
+   the loads of the next row start while this one is converted. */
+static inline void prefetch_row(const Domain *d, int64_t b, int64_t dir) {
+    for (int64_t f = 0; f < d->F; f++) {
+        int64_t n;
+        const int64_t *x = (const int64_t *)d->side[f].vals + col_range(&d->side[f], b, &n);
+        if (dir == 1 && n > d->L) x += n - d->L;
+        __builtin_prefetch(x);
+        __builtin_prefetch(x + 8);
+        __builtin_prefetch(x + 16);
+    }
+}
+
 typedef struct {
     int64_t t, i;
 } TimeIndex;
@@ -532,8 +545,10 @@ int64_t pcvr_convert_batch(const struct ArrowArray *rb, const int64_t *feat, con
             cnt[cls]++;
             if (cls == 3 && !sort_nonmono && first_bad < 0) first_bad = b;
             if (first_bad >= 0) continue; /* a rejected batch: the rest is only counted */
-            if (cls == 1 || cls == 2)
+            if (cls == 1 || cls == 2) {
+                if (b + 1 < rows) prefetch_row(&d, b + 1, cls == 1 ? 1 : -1);
                 domain_row(&d, b, cls == 1 ? 1 : -1, 0);
+            }
             else
                 deferred[ndeferred++] = 4 * b + cls;
         }
