@@ -438,6 +438,11 @@ static void domain_row(const Domain *d, int64_t b, int64_t dir, const int64_t *p
 /* Asks for the first cache lines of row b's kept windows (newest last: the list's tail; else its head), so
    the loads of the next row start while this one is converted. */
 static inline void prefetch_row(const Domain *d, int64_t b, int64_t dir) {
+    int64_t tn;
+    const int64_t *t = (const int64_t *)d->ts.vals + col_range(&d->ts, b, &tn);
+    __builtin_prefetch(t);
+    __builtin_prefetch(t + 8);
+    __builtin_prefetch(t + 16);
     for (int64_t f = 0; f < d->F; f++) {
         int64_t n;
         const int64_t *x = (const int64_t *)d->side[f].vals + col_range(&d->side[f], b, &n);
@@ -536,6 +541,7 @@ int64_t pcvr_convert_batch(const struct ArrowArray *rb, const int64_t *feat, con
         int64_t *cnt = classes + 4 * di, ndeferred = 0, first_bad = -1;
         for (int64_t b = 0; b < rows; b++) {
             if (mode != 0) {
+                if (b + 1 < rows) prefetch_row(&d, b + 1, mode);
                 domain_row(&d, b, mode, 0);
                 continue;
             }
