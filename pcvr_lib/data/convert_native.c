@@ -381,6 +381,28 @@ static void domain_row(const Domain *d, int64_t b, int64_t dir, const int64_t *p
            ones: the kept events as runs (run r is events run_src[r], + step, ...), newest run first */
         k = 0;
         for (int64_t c = n - 1; c >= 0 && k < L; c--) {
+#if defined(__AVX512F__)
+            /* strict, stored order: 8 events at a time while all 8 are valid (the common case); they extend
+               the current run (or start one) exactly as 8 single steps would */
+            if (d->strict && dir != 2 && c >= 7 && k + 8 <= L) {
+                const int64_t newest = dir == 1 ? c : n - 1 - c, oldest = dir == 1 ? c - 7 : n - 1 - c + 7;
+                const __m512i v = _mm512_loadu_si512((const void *)(t + (dir == 1 ? c - 7 : n - 1 - c)));
+                const __mmask8 ok = _mm512_cmpgt_epi64_mask(v, _mm512_setzero_si512()) &
+                                    _mm512_cmplt_epi64_mask(v, _mm512_set1_epi64(req));
+                if (ok == 0xFF) {
+                    if (nr && run_src[nr - 1] == newest + step) {
+                        run_src[nr - 1] = oldest;
+                        run_len[nr - 1] += 8;
+                    } else {
+                        run_src[nr] = oldest;
+                        run_len[nr++] = 8;
+                    }
+                    k += 8;
+                    c -= 7; /* and the loop's c-- */
+                    continue;
+                }
+            }
+#endif
             const int64_t e = dir == 1 ? c : (dir == -1 ? n - 1 - c : pm[c]);
             if (d->strict && !(t[e] > 0 && t[e] < req)) continue;
             k++;
