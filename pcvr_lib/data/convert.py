@@ -1,8 +1,8 @@
 """Arrow RecordBatch / Table -> Batch (data.md section 2).
 
-Two backends with the same results (tested against a per-row reference): "native", small C kernels that
-read the Arrow buffers directly, one fused pass per domain / feature group (compiled on first use, see
-`native_library`), and "numpy", vectorised with Arrow offsets, sliding-window views and numpy. The default
+Two backends with the same results (tested against a per-row reference): "native", C kernels that walk
+the RecordBatch's buffers through the Arrow C data interface, one call per batch (compiled on first use,
+see `native_library`), and "numpy", vectorised with Arrow offsets, sliding-window views and numpy. The default
 "auto" takes native when it builds here. Output arrays of a batch share one recycled arena (`_ArenaPool`).
 One converter may be shared by threads (the kernels release the GIL).
 
@@ -347,9 +347,10 @@ def _gather(values: np.ndarray, plan: _Plan) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 # numpy needs ~6 passes over every [B, L] block (gather, clamp, cast, pad mask, OOB compare, fix) plus
 # Python work per column; these C loops do one pass, reading the Arrow buffers directly, one call per
-# domain / feature group. The source is convert_native.c beside this file; it is compiled on first use with
-# the system C compiler into the data cache directory (keyed by source, flags and CPU) and loaded with
-# ctypes. backend="numpy" never uses it.
+# batch (pcvr_convert_batch: the RecordBatch exported through the Arrow C data interface, no Python per
+# column; the list-order check fused into each domain's row loop). The source is convert_native.c beside
+# this file; it is compiled on first use with the system C compiler into the data cache directory (keyed
+# by source, flags and CPU) and loaded with ctypes. backend="numpy" never uses it.
 
 NATIVE_SOURCE = Path(__file__).with_name("convert_native.c")
 _NATIVE_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c99"]
