@@ -142,13 +142,13 @@ static inline int64_t put_span(const int64_t *x, int64_t k, int64_t voc, int32_t
 /* o[j] = x[k - 1 - j] for j < k (timestamps of a newest-first list, oldest first), reading x in ascending
    addresses (the hardware prefetcher follows ascending streams). */
 static inline void copy_rev_i64(const int64_t *x, int64_t k, int64_t *o) {
-    int64_t j = k;
+    int64_t j = 0;
 #if defined(__AVX512F__)
     const __m512i rev = _mm512_set_epi64(0, 1, 2, 3, 4, 5, 6, 7);
-    for (; j >= 8; j -= 8) /* output [j - 8, j) from x[k - j .. k - j + 8) */
-        _mm512_storeu_si512((void *)(o + j - 8), _mm512_permutexvar_epi64(rev, _mm512_loadu_si512((const void *)(x + k - j))));
+    for (; j + 8 <= k; j += 8) /* output [j, j + 8) from x[k - j - 8 .. k - j) */
+        _mm512_storeu_si512((void *)(o + j), _mm512_permutexvar_epi64(rev, _mm512_loadu_si512((const void *)(x + k - j - 8))));
 #endif
-    for (; j > 0; j--) o[j - 1] = x[k - j];
+    for (; j < k; j++) o[j] = x[k - 1 - j];
 }
 
 /* The kept events given as nr runs in output order: run r covers events run_src[r], run_src[r] + step, ...
