@@ -145,6 +145,10 @@ static inline void copy_rev_i64(const int64_t *x, int64_t k, int64_t *o) {
     int64_t j = 0;
 #if defined(__AVX512F__)
     const __m512i rev = _mm512_set_epi64(0, 1, 2, 3, 4, 5, 6, 7);
+    if (((uintptr_t)o & 63) == 0) {
+        for (; j + 8 <= k; j += 8)
+            _mm512_stream_si512((void *)(o + j), _mm512_permutexvar_epi64(rev, _mm512_loadu_si512((const void *)(x + k - j - 8))));
+    }
     for (; j + 8 <= k; j += 8) /* output [j, j + 8) from x[k - j - 8 .. k - j) */
         _mm512_storeu_si512((void *)(o + j), _mm512_permutexvar_epi64(rev, _mm512_loadu_si512((const void *)(x + k - j - 8))));
 #endif
