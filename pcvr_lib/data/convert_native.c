@@ -155,6 +155,28 @@ static inline void copy_rev_i64(const int64_t *x, int64_t k, int64_t *o) {
     for (; j < k; j++) o[j] = x[k - 1 - j];
 }
 
+/* o[0..k) = x[0..k) and zeros to L (timestamps): streaming stores when o is 64-byte aligned (the output is far
+   bigger than the caches), else memcpy / memset. */
+static inline void copy_i64(const int64_t *x, int64_t k, int64_t L, int64_t *o) {
+    int64_t j = 0;
+#if defined(__AVX512F__)
+    if (((uintptr_t)o & 63) == 0) {
+        for (; j + 8 <= k; j += 8) _mm512_stream_si512((void *)(o + j), _mm512_loadu_si512((const void *)(x + j)));
+        if (j < k) { /* the tail block, its padding zeros included */
+            const __mmask8 in = (__mmask8)((1u << (k - j)) - 1);
+            if (j + 8 <= L) {
+                _mm512_stream_si512((void *)(o + j), _mm512_maskz_loadu_epi64(in, (const void *)(x + j)));
+                j += 8;
+            }
+        }
+        for (; j + 8 <= L; j += 8) _mm512_stream_si512((void *)(o + j), _mm512_setzero_si512());
+    }
+#endif
+    if (j < k) memcpy(o + j, x + j, (size_t)(k - j) * sizeof(int64_t));
+    if (j < k) j = k;
+    if (j < L) memset(o + j, 0, (size_t)(L - j) * sizeof(int64_t));
+}
+
 /* The kept events given as nr runs in output order: run r covers events run_src[r], run_src[r] + step, ...
    (run_len[r] of them; step +1 or -1); events at or past lim (the column's own length) read as 0. */
 static inline int64_t put_runs(const int64_t *x, const int64_t *run_src, const int64_t *run_len, int64_t nr,
@@ -425,24 +447,29 @@ static void domain_row(const Domain *d, int64_t b, int64_t dir, const int64_t *p
             run_src[nr - 1 - r] = a;
             run_len[nr - 1 - r] = c;
         }
-        for (int64_t r = 0, p = 0; r < nr; p += run_len[r++]) {
-            if (step == 1) {
-                memcpy(ts_out + p, t + run_src[r], (size_t)run_len[r] * sizeof(int64_t));
-            } else {
-                copy_rev_i64(t + run_src[r] - run_len[r] + 1, run_len[r], ts_out + p);
+        if (nr == 1 && step == 1) {
+            copy_i64(t + run_src[0], k, L, ts_out); /* with its padding */
+        } else {
+            for (int64_t r = 0, p = 0; r < nr; p += run_len[r++]) {
+                if (step == 1) {
+                    memcpy(ts_out + p, t + run_src[r], (size_t)run_len[r] * sizeof(int64_t));
+                } else {
+                    copy_rev_i64(t + run_src[r] - run_len[r] + 1, run_len[r], ts_out + p);
+                }
             }
+            if (k < L) memset(ts_out + k, 0, (size_t)(L - k) * sizeof(int64_t));
         }
         length = k;
     } else {
         k = n < L ? n : L;
         if (step == 1) {
-            memcpy(ts_out, t + n - k, (size_t)k * sizeof(int64_t));
+            copy_i64(t + n - k, k, L, ts_out);
         } else {
             copy_rev_i64(t, k, ts_out);
+            if (k < L) memset(ts_out + k, 0, (size_t)(L - k) * sizeof(int64_t));
         }
         if (F == 0) length = k;
     }
-    if (k < L) memset(ts_out + k, 0, (size_t)(L - k) * sizeof(int64_t));
     for (int64_t f = 0; f < F; f++) {
         int64_t fn;
         const int64_t *x = (const int64_t *)d->side[f].vals + col_range(&d->side[f], b, &fn);
