@@ -377,6 +377,32 @@ def test_tilelang_structured_masks_compile_for_sm90(D, mode, has_kl, bucket):
             assert "VIS[" in sources[which], f"{which}: the role visibility words are not read"
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("D", [64, 128])
+def test_tilelang_long_schedules_compile_for_sm90(D):
+    """The long-sequence candidates (tune.TILELANG_*_LONG, first of each): the forward with the Hopper
+    example's ordered pipeline and the fused backward (dK/dV per key block, dQ by atomics) lower and compile
+    for sm_90a, here with causal-valid, key lengths and dropout (the masked paths of both)."""
+    problem = registry.package_problem("tilelang")
+    if problem:
+        pytest.skip(f"tilelang: {problem}")
+    import shutil
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("tilelang: nvcc not found (needed to compile for sm_90a)")
+    from pcvr_lib.kernels.attention import tilelang_impl, tune
+
+    sources = tilelang_impl.compile_only("sm_90a", D=D, dtype="bfloat16", mode=3, has_kl=True, dropout=True,
+                                         fwd_config=tune.TILELANG_FWD_LONG[D][0],
+                                         bwd_config=tune.TILELANG_BWD_LONG[D][0])
+    assert sources["cubin_bytes"] > 0
+    assert set(sources) == {"fwd", "fused", "cubin_bytes"}
+    for which in ("fwd", "fused"):
+        assert "wgmma" in sources[which], f"{which}: no Hopper matrix instructions"
+        assert str(0x21F0AAAD) in sources[which], f"{which}: the dropout hash is missing"
+    assert "AtomicAdd" in sources["fused"], "fused: dQ is not accumulated with atomics"
+
+
 # -------------------------------------------------------------------------------------------------- GPU
 
 GPU_BACKENDS = ["triton", "tilelang"]

@@ -202,37 +202,22 @@ def variants(backend: str) -> list[tuple]:
 
 def tilelang_variants(tune: bool = False) -> list[tuple]:
     """(kernel, D, dtype, mode code, key lengths, dropout, tile config) of the TileLang kernels the suites
-    use (and, with `tune`, tune.py's candidates: bf16, no mask)."""
+    use (and, with `tune`, tune.py's candidates: bf16, no mask; the long-sequence ones in fp16 too)."""
+    from .tilelang_impl import backward_kernels
+
     out = set()
     for D, dtype, mode, dropout, bucket in variants("tilelang"):
         use_kl, code = mask_spec(mode)
         out.add(("fwd", D, dtype, code, use_kl, dropout, TILELANG_FWD_CONFIGS[(D, bucket)]))
-        out.update((w, D, dtype, code, use_kl, dropout, TILELANG_BWD_CONFIGS[(D, bucket)]) for w in ("dq", "dkdv"))
+        bwd = TILELANG_BWD_CONFIGS[(D, bucket)]
+        out.update((w, D, dtype, code, use_kl, dropout, bwd) for w in backward_kernels(bwd))
     if tune:
-        from .tune import TILELANG_BWD, TILELANG_FWD
+        from .tune import TILELANG_BWD, TILELANG_BWD_LONG, TILELANG_FWD, TILELANG_FWD_LONG
 
         for D in TILELANG_FWD:
             out.update(("fwd", D, torch.bfloat16, 1, False, False, c) for c in TILELANG_FWD[D])
             out.update((w, D, torch.bfloat16, 1, False, False, c) for c in TILELANG_BWD[D] for w in ("dq", "dkdv"))
+            for dtype in (torch.float16, torch.bfloat16):
+                out.update(("fwd", D, dtype, 1, False, False, c) for c in TILELANG_FWD_LONG[D])
+                out.update(("fused", D, dtype, 1, False, False, c) for c in TILELANG_BWD_LONG[D])
     return sorted(out, key=str)
-
-
-def run_once(backend: str, D: int, dtype: torch.dtype, mode: str, dropout: bool, bucket: int) -> None:
-    """Inference forward, training forward and backward of one variant on tiny CUDA tensors (compiles it)."""
-    from . import flash_attention
-
-    S = {0: 64, 1: 256, 2: 640}[bucket]
-    q, k, v = (torch.randn(1, 1, S, D, device="cuda", dtype=dtype) for _ in range(3))
-    if mode in STRUCTURED:
-        args = structured_mask(mode, 1, S, device="cuda")
-    else:
-        use_kl, causal, causal_valid = MODES[mode]
-        kl = torch.tensor([S - 3], device="cuda", dtype=torch.int32) if use_kl else None
-        args = dict(key_lengths=kl, causal=causal, causal_valid=causal_valid)
-    args.update(dropout_p=0.25 if dropout else 0.0, training=dropout, backend=backend,
-                generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        flash_attention(q, k, v, **args)
-    q.requires_grad_()
-    flash_attention(q, k, v, **args).sum().backward()
-    torch.cuda.synchronize()
