@@ -431,6 +431,26 @@ def test_gpu_accuracy(backend, case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case,fwd_config,bwd_config", workload.TILELANG_LONG_CASES,
+                         ids=[_gpu_case_id(c) for c, _, _ in workload.TILELANG_LONG_CASES])
+def test_gpu_tilelang_long_candidates(case, fwd_config, bwd_config, monkeypatch):
+    """The long-sequence candidates (ordered forward pipeline, fused backward) against fp64, through the
+    operator with the bucket's TileLang configs replaced."""
+    if not CUDA:
+        pytest.skip("tilelang: no CUDA device")
+    ok, reason = registry.backend_status("flash_attention", "tilelang", "cuda")
+    if not ok:
+        pytest.skip(reason)
+    from pcvr_lib.kernels.attention import config
+    from pcvr_lib.kernels.attention.masks import length_bucket
+
+    B, H, Sq, Skv, D, dt, mode, p = case
+    monkeypatch.setitem(config.TILELANG_FWD_CONFIGS, (D, length_bucket(Sq)), fwd_config)
+    monkeypatch.setitem(config.TILELANG_BWD_CONFIGS, (D, length_bucket(Sq)), bwd_config)
+    check_case("tilelang", B, H, Sq, Skv, D, DT[dt], mode, p=p, device="cuda")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_gpu_no_recompile_within_bucket(backend):
     if not CUDA:

@@ -28,7 +28,8 @@ import torch.nn.functional as F
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from pcvr_lib.kernels import compile_log, timing  # noqa: E402
+from pcvr_lib import timing  # noqa: E402
+from pcvr_lib.kernels import compile_log  # noqa: E402
 from pcvr_lib.kernels.attention import config, tune, workload  # noqa: E402
 from pcvr_lib.kernels.attention import tilelang_impl as ti  # noqa: E402
 from pcvr_lib.kernels.attention import triton_impl as tr  # noqa: E402

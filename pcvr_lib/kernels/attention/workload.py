@@ -66,6 +66,14 @@ TILELANG_CASES = (
        (3, 2, 110, 110, 32, "bf16", "roles", 0.0), (4, 2, 320, 320, 16, "bf16", "window", 0.0),
        (5, 1, 130, 130, 16, "bf16", "window_g3", 0.0)]
 )
+# the long-sequence candidates (tune.TILELANG_FWD_LONG / TILELANG_BWD_LONG, first of each; session 3), run with
+# the bucket's config replaced: (case as above, forward config, backward config)
+TILELANG_LONG_CASES = [
+    ((2, 2, 1000, 1000, 64, "bf16", "causal_valid", 0.3), (128, 128, 256, 2, "fa3"), (64, 128, 256, 2, "fused")),
+    ((2, 2, 1000, 1000, 64, "fp16", "key_lengths", 0.0), (128, 128, 256, 2, "fa3"), (64, 128, 256, 2, "fused")),
+    ((2, 1, 600, 1000, 128, "bf16", "causal", 0.0), (128, 128, 256, 2, "fa3"), (64, 128, 256, 2, "fused")),
+    ((2, 2, 777, 777, 128, "fp16", "none", 0.0), (128, 128, 256, 2, "fa3"), (64, 128, 256, 2, "fused")),
+]
 # the row-count test's calls (bucket 0, fp16, key lengths)
 RECOMPILE_CASE = (2, 2, 100, 100, 64, "fp16", "key_lengths", 0.0)
 
@@ -202,7 +210,8 @@ def variants(backend: str) -> list[tuple]:
 
 def tilelang_variants(tune: bool = False) -> list[tuple]:
     """(kernel, D, dtype, mode code, key lengths, dropout, tile config) of the TileLang kernels the suites
-    use (and, with `tune`, tune.py's candidates: bf16, no mask; the long-sequence ones in fp16 too)."""
+    use, TILELANG_LONG_CASES included (and, with `tune`, tune.py's candidates: bf16, no mask; the long-sequence
+    ones in fp16 too)."""
     from .tilelang_impl import backward_kernels
 
     out = set()
@@ -211,6 +220,10 @@ def tilelang_variants(tune: bool = False) -> list[tuple]:
         out.add(("fwd", D, dtype, code, use_kl, dropout, TILELANG_FWD_CONFIGS[(D, bucket)]))
         bwd = TILELANG_BWD_CONFIGS[(D, bucket)]
         out.update((w, D, dtype, code, use_kl, dropout, bwd) for w in backward_kernels(bwd))
+    for (_, _, _, _, D, dt, mode, p), fwd_cfg, bwd_cfg in TILELANG_LONG_CASES:
+        use_kl, code = mask_spec(mode)
+        out.add(("fwd", D, DTYPES[dt], code, use_kl, p > 0, fwd_cfg))
+        out.update((w, D, DTYPES[dt], code, use_kl, p > 0, bwd_cfg) for w in backward_kernels(bwd_cfg))
     if tune:
         from .tune import TILELANG_BWD, TILELANG_BWD_LONG, TILELANG_FWD, TILELANG_FWD_LONG
 
