@@ -721,7 +721,7 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
     if backward_kernels(cfg) == ("fused",):
         # delta = rowsum(dO * O) in fp32 (padded rows 0), dQ accumulated in fp32 by the kernel's atomics
         delta = torch.zeros((B, H, _padded(Sq)), dtype=torch.float32, device=q.device)
-        torch.sum(o.float() * do.float(), dim=-1, out=delta[:, :, :Sq])
+        delta[:, :, :Sq] = (o.float() * do.float()).sum(-1)
         dq_acc = torch.zeros((B, H, _padded(Sq), D), dtype=torch.float32, device=q.device)
         key = ("flash_attention.fused", *variant)
         (LAUNCHERS.get(key) or KERNELS.first(key, q.device))(q, k, v, do, dq_acc, dk, dv, lse, delta, kl, role, vis,
