@@ -41,7 +41,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit (cut to what is left 
   local t=$(date +%s) left=$(( BUDGET - ($(date +%s) - T0) ))
   if (( left < 15 )); then echo "$name: skipped, no time left"; return; fi
   (( limit > left )) && limit=$left
-  timeout -s INT "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout -k 15 -s INT "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   echo "[$(( $(date +%s) - T0 ))s] $name rc=$rc ($(( $(date +%s) - t ))s): $(grep -E '(passed|failed|error|ready|variants)' "$OUT/$name.log" | tail -1)"
 }
