@@ -11,7 +11,7 @@ step (TileLang: the default forward with each backward candidate, and the best f
 backward). Every TileLang candidate must be in the carried disk cache (a compile on the H200 host costs
 30-80 s each): `python -m pcvr_lib.kernels.precompile flash_attention --arch sm_90a --tune`. A candidate
 that fails the check or raises is reported and never timed. Writes `attention_long_tl.json` to `--out`
-(default $OUT, else .) and prints one table last.
+(default $OUT, else .), rewritten after every row, and prints one table last.
 """
 
 from __future__ import annotations
@@ -57,8 +57,9 @@ def device_seconds(fn, calls: int) -> float:
 class Recorder:
     """Checks, then times, one candidate; keeps the rows (a failure is a row with "error", never timed)."""
 
-    def __init__(self, calls: int):
+    def __init__(self, calls: int, path: str):
         self.calls = calls
+        self.path = path
         self.rows: list[dict] = []
 
     def __call__(self, case: dict, backend: str, cfg, fn, check) -> dict:
@@ -78,14 +79,19 @@ class Recorder:
             row["error"] = f"{type(exc).__name__}: {lines[-1][:200] if lines else ''}"
         self.rows.append(row)
         print(json.dumps(row), flush=True)
+        self.write()  # after every row: a later crash (a faulting kernel poisons the context) keeps these
         return row
 
+    def write(self, meta: dict | None = None) -> None:
+        with open(self.path, "w") as f:
+            json.dump({"meta": meta or {}, "rows": self.rows}, f, indent=1)
 
-def sweep_case(record: Recorder, B: int, H: int, S: int, D: int, dname: str) -> None:
+
+def sweep_case(record: Recorder, B: int, H: int, S: int, D: int, dname: str, device: str = "cuda") -> None:
     """Every backend and candidate of one (shape, dtype), forward then forward+backward."""
     shape, dt, bucket, scale = f"B{B}xH{H}xS{S}xD{D}", DTYPES[dname], length_bucket(S), 1.0 / math.sqrt(D)
-    g = torch.Generator(device="cuda").manual_seed(0)
-    q, k, v, do = (torch.randn(B, H, S, D, generator=g, device="cuda").to(dt) for _ in range(4))
+    g = torch.Generator(device=device).manual_seed(0)
+    q, k, v, do = (torch.randn(B, H, S, D, generator=g, device=device).to(dt) for _ in range(4))
     # fp64 reference and the error of SDPA's default dispatch in this dtype (the flash rule's baseline)
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
     ref_o = workload.reference(q64, k64, v64, None, False, False)
@@ -98,7 +104,7 @@ def sweep_case(record: Recorder, B: int, H: int, S: int, D: int, dname: str) -> 
 
     def check(got):
         errs = [flash_rule(a, r, e, dt, name) for a, r, e, name in
-                zip(got, ref[:len(got)], base[:len(got)], ("out", "dq", "dk", "dv"), strict=True)]
+                zip(got, ref[:len(got)], base[:len(got)], ("out", "dq", "dk", "dv")[:len(got)], strict=True)]
         return max(e[0] for e in errs), max(e[1] for e in errs)
 
     def fwd(mod, cfg=None):
@@ -155,23 +161,21 @@ def main(argv=None) -> int:
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         parser.error("needs a GPU")
-    record = Recorder(args.calls)
+    os.makedirs(args.out, exist_ok=True)
+    path = os.path.join(args.out, "attention_long_tl.json")
+    record = Recorder(args.calls, path)
     for spec in args.shapes.split(","):
         B, H, S, D = (int(x) for x in spec.split("x"))
         for dname in args.dtypes.split(","):
             sweep_case(record, B, H, S, D, dname)
             torch.cuda.empty_cache()
-    os.makedirs(args.out, exist_ok=True)
-    path = os.path.join(args.out, "attention_long_tl.json")
-    meta = {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
-            "timing": f"profiler kernel sum / {args.calls} calls, L2 warm, after 0.2 s of warm-up calls",
-            "tilelang_compile_s": round(compile_log.total("tilelang"), 1),
-            "tilelang_kernels_built": compile_log.count("tilelang"),
-            # over 5 s: compiled on this host, not loaded from the carried cache
-            "tilelang_compiled_here": [str(key) for key, sec in compile_log.SECONDS.items()
-                                       if key[0] == "tilelang" and sec > 5.0]}
-    with open(path, "w") as f:
-        json.dump({"meta": meta, "rows": record.rows}, f, indent=1)
+    record.write({"device": torch.cuda.get_device_name(), "torch": torch.__version__,
+                  "timing": f"profiler kernel sum / {args.calls} calls, L2 warm, after 0.2 s of warm-up calls",
+                  "tilelang_compile_s": round(compile_log.total("tilelang"), 1),
+                  "tilelang_kernels_built": compile_log.count("tilelang"),
+                  # over 5 s: compiled on this host, not loaded from the carried cache
+                  "tilelang_compiled_here": [str(key) for key, sec in compile_log.SECONDS.items()
+                                             if key[0] == "tilelang" and sec > 5.0]})
     print(f"wrote {path}")
     print(table(record.rows))
     return 0
@@ -180,15 +184,15 @@ def main(argv=None) -> int:
 def table(rows) -> str:
     """One line per row: device us, TFLOP/s, and the ratio to Triton's device time of the same case."""
     triton = {(r["shape"], r["dtype"], r["dir"]): r.get("device_us") for r in rows if r["backend"] == "triton"}
-    lines = [f"{'shape':<18} {'dt':<4} {'dir':<7} {'backend':<8} {'config':<52} {'us':>8} {'TF/s':>6} {'/triton':>7}"]
+    lines = [f"{'shape':<18} {'dt':<4} {'dir':<7} {'backend':<8} {'config':<60} {'us':>8} {'TF/s':>6} {'/triton':>7}"]
     for r in rows:
         if "error" in r:
-            lines.append(f"{r['shape']:<18} {r['dtype']:<4} {r['dir']:<7} {r['backend']:<8} {str(r['config']):<52} "
+            lines.append(f"{r['shape']:<18} {r['dtype']:<4} {r['dir']:<7} {r['backend']:<8} {str(r['config']):<60} "
                          f"FAILED {r['error'][:80]}")
             continue
         t = triton.get((r["shape"], r["dtype"], r["dir"]))
         ratio = f"{r['device_us'] / t:7.2f}" if t else "      -"
-        lines.append(f"{r['shape']:<18} {r['dtype']:<4} {r['dir']:<7} {r['backend']:<8} {str(r['config']):<52} "
+        lines.append(f"{r['shape']:<18} {r['dtype']:<4} {r['dir']:<7} {r['backend']:<8} {str(r['config']):<60} "
                      f"{r['device_us']:8.1f} {r['tflops']:6.1f} {ratio}")
     return "\n".join(lines)
 
