@@ -378,11 +378,13 @@ def test_tilelang_structured_masks_compile_for_sm90(D, mode, has_kl, bucket):
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("D", [64, 128])
-def test_tilelang_long_schedules_compile_for_sm90(D):
+def test_tilelang_long_schedules_compile_for_sm90():
     """The long-sequence candidates (tune.TILELANG_*_LONG, first of each): the forward with the Hopper
     example's ordered pipeline and the fused backward (dK/dV per key block, dQ by atomics) lower and compile
-    for sm_90a, here with causal-valid, key lengths and dropout (the masked paths of both)."""
+    for sm_90a, here with causal-valid, key lengths and dropout (the masked paths of both). D64 only: D128
+    is the same code at other sizes (its unmasked candidates compile in the precompile manifest), and each
+    of these costs about a minute of CI."""
+    D = 64
     problem = registry.package_problem("tilelang")
     if problem:
         pytest.skip(f"tilelang: {problem}")
