@@ -63,6 +63,30 @@ def test_report_views_of_the_committed_snapshots(capsys):
     assert "preset=opt,mode=loader" in capsys.readouterr().out
 
 
+def test_cases_view_shows_every_peer_and_the_recorded_speedups():
+    """The attention table (formerly its own printer): SDPA backends and flex as peers, each of ours against
+    torch and against the best peer as the benchmark recorded them, and TFLOP/s."""
+    def case(backend, per_call, device, **extra):
+        return {"name": f"test_attention_perf[{backend}]", "stats": {"median": device * 1e-6},
+                "extra_info": {"op": "flash_attention", "backend": backend, "shape": "B8xH8xS128xD16,mask=roles",
+                               "dtype": "bf16", "dir": "fwd", "stat": "device", "per_call_us": per_call,
+                               "device_us": device, **extra}}
+
+    data = {"benchmarks": [
+        case("sdpa", 60.0, 20.0), case("flex", 40.0, 9.0),
+        case("triton", 25.0, 6.0, speedup_vs_best_peer=1.6, best_peer="flex", tflops=12.5,
+             fraction_of_copy_ceiling=0.05),
+        case("tilelang", 50.0, 8.0, speedup_vs_best_peer=0.8, best_peer="flex", tflops=6.0,
+             fraction_of_copy_ceiling=0.02)]}
+    table = report.cases_view(data)
+    header = next(line for line in table.splitlines() if line.startswith("| op |"))
+    assert header.index("sdpa") < header.index("flex") < header.index("triton") < header.index("tilelang")
+    row = next(line for line in table.splitlines() if "mask=roles" in line)
+    assert "| 40.0 [9.0] |" in row and "5.0% (triton) | 12.5 |" in row
+    assert "triton 1.60x, tilelang 0.80x (flex)" in row
+    assert "triton/tilelang device" in header and "| 0.75 |" in row
+
+
 def test_summary_names_the_measured_tree_over_the_git_metadata():
     data = {"machine_info": {}, "commit_info": {"id": "156d42173729a750", "dirty": True}}
     assert report.machine_summary(data).endswith("| commit 156d421737")
