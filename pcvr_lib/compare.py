@@ -246,10 +246,69 @@ class Row:
     why: str = ""
 
 
-def diff_runs(base: dict, new: dict, noise: dict | None) -> list[Row]:
-    """Compare two stored runs case by case (no running)."""
+MIN_CASES_FOR_GROUP_FACTOR = 4  # fewer gated cases with host time: the run-wide median is the group's factor
+MIN_CASES_FOR_MEDIAN_FACTOR = 8  # without a host probe and fewer cases than this: no host factor at all
+# Host time is gated where a user can feel it: when it is at least this fraction of the device time. A call of
+# milliseconds on the GPU hides its 50-300 us of issue time, and that host time scatters 3x between runs of
+# one tree (the issuing thread waits on a busy GPU): lease A/B, S4096 attention, notes/comparison.md.
+HOST_GATED_FRACTION = 0.25
+
+
+def host_gated(case: Case) -> bool:
+    """Whether a case's host time is gated: its host time is >= HOST_GATED_FRACTION x its device time."""
+    host, device = case.values.get("host"), case.values.get("device")
+    return host is not None and device is not None and host >= HOST_GATED_FRACTION * device
+
+
+def host_probe_us(run: dict) -> float | None:
+    """The run's host-speed probe (timing.host_probe: a fixed torch call's host time), when it has one."""
+    probe = (run.get("machine_info") or {}).get("host_probe") or {}
+    value = probe.get("us")
+    return float(value) if isinstance(value, int | float) and value > 0 else None
+
+
+def host_factors(old_cases: dict[str, Case], new_cases: dict[str, Case], base: dict,
+                 new: dict) -> tuple[dict[str, float], dict[str, float], str]:
+    """How much slower the new run's host issues the same calls, per group: (factor by which host ratios are
+    divided, common shift left after that division, where the factor came from).
+
+    Host time follows the host's speed, which differs between sessions (lease B's host issued the same calls
+    about 2x slower than lease A's, notes/comparison.md). With a host probe in both runs the factor is the
+    probe ratio, and a shift of our own code (a slower launcher) stays visible in every case it touches;
+    without one it is the median host ratio of the group's gated cases, which also absorbs a shift common to
+    the group: the common shift is then reported on its own line (`host shift` rows), never hidden."""
+    ratios: dict[str, list[float]] = {}
+    for cid, old in old_cases.items():
+        now = new_cases.get(cid)
+        if (now is None or not (old.gated and now.gated) or now.fingerprint != old.fingerprint
+                or not host_gated(old) or "host" not in now.values or old.values["host"] <= 0):
+            continue
+        ratios.setdefault(old.group, []).append(now.values["host"] / old.values["host"])
+    if not ratios:
+        return {}, {}, "none"
+    every = [r for v in ratios.values() for r in v]
+    medians = {g: statistics.median(v if len(v) >= MIN_CASES_FOR_GROUP_FACTOR else every) for g, v in ratios.items()}
+    probe_base, probe_new = host_probe_us(base), host_probe_us(new)
+    if probe_base and probe_new:
+        factor = probe_new / probe_base
+        return ({g: factor for g in ratios}, {g: m / factor for g, m in medians.items()},
+                f"host probe {probe_base:.2f} -> {probe_new:.2f} us (x{factor:.2f})")
+    if len(every) < MIN_CASES_FOR_MEDIAN_FACTOR:  # too few cases to tell the host from the code: as measured
+        return {}, {}, "none"
+    return medians, medians, "median host ratio of each group's cases (no host probe in both runs)"
+
+
+def diff_runs(base: dict, new: dict, noise: dict | None, normalise_host: bool = True) -> list[Row]:
+    """Compare two stored runs case by case (no running). Host time is gated only where it is felt
+    (`host_gated`) and compared after dividing by the host's speed ratio between the runs (`host_factors`);
+    each group's common host shift is its own row. `normalise_host=False`: the rule before both (host time
+    of every case, as measured), kept to show what they change (tools/validate_comparison.py)."""
     old_cases, new_cases = cases_of(base), cases_of(new)
+    factors, shifts, source = host_factors(old_cases, new_cases, base, new) if normalise_host else ({}, {}, "")
     rows = []
+    for group in sorted(shifts):
+        rows.append(Row(f"group {group}", "host shift", None, None, shifts[group] - 1, None, "host shift",
+                        f"host factor x{factors[group]:.2f}: {source}"))
     for cid, old in old_cases.items():
         now = new_cases.get(cid)
         if now is None:
@@ -268,9 +327,15 @@ def diff_runs(base: dict, new: dict, noise: dict | None) -> list[Row]:
             if metric not in old.values or metric not in now.values:
                 continue
             b, n = old.values[metric], now.values[metric]
-            change = n / b - 1 if b > 0 else float("inf")
+            # host time on the base run's host speed (new us stays what was measured)
+            factor = factors.get(old.group, 1.0) if metric == "host" else 1.0
+            change = n / factor / b - 1 if b > 0 else float("inf")
             limit, source = threshold(noise, old, metric, b)
-            if not (old.gated and now.gated):
+            if metric == "host" and old.group in factors:
+                source += f", host x{factors[old.group]:.2f} taken out"
+            if metric == "host" and normalise_host and not host_gated(old):
+                verdict, source = "informational", f"host < {HOST_GATED_FRACTION:g} x device time: not felt per call"
+            elif not (old.gated and now.gated):
                 verdict = "informational"
             elif change > limit:
                 verdict = "REGRESSED"
@@ -301,8 +366,8 @@ def short_id(cid: str) -> str:
 
 
 def diff_table(rows: list[Row], everything: bool = False) -> str:
-    order = {"REGRESSED": 0, "MISSING": 1, "WORKLOAD CHANGED": 2, "STAT CHANGED": 3, "faster": 4, "ok": 5,
-             "informational": 6, "new": 7}
+    order = {"REGRESSED": 0, "MISSING": 1, "WORKLOAD CHANGED": 2, "STAT CHANGED": 3, "host shift": 4, "faster": 5,
+             "ok": 6, "informational": 7, "new": 8}
     shown = rows if everything else [r for r in rows if r.verdict not in ("ok", "informational")]
     shown = sorted(shown, key=lambda r: (order.get(r.verdict, 9), r.case, r.metric))
     table = format_table(
@@ -420,13 +485,23 @@ def run_suite(json_out: Path, tests: list[str], cwd: Path | None = None,
               extra_env: dict[str, str] | None = None) -> None:
     """One pytest process of the benchmark suite, writing its JSON; a failure to write JSON is an error.
     `extra_env` is set for this process only (`pcvr compare --candidate-env`)."""
+    check_suite(start_suite(json_out, tests, cwd, extra_env).wait(), json_out, tests, cwd)
+
+
+def start_suite(json_out: Path, tests: list[str], cwd: Path | None = None,
+                extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start one pytest process of the benchmark suite (see run_suite) without waiting for it."""
     from pcvr_lib.data.generate import default_cache_dir
 
     json_out.parent.mkdir(parents=True, exist_ok=True)
     # both trees share one data cache: generated files are keyed by content, so a base worktree does not
     # regenerate them (nor rebuild the converter's native code, keyed by its source)
     env = {**os.environ, "PCVR_CACHE_DIR": str(default_cache_dir().resolve()), **(extra_env or {})}
-    code = subprocess.call(pytest_command(json_out.resolve(), tests), cwd=cwd, env=env)
+    return subprocess.Popen(pytest_command(json_out.resolve(), tests), cwd=cwd, env=env)
+
+
+def check_suite(code: int, json_out: Path, tests: list[str], cwd: Path | None = None) -> None:
+    """A pytest run that wrote no JSON, or exited with an error other than a failed case, is an error."""
     if not json_out.is_file():
         raise ReportError(f"pytest ({' '.join(tests)}) in {cwd or Path.cwd()} exited {code} without writing {json_out}")
     if code not in (0, 1):  # 1: a failed case is reported by the comparison (it goes missing)
@@ -605,7 +680,11 @@ def add_compare_arguments(parser) -> None:
     parser.add_argument("--replay", metavar="DIR", help="run nothing: compare the NN_base/NN_new runs an earlier "
                         "`pcvr compare` left in DIR (its --work), e.g. with another noise file")
     parser.add_argument("--new", default=".", help="directory of the candidate tree (default: this checkout)")
-    parser.add_argument("--rounds", type=int, default=2, help="A-B-B-A rounds (default 2: 4 runs per side)")
+    parser.add_argument("--rounds", type=int, default=2, help="A-B-B-A rounds (default 2: 4 runs per side); "
+                        "with --side-by-side, pairs of runs")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="CPU cases: run base and candidate at the same time, each timed round alone "
+                        "(the other process paused), so both sides see the same outside load")
     parser.add_argument("--noise", help="noise file (default .benchmarks/<machine>/noise.json of the candidate)")
     parser.add_argument("--work", default="results/compare", help="where the runs' JSON and the report go")
     parser.add_argument("--all", action="store_true", help="list every case, not only those outside threshold")
@@ -663,7 +742,8 @@ def run_compare(args) -> int:
             side_env["new"] = parse_env_assignments(args.candidate_env, "--candidate-env")
             base_dir, made_worktree = base_checkout(args.base, Path(tempfile.gettempdir()) / "pcvr-compare")
             new_dir = Path(args.new).resolve()
-            runs, files = run_abba(args, {"base": base_dir, "new": new_dir}, side_env, work)
+            runner = run_side_by_side if args.side_by_side else run_abba
+            runs, files = runner(args, {"base": base_dir, "new": new_dir}, side_env, work)
         check_same_machine(runs["base"][0], runs["new"][0], "base", "candidate")
         noise_path = Path(args.noise) if args.noise else default_noise_path(runs["new"][0], new_dir / ".benchmarks")
         noise = load_noise(noise_path)
@@ -704,3 +784,67 @@ def run_abba(args, dirs: dict[str, Path], side_env: dict[str, dict[str, str]],
         runs[side].append(load_run(out))
         files[side].append(str(out))
     return runs, files
+
+
+def run_side_by_side(args, dirs: dict[str, Path], side_env: dict[str, dict[str, str]],
+                     work: Path) -> tuple[dict[str, list[dict]], dict[str, list[str]]]:
+    """`--side-by-side`: per pair one base and one candidate pytest process at the same time, each timed CPU
+    round run alone (timing.ExclusiveRound: a shared lock, the other process stopped meanwhile), so the two
+    sides' rounds interleave within seconds under the same outside load. Which side starts first alternates
+    between pairs. The JSON of pair i is work/ii_base.json and work/ii_new.json."""
+    from pcvr_lib.timing import EXCLUSIVE_ENV
+
+    runs: dict[str, list[dict]] = {"base": [], "new": []}
+    files: dict[str, list[str]] = {"base": [], "new": []}
+    t0 = time.time()
+    for i in range(args.rounds):
+        pair = work / f".pair{i + 1:02d}"
+        if pair.exists():
+            shutil.rmtree(pair)
+        pair.mkdir(parents=True)
+        order = ["base", "new"] if i % 2 == 0 else ["new", "base"]
+        print(f"pcvr compare: pair {i + 1}/{args.rounds} side by side ({order[0]} started first) "
+              f"[{time.time() - t0:.0f}s]", flush=True)
+        procs, outs = {}, {}
+        try:
+            for side in order:
+                outs[side] = work / f"{i + 1:02d}_{side}.json"
+                procs[side] = start_suite(outs[side], args.tests, cwd=dirs[side],
+                                          extra_env={**side_env[side], EXCLUSIVE_ENV: str(pair.resolve())})
+            (pair / "pids").write_text(" ".join(str(p.pid) for p in procs.values()))
+            codes = _wait_pair(procs)
+        finally:
+            for proc in procs.values():  # never leave a stopped or orphaned process behind
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+        for side in ("base", "new"):
+            check_suite(codes[side], outs[side], args.tests, dirs[side])
+            runs[side].append(load_run(outs[side]))
+            files[side].append(str(outs[side]))
+        shutil.rmtree(pair)
+    for side in ("base", "new"):
+        for run, path in zip(runs[side], files[side], strict=True):
+            if not all((b.get("extra_info") or {}).get("exclusive_rounds") for b in run["benchmarks"]
+                       if stat_kind(b) == "cpu"):
+                raise ReportError(f"{path}: its CPU rounds did not run alone (no exclusive_rounds): the {side} "
+                                  "tree's timing predates --side-by-side; compare it with A-B-B-A rounds instead")
+    return runs, files
+
+
+def _wait_pair(procs: dict[str, subprocess.Popen]) -> dict[str, int]:
+    """Wait for both processes; when one ends, the other is continued (SIGCONT) in case the first ended
+    while holding it stopped (killed in the middle of a round)."""
+    import signal
+
+    codes: dict[str, int] = {}
+    while len(codes) < len(procs):
+        for side, proc in procs.items():
+            if side not in codes and proc.poll() is not None:
+                codes[side] = proc.returncode
+                for other in procs.values():
+                    if other.poll() is None:
+                        os.kill(other.pid, signal.SIGCONT)
+        time.sleep(0.2)
+    return codes
+

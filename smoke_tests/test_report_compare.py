@@ -113,14 +113,59 @@ def test_diff_passes_an_identical_run_and_fails_a_regression(tmp_path, capsys):
 
 
 def test_diff_gates_device_and_host_time_separately(tmp_path, capsys):
-    base = _run(tmp_path / "a.json", [_gpu_case("test_k[op=n]", 100.0, 10.0)], gpu="NVIDIA H200")
-    host = _run(tmp_path / "b.json", [_gpu_case("test_k[op=n]", 100.5, 13.0)], gpu="NVIDIA H200")
-    device = _run(tmp_path / "c.json", [_gpu_case("test_k[op=n]", 110.0, 10.0)], gpu="NVIDIA H200")
+    base = _run(tmp_path / "a.json", [_gpu_case("test_k[op=n]", 100.0, 40.0)], gpu="NVIDIA H200")
+    host = _run(tmp_path / "b.json", [_gpu_case("test_k[op=n]", 100.5, 52.0)], gpu="NVIDIA H200")
+    device = _run(tmp_path / "c.json", [_gpu_case("test_k[op=n]", 110.0, 40.0)], gpu="NVIDIA H200")
     assert main(["diff", str(base), str(host)]) == compare.EXIT_REGRESSED
     out = capsys.readouterr().out
     assert "host" in out and "+30.0%" in out
     rows = compare.diff_runs(json.loads(base.read_text()), json.loads(device.read_text()), None)
     assert [(r.metric, r.verdict) for r in rows] == [("device", "REGRESSED"), ("host", "ok")]
+
+
+def _host_run(path, hosts, probe_us=None, device_us=20.0):
+    run = _run(path, [_gpu_case(f"test_k[i={i}]", device_us, h, op="rms_norm", dir="fwd") for i, h in enumerate(hosts)],
+               gpu="NVIDIA H200")
+    if probe_us is not None:
+        data = json.loads(run.read_text())
+        data["machine_info"]["host_probe"] = {"us": probe_us}
+        run.write_text(json.dumps(data))
+    return json.loads(run.read_text())
+
+
+def _host_verdicts(rows):
+    return {r.case.split("::")[-1]: r.verdict for r in rows if r.metric == "host"}
+
+
+def test_host_time_is_compared_on_the_base_runs_host_speed(tmp_path):
+    """Another session's host issues every call 2x slower: with the host probe 2x slower too, nothing is
+    flagged; a launcher 1.5x slower on an unchanged host (probe the same) is flagged in every case and shows as
+    the group's host shift; without a probe the group's median ratio is the factor, so a common shift is no
+    per-case alarm but its own `host shift` row, while one case out of line is still flagged."""
+    hosts = [10.0, 12.0, 15.0, 20.0, 11.0, 14.0, 16.0, 18.0]
+    base = _host_run(tmp_path / "a.json", hosts, probe_us=5.0)
+    slower_host = _host_run(tmp_path / "b.json", [2 * h for h in hosts], probe_us=10.0)
+    rows = compare.diff_runs(base, slower_host, None)
+    assert set(_host_verdicts(rows).values()) == {"ok"}
+    (shift,) = [r for r in rows if r.verdict == "host shift"]
+    assert shift.case == "group rms_norm fwd" and shift.change == pytest.approx(0.0) and "probe" in shift.why
+    assert not compare.failed(rows)
+    assert compare.failed(compare.diff_runs(base, slower_host, None, normalise_host=False))  # the rule before
+    launcher = _host_run(tmp_path / "c.json", [1.5 * h for h in hosts], probe_us=5.0)
+    rows = compare.diff_runs(base, launcher, None)
+    assert set(_host_verdicts(rows).values()) == {"REGRESSED"}
+    assert [r.change for r in rows if r.verdict == "host shift"] == [pytest.approx(0.5)]
+    # no probe: the median ratio of the group
+    base, common = _host_run(tmp_path / "d.json", hosts), _host_run(tmp_path / "e.json", [2 * h for h in hosts])
+    rows = compare.diff_runs(base, common, None)
+    assert set(_host_verdicts(rows).values()) == {"ok"} and not compare.failed(rows)
+    assert [r.change for r in rows if r.verdict == "host shift"] == [pytest.approx(1.0)]
+    one_off = _host_run(tmp_path / "f.json", [2 * h for h in hosts[:-1]] + [3 * hosts[-1]])
+    assert [c for c, v in _host_verdicts(compare.diff_runs(base, one_off, None)).items() if v == "REGRESSED"] == [
+        "test_k[i=7]"]
+    # a device-bound case (host < 0.25 x device): its host time is not gated
+    heavy, heavier = (_host_run(tmp_path / f"{n}.json", [h], device_us=100.0) for n, h in (("g", 10.0), ("h", 30.0)))
+    assert _host_verdicts(compare.diff_runs(heavy, heavier, None)) == {"test_k[i=0]": "informational"}
 
 
 def test_diff_missing_case_fails_and_changed_workload_is_flagged(tmp_path, capsys):

@@ -34,6 +34,10 @@ def only_cases(run: dict, ids: set[str]) -> dict:
     return {**run, "benchmarks": [b for b in run["benchmarks"] if b["fullname"] in ids]}
 
 
+def by_metric(rows) -> str:
+    return ", ".join(f"{m} {sum(r.metric == m for r in rows)}" for m in sorted({r.metric for r in rows}))
+
+
 def alarms(rows) -> list:
     return [r for r in rows if r.verdict in ("REGRESSED", "MISSING")]
 
@@ -97,11 +101,20 @@ def main(argv: list[str] | None = None) -> int:
     aa = {Path(p).stem: load_run(p) for p in args.aa}
     result: dict = {"noise": args.noise, "aa_pairs": [], "planted": []}
 
-    print(f"A/A: {len(aa)} runs, every ordered pair compared with {args.noise}")
+    common = set.intersection(*(set(cases_of(run)) for run in aa.values()))
+    aa = {name: only_cases(run, common) for name, run in aa.items()}
+    print(f"A/A: {len(aa)} runs, the {len(common)} cases all of them ran, every ordered pair compared with "
+          f"{args.noise}; alarms with host time on each run's own host speed (raw) and with the host factor "
+          "taken out (pcvr diff's default)")
     for (na, a), (nb, b) in itertools.permutations(aa.items(), 2):
-        bad = alarms(diff_runs(a, b, noise))
-        result["aa_pairs"].append({"base": na, "new": nb, "alarms": [(r.case, r.metric, r.change) for r in bad]})
-        print(f"  {na} -> {nb}: {len(bad)} alarm(s)" + "".join(
+        raw = alarms(diff_runs(a, b, noise, normalise_host=False))
+        rows = diff_runs(a, b, noise)
+        bad = alarms(rows)
+        shifts = ", ".join(f"{r.case[6:]} {100 * r.change:+.0f}%" for r in rows if r.verdict == "host shift")
+        result["aa_pairs"].append({"base": na, "new": nb, "alarms": [(r.case, r.metric, r.change) for r in bad],
+                                   "alarms_raw_host": [(r.case, r.metric, r.change) for r in raw]})
+        print(f"  {na} -> {nb}: {len(bad)} alarm(s) [{by_metric(bad) or '-'}]; raw host: {len(raw)} "
+              f"[{by_metric(raw) or '-'}]" + (f"; host shift per group: {shifts}" if shifts else "") + "".join(
             f"\n      {r.case.split('::')[-1]} {r.metric} {100 * (r.change or 0):+.1f}% ({r.verdict})" for r in bad))
 
     table = []
