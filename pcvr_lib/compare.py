@@ -13,7 +13,8 @@ metric regresses when it grew by more than max(K x the spread seen in A/A runs o
 a relative floor, an absolute floor). Runs from different CPUs or accelerators are refused.
 
 Exit codes: 0 nothing regressed, 1 a case regressed or went missing, 2 refused (unreadable input,
-different machines, nothing comparable).
+different machines, nothing comparable), 3 (`pcvr compare` only) inconclusive: a gated case neither within
+nor beyond its threshold after the last pair.
 """
 
 from __future__ import annotations
@@ -108,7 +109,9 @@ def cases_of(data: dict) -> dict[str, Case]:
                 if extra.get(f"{metric}_us") is not None:
                     values[metric] = extra[f"{metric}_us"] / 1e6
         values = {k: v for k, v in values.items() if isinstance(v, int | float) and math.isfinite(v)}
-        rounds = {kind: stats["data"]} if stats.get("data") else {}
+        # per-round samples of the gated number, for the interleaved comparison: a CPU case's raw CPU seconds of
+        # every timed round (timing.bench_cpu keeps them), else nothing (the run's one value is its sample)
+        rounds = {kind: extra["cpu_raw_rounds_s"]} if kind == "cpu" and extra.get("cpu_raw_rounds_s") else {}
         out[bench["fullname"]] = Case(bench["fullname"], case_group(bench), kind, extra.get("gated", True) is not False,
                                       extra.get("fingerprint") or fingerprint(extra), values, rounds)
     return out
@@ -556,18 +559,28 @@ def run_noise(args) -> int:
 # ---------------------------------------------------------------- interleaved A/B
 
 
-def bootstrap_ratio(base: list[float], new: list[float], iterations: int = 2000, seed: int = 0,
-                    level: float = 0.95) -> tuple[float, float, float]:
-    """(median ratio new/base, low, high): percentile bootstrap interval of the ratio of medians,
-    resampling each side's values with replacement."""
+def paired_bootstrap(base: list[list[float]], new: list[list[float]], iterations: int = 2000, seed: int = 0,
+                     level: float = 0.95) -> tuple[float, float, float]:
+    """(ratio new/base, low, high) over pairs of runs (base run i with candidate run i, run next to it).
+
+    Per run the value is the median of its samples (its timed rounds, or its one value); per pair the log of
+    new / base; the ratio is the geometric mean over the pairs. Interval: a two-level percentile bootstrap,
+    resampling the pairs and, within each resampled pair, each run's rounds, so it carries both the rounds'
+    noise and the pairs' (what differs between two processes of one tree)."""
     import numpy as np
 
-    a, b = np.asarray(base, dtype=float), np.asarray(new, dtype=float)
+    pairs = [(np.asarray(a, dtype=float), np.asarray(b, dtype=float)) for a, b in zip(base, new, strict=False)]
+    if not pairs:
+        raise ValueError("paired_bootstrap: no pair of runs")
     rng = np.random.default_rng(seed)
-    ratios = (np.median(rng.choice(b, (iterations, b.size)), axis=1)
-              / np.median(rng.choice(a, (iterations, a.size)), axis=1))
+    point = np.array([np.log(np.median(b) / np.median(a)) for a, b in pairs])
+    per_pair = np.stack([np.log(np.median(rng.choice(b, (iterations, b.size)), axis=1)
+                                / np.median(rng.choice(a, (iterations, a.size)), axis=1)) for a, b in pairs])
+    pick = rng.integers(0, len(pairs), (iterations, len(pairs)))
+    means = per_pair[pick, np.arange(iterations)[:, None]].mean(axis=1)
     tail = (1 - level) / 2
-    return float(np.median(b) / np.median(a)), float(np.quantile(ratios, tail)), float(np.quantile(ratios, 1 - tail))
+    return (float(np.exp(point.mean())), float(np.exp(np.quantile(means, tail))),
+            float(np.exp(np.quantile(means, 1 - tail))))
 
 
 def abba_order(rounds: int) -> list[str]:
@@ -575,14 +588,15 @@ def abba_order(rounds: int) -> list[str]:
     return ["base", "new", "new", "base"] * rounds
 
 
-def ab_samples(runs: list[dict], metric_kind: str) -> dict[str, list[float]]:
-    """Per case: the values of one metric over the runs of one side (per round when stats.data is stored)."""
-    out: dict[str, list[float]] = {}
+def ab_samples(runs: list[dict], metric_kind: str) -> dict[str, list[list[float]]]:
+    """Per case: for every run of one side, in order, the samples of one metric (Case.rounds: a CPU case's
+    timed rounds; else the run's one value)."""
+    out: dict[str, list[list[float]]] = {}
     for run in runs:
         for cid, case in cases_of(run).items():
             metric = case.kind if metric_kind == "stat" else metric_kind
             if metric in case.values:
-                out.setdefault(cid, []).append(case.values[metric])
+                out.setdefault(cid, []).append(list(case.rounds.get(metric) or [case.values[metric]]))
     return out
 
 
@@ -608,11 +622,28 @@ class AbRow:
     verdict: str  # REGRESSED | faster | ok | unclear | informational
 
 
+def ab_verdict(ratio: float, low: float, high: float, limit: float, gated: bool) -> str:
+    """REGRESSED: slower by more than the threshold, and the interval excludes no change. ok: not that, and
+    the interval excludes a slowdown of twice the threshold (what the comparison promises to catch: 10% on
+    CPU cases with the 5% floor). faster: the mirror of REGRESSED. Otherwise unclear: more pairs would tell
+    (`pcvr compare --until-clear`), and a comparison left unclear is inconclusive, never a pass."""
+    if not gated:
+        return "informational"
+    if ratio > 1 + limit and low > 1:
+        return "REGRESSED"
+    if ratio < 1 - limit and high < 1:
+        return "faster"
+    if high <= 1 + 2 * limit:
+        return "ok"
+    return "unclear"
+
+
 def ab_compare(base_runs: list[dict], new_runs: list[dict], noise: dict | None) -> tuple[list[AbRow], list[str]]:
-    """Per case and metric (the gated statistic, host time, per-call time): the ratio new/base with its
-    bootstrap interval; REGRESSED only when the whole interval lies above 1 + threshold. The threshold here
-    is the floors alone (`ab_threshold`): the interval already carries this session's run-to-run noise."""
-    rows, missing = [], []
+    """Per case and metric (the gated statistic, host time, per-call time): the ratio new/base over pairs of
+    runs (base run i with candidate run i) with its bootstrap interval (`paired_bootstrap`), and the verdict
+    (`ab_verdict`). The threshold is the floors alone (`ab_threshold`): the interval already carries this
+    session's noise."""
+    rows = []
     base_cases = cases_of(base_runs[0])
     new_ids = set.intersection(*(set(cases_of(r)) for r in new_runs))
     missing = sorted(set(base_cases) - new_ids)
@@ -621,20 +652,12 @@ def ab_compare(base_runs: list[dict], new_runs: list[dict], noise: dict | None) 
         for cid in sorted(a.keys() & b.keys()):
             case = base_cases[cid]
             metric = case.kind if metric_kind == "stat" else metric_kind
-            ratio, low, high = bootstrap_ratio(a[cid], b[cid])
-            limit = ab_threshold(noise, case, metric, statistics.median(a[cid]))
-            if not case.gated:
-                verdict = "informational"
-            elif low > 1 + limit:
-                verdict = "REGRESSED"
-            elif high < 1 - limit:
-                verdict = "faster"
-            elif high <= 1 + limit:
-                verdict = "ok"
-            else:
-                verdict = "unclear"
-            rows.append(AbRow(cid, metric, statistics.median(a[cid]) * 1e6, statistics.median(b[cid]) * 1e6,
-                              ratio, low, high, limit, verdict))
+            ratio, low, high = paired_bootstrap(a[cid], b[cid])
+            base_s = statistics.median(statistics.median(r) for r in a[cid])
+            new_s = statistics.median(statistics.median(r) for r in b[cid])
+            limit = ab_threshold(noise, case, metric, base_s)
+            rows.append(AbRow(cid, metric, base_s * 1e6, new_s * 1e6, ratio, low, high, limit,
+                              ab_verdict(ratio, low, high, limit, case.gated)))
     return rows, missing
 
 
@@ -685,6 +708,9 @@ def add_compare_arguments(parser) -> None:
     parser.add_argument("--side-by-side", action="store_true",
                         help="CPU cases: run base and candidate at the same time, each timed round alone "
                         "(the other process paused), so both sides see the same outside load")
+    parser.add_argument("--until-clear", type=int, metavar="N",
+                        help="after --rounds, add rounds (pairs) one at a time while a gated case is unclear, up "
+                        "to N in all; still unclear then: exit 3 (inconclusive), never a pass")
     parser.add_argument("--noise", help="noise file (default .benchmarks/<machine>/noise.json of the candidate)")
     parser.add_argument("--work", default="results/compare", help="where the runs' JSON and the report go")
     parser.add_argument("--all", action="store_true", help="list every case, not only those outside threshold")
@@ -724,11 +750,22 @@ def replay_runs(folder: Path) -> tuple[dict[str, list[dict]], dict[str, list[str
     return runs, files
 
 
+EXIT_INCONCLUSIVE = 3  # pcvr compare: a gated case still "unclear" after the last pair
+
+
+def unclear(rows: list[AbRow]) -> list[AbRow]:
+    """Rows whose verdict more pairs could still change: the gated statistic and host time (per-call time
+    is shown, its verdict never holds a comparison open)."""
+    return [r for r in rows if r.verdict == "unclear" and r.metric != "per_call"]
+
+
 def run_compare(args) -> int:
     work = Path(args.work)
     made_worktree = False
     base_dir = None
     side_env: dict[str, dict[str, str]] = {"base": {}, "new": {}}
+    runs: dict[str, list[dict]] = {"base": [], "new": []}
+    files: dict[str, list[str]] = {"base": [], "new": []}
     try:
         if args.replay:
             runs, files = replay_runs(Path(args.replay))
@@ -737,13 +774,17 @@ def run_compare(args) -> int:
             if not args.base:
                 raise ReportError("--base REV_OR_DIR is needed (or --replay DIR of an earlier comparison)")
             if args.rounds < 1:
-                raise ReportError(f"--rounds {args.rounds}: at least one A-B-B-A round")
+                raise ReportError(f"--rounds {args.rounds}: at least one A-B-B-A round (or side-by-side pair)")
+            if args.until_clear is not None and args.until_clear < args.rounds:
+                raise ReportError(f"--until-clear {args.until_clear}: a cap below --rounds {args.rounds}")
             args.tests = args.tests or ["perf_tests"]
             side_env["new"] = parse_env_assignments(args.candidate_env, "--candidate-env")
             base_dir, made_worktree = base_checkout(args.base, Path(tempfile.gettempdir()) / "pcvr-compare")
             new_dir = Path(args.new).resolve()
-            runner = run_side_by_side if args.side_by_side else run_abba
-            runs, files = runner(args, {"base": base_dir, "new": new_dir}, side_env, work)
+            unit = run_side_by_side_pair if args.side_by_side else run_abba_round
+            dirs, t0 = {"base": base_dir, "new": new_dir}, time.time()
+            for i in range(args.rounds):
+                unit(i, args, dirs, side_env, work, runs, files, t0)
         check_same_machine(runs["base"][0], runs["new"][0], "base", "candidate")
         noise_path = Path(args.noise) if args.noise else default_noise_path(runs["new"][0], new_dir / ".benchmarks")
         noise = load_noise(noise_path)
@@ -752,6 +793,13 @@ def run_compare(args) -> int:
                 raise ReportError(f"{noise_path}: noise measured on {noise.get('machine')}, not on this machine")
             noise = None  # the default noise file is another machine's: the floors only
         rows, missing = ab_compare(runs["base"], runs["new"], noise)
+        done = args.rounds
+        while not args.replay and args.until_clear and done < args.until_clear and unclear(rows) and not missing:
+            print(f"pcvr compare: {len(unclear(rows))} case(s) unclear after {done}: one more "
+                  f"({done + 1} of at most {args.until_clear})", flush=True)
+            unit(done, args, dirs, side_env, work, runs, files, t0)
+            done += 1
+            rows, missing = ab_compare(runs["base"], runs["new"], noise)
     except ReportError as exc:
         print(f"pcvr compare: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
@@ -759,77 +807,77 @@ def run_compare(args) -> int:
         if made_worktree and base_dir is not None:
             subprocess.run(["git", "worktree", "remove", "--force", str(base_dir)], capture_output=True)
     print(ab_table(rows, missing, args.all))
-    regressed = missing or any(r.verdict == "REGRESSED" for r in rows)
+    regressed = bool(missing) or any(r.verdict == "REGRESSED" for r in rows)
+    inconclusive = not regressed and bool(unclear(rows))
+    if inconclusive:
+        print(f"pcvr compare: INCONCLUSIVE: {len(unclear(rows))} gated case(s) neither within nor beyond the "
+              "threshold with this many pairs (more: --rounds, or --until-clear N)")
     if not args.replay:  # a replay writes nothing (its folder may be committed fixtures)
-        report = {"base": args.base, "new": str(args.new), "rounds": args.rounds, "files": files,
-                  "candidate_env": side_env["new"], "tests": args.tests,
-                  "noise": str(noise_path) if noise else None, "failed": bool(regressed), "missing": missing,
-                  "rows": [asdict(r) for r in rows]}
+        report = {"base": args.base, "new": str(args.new), "rounds": args.rounds, "units_run": done,
+                  "side_by_side": args.side_by_side, "files": files, "candidate_env": side_env["new"],
+                  "tests": args.tests, "noise": str(noise_path) if noise else None, "failed": regressed,
+                  "inconclusive": inconclusive, "missing": missing, "rows": [asdict(r) for r in rows]}
         (work / "compare.json").write_text(json.dumps(report, indent=1))
         print(f"pcvr compare: runs and compare.json under {work}")
-    return EXIT_REGRESSED if regressed else EXIT_OK
+    return EXIT_REGRESSED if regressed else EXIT_INCONCLUSIVE if inconclusive else EXIT_OK
 
 
-def run_abba(args, dirs: dict[str, Path], side_env: dict[str, dict[str, str]],
-             work: Path) -> tuple[dict[str, list[dict]], dict[str, list[str]]]:
-    """A-B-B-A x rounds separate pytest processes; each run's JSON is kept as work/NN_side.json."""
-    runs: dict[str, list[dict]] = {"base": [], "new": []}
-    files: dict[str, list[str]] = {"base": [], "new": []}
-    t0 = time.time()
-    for i, side in enumerate(abba_order(args.rounds)):
-        out = work / f"{i + 1:02d}_{side}.json"
-        print(f"pcvr compare: run {i + 1}/{4 * args.rounds} ({side}, {dirs[side]}) [{time.time() - t0:.0f}s]",
-              flush=True)
+def _keep(out: Path, side: str, runs: dict[str, list[dict]], files: dict[str, list[str]]) -> None:
+    runs[side].append(load_run(out))
+    files[side].append(str(out))
+
+
+def run_abba_round(i: int, args, dirs: dict[str, Path], side_env: dict[str, dict[str, str]], work: Path,
+                   runs: dict[str, list[dict]], files: dict[str, list[str]], t0: float) -> None:
+    """A-B-B-A round i: four pytest processes, one after the other; each run's JSON is work/NN_side.json.
+    Pairs for the comparison: base and candidate runs in order (01-02, 04-03, 05-06, 08-07: neighbours)."""
+    for j, side in enumerate(abba_order(1)):
+        n = 4 * i + j + 1
+        out = work / f"{n:02d}_{side}.json"
+        print(f"pcvr compare: run {n} ({side}, {dirs[side]}) [{time.time() - t0:.0f}s]", flush=True)
         run_suite(out, args.tests, cwd=dirs[side], extra_env=side_env[side])
-        runs[side].append(load_run(out))
-        files[side].append(str(out))
-    return runs, files
+        _keep(out, side, runs, files)
 
 
-def run_side_by_side(args, dirs: dict[str, Path], side_env: dict[str, dict[str, str]],
-                     work: Path) -> tuple[dict[str, list[dict]], dict[str, list[str]]]:
-    """`--side-by-side`: per pair one base and one candidate pytest process at the same time, each timed CPU
+def run_side_by_side_pair(i: int, args, dirs: dict[str, Path], side_env: dict[str, dict[str, str]], work: Path,
+                          runs: dict[str, list[dict]], files: dict[str, list[str]], t0: float) -> None:
+    """`--side-by-side` pair i: one base and one candidate pytest process at the same time, each timed CPU
     round run alone (timing.ExclusiveRound: a shared lock, the other process stopped meanwhile), so the two
     sides' rounds interleave within seconds under the same outside load. Which side starts first alternates
     between pairs. The JSON of pair i is work/ii_base.json and work/ii_new.json."""
     from pcvr_lib.timing import EXCLUSIVE_ENV
 
-    runs: dict[str, list[dict]] = {"base": [], "new": []}
-    files: dict[str, list[str]] = {"base": [], "new": []}
-    t0 = time.time()
-    for i in range(args.rounds):
-        pair = work / f".pair{i + 1:02d}"
-        if pair.exists():
-            shutil.rmtree(pair)
-        pair.mkdir(parents=True)
-        order = ["base", "new"] if i % 2 == 0 else ["new", "base"]
-        print(f"pcvr compare: pair {i + 1}/{args.rounds} side by side ({order[0]} started first) "
-              f"[{time.time() - t0:.0f}s]", flush=True)
-        procs, outs = {}, {}
-        try:
-            for side in order:
-                outs[side] = work / f"{i + 1:02d}_{side}.json"
-                procs[side] = start_suite(outs[side], args.tests, cwd=dirs[side],
-                                          extra_env={**side_env[side], EXCLUSIVE_ENV: str(pair.resolve())})
-            (pair / "pids").write_text(" ".join(str(p.pid) for p in procs.values()))
-            codes = _wait_pair(procs)
-        finally:
-            for proc in procs.values():  # never leave a stopped or orphaned process behind
-                if proc.poll() is None:
-                    proc.kill()
-                    proc.wait()
-        for side in ("base", "new"):
-            check_suite(codes[side], outs[side], args.tests, dirs[side])
-            runs[side].append(load_run(outs[side]))
-            files[side].append(str(outs[side]))
+    pair = work / f".pair{i + 1:02d}"
+    if pair.exists():
         shutil.rmtree(pair)
+    pair.mkdir(parents=True)
+    order = ["base", "new"] if i % 2 == 0 else ["new", "base"]
+    print(f"pcvr compare: pair {i + 1} side by side ({order[0]} started first) [{time.time() - t0:.0f}s]", flush=True)
+    procs, outs = {}, {}
+    try:
+        for side in order:
+            outs[side] = work / f"{i + 1:02d}_{side}.json"
+            procs[side] = start_suite(outs[side], args.tests, cwd=dirs[side],
+                                      extra_env={**side_env[side], EXCLUSIVE_ENV: str(pair.resolve())})
+        (pair / "pids").write_text(" ".join(str(p.pid) for p in procs.values()))
+        codes = _wait_pair(procs)
+    finally:
+        for proc in procs.values():  # never leave a stopped or orphaned process behind
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
     for side in ("base", "new"):
-        for run, path in zip(runs[side], files[side], strict=True):
-            if not all((b.get("extra_info") or {}).get("exclusive_rounds") for b in run["benchmarks"]
-                       if stat_kind(b) == "cpu"):
-                raise ReportError(f"{path}: its CPU rounds did not run alone (no exclusive_rounds): the {side} "
-                                  "tree's timing predates --side-by-side; compare it with A-B-B-A rounds instead")
-    return runs, files
+        check_suite(codes[side], outs[side], args.tests, dirs[side])
+        run = load_run(outs[side])
+        if not all((b.get("extra_info") or {}).get("exclusive_rounds") for b in run["benchmarks"]
+                   if stat_kind(b) == "cpu"):
+            raise ReportError(f"{outs[side]}: its CPU rounds did not run alone (no exclusive_rounds): the {side} "
+                              "tree's timing predates --side-by-side; compare it with A-B-B-A rounds instead")
+        if any(stat_kind(b) == "device" for b in run["benchmarks"]):
+            raise ReportError(f"{outs[side]}: --side-by-side pauses only CPU cases' rounds; GPU cases share the "
+                              "device: compare them with A-B-B-A rounds (without --side-by-side)")
+        _keep(outs[side], side, runs, files)
+    shutil.rmtree(pair)
 
 
 def _wait_pair(procs: dict[str, subprocess.Popen]) -> dict[str, int]:
@@ -847,4 +895,3 @@ def _wait_pair(procs: dict[str, subprocess.Popen]) -> dict[str, int]:
                         os.kill(other.pid, signal.SIGCONT)
         time.sleep(0.2)
     return codes
-

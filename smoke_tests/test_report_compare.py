@@ -251,28 +251,26 @@ def test_noise_file_drives_the_thresholds(tmp_path, capsys):
 # ---------------------------------------------------------------- interleaved A/B
 
 
-def test_abba_order_and_bootstrap_interval():
+def test_abba_order_and_paired_bootstrap_interval():
     assert compare.abba_order(2) == ["base", "new", "new", "base"] * 2
-    ratio, low, high = compare.bootstrap_ratio([1.0, 1.01, 0.99, 1.0], [1.2, 1.21, 1.19, 1.2])
-    assert ratio == pytest.approx(1.2) and 1.15 < low <= ratio <= high < 1.25
-    ratio, low, high = compare.bootstrap_ratio([1.0, 1.01, 0.99, 1.0], [1.0, 0.99, 1.01, 1.0])
-    assert low < 1.0 < high
-
-
-def test_interleaved_threshold_is_the_floor_not_the_stored_run_spread():
-    """A noise file whose group spread is 8% (a 16% threshold for `pcvr diff`) must not hide a steady 10%
-    slowdown from A-B-B-A runs: their interval carries the session's noise, the threshold is the floor."""
-    noise = {"runs": 3, "k": 2.0, "cases": {}, "groups": {"data": {"cpu": {"cases": 1, "p50": 0.08, "p90": 0.08,
-                                                                         "max": 0.08}}}}
-    def runs(values):
-        return [{"machine_info": {}, "benchmarks": [_bench("test_x[a=1]", v, group="data")]} for v in values]
-    base = runs([1.0, 1.01, 0.99, 1.0])
-    rows, missing = compare.ab_compare(base, runs([1.1, 1.11, 1.09, 1.1]), noise)
-    assert [(r.verdict, r.threshold) for r in rows] == [("REGRESSED", 0.05)] and not missing
-    case = compare.cases_of(base[0])["perf_tests/test_x.py::test_x[a=1]"]
-    assert compare.threshold(noise, case, "cpu", 1.0)[0] == pytest.approx(0.16)  # what diff would allow
-    rows, _ = compare.ab_compare(base, runs([1.0, 0.99, 1.01, 1.0]), noise)
-    assert [r.verdict for r in rows] == ["ok"]
+    # four pairs, each run's rounds; the candidate 20% slower in every pair
+    base = [[1.0, 1.01, 0.99], [1.05, 1.04, 1.06], [0.97, 0.98, 0.96], [1.0, 1.0, 1.01]]
+    ratio, low, high = compare.paired_bootstrap(base, [[1.2 * x for x in run] for run in base])
+    assert ratio == pytest.approx(1.2) and 1.17 < low <= ratio <= high < 1.23
+    # the pairs' levels differ by 9% (1.0, 1.05, 0.97, 1.0): shared by both runs of a pair, that cancels
+    ratio, low, high = compare.paired_bootstrap(base, [list(run) for run in base])
+    assert ratio == pytest.approx(1.0) and 0.98 < low < 1.0 < high < 1.02  # not the 9%
+    # the pairs' disagreement (+2%, -2%) widens the interval
+    shifted = [[1.02 * x for x in base[0]], base[1], [0.98 * x for x in base[2]], base[3]]
+    ratio, low2, high2 = compare.paired_bootstrap(base, shifted)
+    assert ratio == pytest.approx(1.0, abs=1e-3) and 0.96 < low2 < low < 1.0 < high < high2 < 1.04
+    assert compare.ab_verdict(1.10, 1.06, 1.14, 0.05, True) == "REGRESSED"
+    assert compare.ab_verdict(1.07, 1.01, 1.13, 0.05, True) == "REGRESSED"  # above the floor, surely slower
+    assert compare.ab_verdict(1.04, 1.01, 1.07, 0.05, True) == "ok"  # surely slower, but not by 10%
+    assert compare.ab_verdict(1.04, 0.99, 1.12, 0.05, True) == "unclear"  # 10% slower is not excluded
+    assert compare.ab_verdict(1.00, 0.97, 1.04, 0.05, True) == "ok"
+    assert compare.ab_verdict(0.90, 0.86, 0.94, 0.05, True) == "faster"
+    assert compare.ab_verdict(1.50, 1.40, 1.60, 0.05, False) == "informational"
 
 
 def _tiny_project(path: Path, spin_ms: float) -> Path:
