@@ -552,6 +552,10 @@ def run_noise(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(noise, indent=1) + "\n")
     print(noise_summary(noise))
+    probes = [host_probe_us(load_run(src)) for src in sources]
+    if any(probes):  # the host's speed per run (GPU runs): what `pcvr diff` divides host ratios by
+        print("host probe per run (us): " + ", ".join(f"{Path(src).name} {'-' if p is None else f'{p:.2f}'}"
+                                                      for src, p in zip(sources, probes, strict=True)))
     print(f"pcvr noise: {len(noise['cases'])} cases over {noise['runs']} runs -> {out}")
     return EXIT_OK
 
