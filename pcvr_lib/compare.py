@@ -20,6 +20,7 @@ nor beyond its threshold after the last pair.
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -563,28 +564,34 @@ def run_noise(args) -> int:
 # ---------------------------------------------------------------- interleaved A/B
 
 
-def paired_bootstrap(base: list[list[float]], new: list[list[float]], iterations: int = 2000, seed: int = 0,
-                     level: float = 0.95) -> tuple[float, float, float]:
+@functools.cache
+def t_quantile(q: float, df: int, samples: int = 400_000) -> float:
+    """Student's t quantile, from numpy's t sampler (seeded: the same number every time; +-0.01)."""
+    import numpy as np
+
+    return float(np.quantile(np.random.default_rng(0).standard_t(df, samples), q))
+
+
+def paired_interval(base: list[list[float]], new: list[list[float]],
+                    level: float = 0.95) -> tuple[float, float, float]:
     """(ratio new/base, low, high) over pairs of runs (base run i with candidate run i, run next to it).
 
     Per run the value is the median of its samples (its timed rounds, or its one value); per pair the log of
-    new / base; the ratio is the geometric mean over the pairs. Interval: a two-level percentile bootstrap,
-    resampling the pairs and, within each resampled pair, each run's rounds, so it carries both the rounds'
-    noise and the pairs' (what differs between two processes of one tree)."""
+    new / base. The ratio is the geometric mean over the pairs, the interval Student's t over the pairs'
+    logs: what differs between two processes of one tree (8% between two side-by-side processes of the
+    pipeline's opt case) is in the pairs' scatter, and with 4-8 pairs a bootstrap would be too narrow (it
+    undercovers; resampling the rounds within runs instead made single warm-up rounds decide). One pair:
+    no interval (unbounded)."""
     import numpy as np
 
-    pairs = [(np.asarray(a, dtype=float), np.asarray(b, dtype=float)) for a, b in zip(base, new, strict=False)]
-    if not pairs:
-        raise ValueError("paired_bootstrap: no pair of runs")
-    rng = np.random.default_rng(seed)
-    point = np.array([np.log(np.median(b) / np.median(a)) for a, b in pairs])
-    per_pair = np.stack([np.log(np.median(rng.choice(b, (iterations, b.size)), axis=1)
-                                / np.median(rng.choice(a, (iterations, a.size)), axis=1)) for a, b in pairs])
-    pick = rng.integers(0, len(pairs), (iterations, len(pairs)))
-    means = per_pair[pick, np.arange(iterations)[:, None]].mean(axis=1)
-    tail = (1 - level) / 2
-    return (float(np.exp(point.mean())), float(np.exp(np.quantile(means, tail))),
-            float(np.exp(np.quantile(means, 1 - tail))))
+    logs = np.array([np.log(np.median(b) / np.median(a)) for a, b in zip(base, new, strict=False)])
+    if logs.size == 0:
+        raise ValueError("paired_interval: no pair of runs")
+    mean = float(logs.mean())
+    if logs.size == 1:
+        return math.exp(mean), 0.0, math.inf
+    half = t_quantile(0.5 + level / 2, logs.size - 1) * float(logs.std(ddof=1)) / math.sqrt(logs.size)
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def abba_order(rounds: int) -> list[str]:
@@ -607,7 +614,7 @@ def ab_samples(runs: list[dict], metric_kind: str) -> dict[str, list[list[float]
 def ab_threshold(noise: dict | None, case: Case, metric: str, base_s: float) -> float:
     """The smallest change an interleaved comparison reports: the relative and absolute floors only. The A/A
     spreads of the noise file describe two runs far apart in time (what `pcvr diff` must allow for); in
-    A-B-B-A runs the bootstrap interval measures the noise of this session, so adding them again would
+    A-B-B-A runs the interval measures the noise of this session, so adding them again would
     hide any slowdown below 2x the stored-run spread (21-37% on the 2-core machine, notes/comparison.md)."""
     floors_only = {**noise, "cases": {}, "groups": {}} if noise else None
     return threshold(floors_only, case, metric, base_s)[0]
@@ -644,7 +651,7 @@ def ab_verdict(ratio: float, low: float, high: float, limit: float, gated: bool)
 
 def ab_compare(base_runs: list[dict], new_runs: list[dict], noise: dict | None) -> tuple[list[AbRow], list[str]]:
     """Per case and metric (the gated statistic, host time, per-call time): the ratio new/base over pairs of
-    runs (base run i with candidate run i) with its bootstrap interval (`paired_bootstrap`), and the verdict
+    runs (base run i with candidate run i) with its 95% interval (`paired_interval`), and the verdict
     (`ab_verdict`). The threshold is the floors alone (`ab_threshold`): the interval already carries this
     session's noise."""
     rows = []
@@ -656,7 +663,7 @@ def ab_compare(base_runs: list[dict], new_runs: list[dict], noise: dict | None) 
         for cid in sorted(a.keys() & b.keys()):
             case = base_cases[cid]
             metric = case.kind if metric_kind == "stat" else metric_kind
-            ratio, low, high = paired_bootstrap(a[cid], b[cid])
+            ratio, low, high = paired_interval(a[cid], b[cid])
             base_s = statistics.median(statistics.median(r) for r in a[cid])
             new_s = statistics.median(statistics.median(r) for r in b[cid])
             limit = ab_threshold(noise, case, metric, base_s)

@@ -1,6 +1,7 @@
 """`pcvr report`, `pcvr diff`, `pcvr noise` and `pcvr compare`: tables, thresholds, refusals, A-B-B-A."""
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -251,19 +252,21 @@ def test_noise_file_drives_the_thresholds(tmp_path, capsys):
 # ---------------------------------------------------------------- interleaved A/B
 
 
-def test_abba_order_and_paired_bootstrap_interval():
+def test_abba_order_and_paired_interval():
     assert compare.abba_order(2) == ["base", "new", "new", "base"] * 2
     # four pairs, each run's rounds; the candidate 20% slower in every pair
     base = [[1.0, 1.01, 0.99], [1.05, 1.04, 1.06], [0.97, 0.98, 0.96], [1.0, 1.0, 1.01]]
-    ratio, low, high = compare.paired_bootstrap(base, [[1.2 * x for x in run] for run in base])
-    assert ratio == pytest.approx(1.2) and 1.17 < low <= ratio <= high < 1.23
+    ratio, low, high = compare.paired_interval(base, [[1.2 * x for x in run] for run in base])
+    assert ratio == low == high == pytest.approx(1.2)
     # the pairs' levels differ by 9% (1.0, 1.05, 0.97, 1.0): shared by both runs of a pair, that cancels
-    ratio, low, high = compare.paired_bootstrap(base, [list(run) for run in base])
-    assert ratio == pytest.approx(1.0) and 0.98 < low < 1.0 < high < 1.02  # not the 9%
-    # the pairs' disagreement (+2%, -2%) widens the interval
+    assert compare.paired_interval(base, [list(run) for run in base]) == pytest.approx((1.0, 1.0, 1.0))
+    # the pairs' disagreement (+2%, 0, -2%, 0): Student's t with 3 degrees of freedom (3.18 x sd / 2)
     shifted = [[1.02 * x for x in base[0]], base[1], [0.98 * x for x in base[2]], base[3]]
-    ratio, low2, high2 = compare.paired_bootstrap(base, shifted)
-    assert ratio == pytest.approx(1.0, abs=1e-3) and 0.96 < low2 < low < 1.0 < high < high2 < 1.04
+    ratio, low, high = compare.paired_interval(base, shifted)
+    assert ratio == pytest.approx(1.0, abs=1e-3) and low == pytest.approx(0.974, abs=2e-3)
+    assert high == pytest.approx(1.026, abs=2e-3)
+    assert compare.paired_interval(base[:1], shifted[:1]) == (pytest.approx(1.02), 0.0, math.inf)  # one pair
+    assert compare.t_quantile(0.975, 3) == pytest.approx(3.182, abs=0.02)
     assert compare.ab_verdict(1.10, 1.06, 1.14, 0.05, True) == "REGRESSED"
     assert compare.ab_verdict(1.07, 1.01, 1.13, 0.05, True) == "REGRESSED"  # above the floor, surely slower
     assert compare.ab_verdict(1.04, 1.01, 1.07, 0.05, True) == "ok"  # surely slower, but not by 10%

@@ -157,7 +157,7 @@ def validate_interleaved(args, noise: dict | None) -> int:
                 caught_by_group.setdefault((groups[r.case], size), []).append(r.verdict == "REGRESSED")
             table.append([spec, f"{size:.0%}", str(used), short_id(r.case), f"{100 * (r.ratio - 1):+.1f}%",
                           f"{100 * (r.low - 1):+.1f} .. {100 * (r.high - 1):+.1f}", r.verdict])
-        name = "+".join(f.name for f in folders)
+        name = "_".join(f.name for f in folders)
         entry = {"name": name, "folders": [str(f) for f in folders], "planted": size, "pairs_used": used,
                  "flagged": flagged, "missing": missing, "unclear": sorted(r.case for r in open_rows),
                  "verdicts": {short_id(r.case): [round(100 * (r.ratio - 1), 1), round(100 * (r.low - 1), 1),
