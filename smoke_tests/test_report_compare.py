@@ -354,6 +354,45 @@ def test_candidate_env_plants_on_the_candidate_side_only(tmp_path, capsys):
     assert "--base REV_OR_DIR is needed" in capsys.readouterr().err
 
 
+def test_side_by_side_pairs_run_every_round_alone_and_flag_the_planted_side(tmp_path, capsys, monkeypatch):
+    """`--side-by-side`: per pair a base and a candidate process at once, their rounds exclusive (bench_cpu's
+    rounds take the pair's lock, `exclusive_rounds` recorded); a planted 50% is flagged. A tree whose timing
+    does not take part (plain pedantic rounds) is refused, not compared unfairly."""
+    tree = tmp_path / "tree"
+    (tree / "perf_tests").mkdir(parents=True)
+    (tree / "perf_tests" / "test_sbs.py").write_text(textwrap.dedent("""
+        import os
+        import time
+        from pcvr_lib import timing
+
+        def spin():
+            end = time.thread_time() + 0.01 * (1 + float(os.environ.get("TINY_SLOWER", "0")))
+            while time.thread_time() < end:
+                pass
+
+        def test_sbs(benchmark):
+            timing.bench_cpu(benchmark, spin, rounds=5, warmup_rounds=0, clock=time.thread_time)
+    """))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    code = main(["compare", "--base", str(tree), "--new", str(tree), "--side-by-side", "--rounds", "3", "--work",
+                 str(tmp_path / "w"), "--candidate-env", "TINY_SLOWER=0.5", "perf_tests"])
+    out = capsys.readouterr().out
+    assert code == compare.EXIT_REGRESSED, out
+    result = json.loads((tmp_path / "w" / "compare.json").read_text())
+    assert result["side_by_side"] and [Path(f).name for f in result["files"]["base"]] == [
+        "01_base.json", "02_base.json", "03_base.json"]
+    (row,) = [r for r in result["rows"] if r["metric"] == "cpu"]
+    assert row["verdict"] == "REGRESSED" and 1.35 < row["ratio"] < 1.65, row
+    run = json.loads((tmp_path / "w" / "02_new.json").read_text())
+    assert run["benchmarks"][0]["extra_info"]["exclusive_rounds"] is True
+    assert len(run["benchmarks"][0]["extra_info"]["cpu_raw_rounds_s"]) == 5
+    assert not list((tmp_path / "w").glob(".pair*"))  # the pairs' lock folders are gone
+    plain = _tiny_project(tmp_path / "plain", 20.0)
+    assert main(["compare", "--base", str(plain), "--new", str(plain), "--side-by-side", "--rounds", "1", "--work",
+                 str(tmp_path / "p"), "perf_tests"]) == compare.EXIT_REFUSED
+    assert "did not run alone" in capsys.readouterr().err
+
+
 @pytest.mark.parametrize("item", ["NOEQUALS", "=1", "2X=1", "A B=1"])
 def test_candidate_env_must_be_name_equals_value(tmp_path, capsys, item):
     assert main(["compare", "--base", str(tmp_path), "--work", str(tmp_path / "w"),
