@@ -301,6 +301,84 @@ def test_triton_interpreter_odd_shapes(B, H, S, D, mode, seed, monkeypatch):
     check_case("triton", B, H, S, S, D, torch.float16, mode, device="cpu", seed=seed)
 
 
+# the long bucket (Sq > 512): triton_long's forward and one-kernel-per-key-tile backward (dQ by atomics)
+LONG_CASES = [(2, 1, 600, 600, 64, "causal_valid", 0.0), (2, 1, 520, 530, 64, "none", 0.0),
+              (2, 1, 530, 515, 64, "causal", 0.3), (1, 2, 513, 700, 128, "key_lengths", 0.0),
+              (2, 1, 540, 540, 64, "causal_kl", 0.0), (2, 1, 640, 560, 64, "causal_valid", 0.3)]
+
+
+@pytest.mark.parametrize("case", LONG_CASES, ids=lambda c: "B{}xH{}xSq{}xSkv{}xD{}-{}-p{}".format(*c))
+def test_triton_long_interpreter_case(case, monkeypatch):
+    _interpret(monkeypatch)
+    B, H, Sq, Skv, D, mode, p = case
+    check_case("triton", B, H, Sq, Skv, D, torch.float16, mode, p=p, device="cpu")
+
+
+@settings(max_examples=6, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(B=st.integers(1, 2), Sq=st.integers(513, 700), Skv=st.integers(513, 700), D=st.sampled_from([64, 128]),
+       mode=st.sampled_from(list(MODES)), p=st.sampled_from([0.0, 0.2]), seed=st.integers(0, 99))
+def test_triton_long_interpreter_odd_shapes(B, Sq, Skv, D, mode, p, seed, monkeypatch):
+    """Odd long shapes (hypothesis): every mask of the long kernels, Sq != Skv, dropout."""
+    _interpret(monkeypatch)
+    if mode == "causal_valid":
+        Skv = Sq  # causal-valid is a self-attention mask
+    check_case("triton", B, 1, Sq, Skv, D, torch.float16, mode, p=p, device="cpu", seed=seed)
+
+
+@pytest.mark.parametrize("config,bwd_config", [((128, 64, 8, 3, True, False), (32, 128, 4, 3, True)),
+                                               ((64, 64, 4, 3, True, True), (64, 64, 4, 2, True))])
+def test_triton_long_tma_configs_interpreter(config, bwd_config, monkeypatch):
+    """The TMA-descriptor (and warp-specialised) configs of the sweep give the default configs' results."""
+    _interpret(monkeypatch)
+    from pcvr_lib.kernels.attention import triton_long
+
+    q, k, v, do = _inputs(2, 1, 600, 530, 64, torch.float16, 3)
+    kl = torch.tensor([530, 301], dtype=torch.int32)
+    for mode, lengths in (("key_lengths", kl), ("causal", None), ("causal_valid", kl)):
+        o_ref, lse_ref = triton_long.forward(q, k, v, lengths, mode, 0.125, 0, 0.0, True)
+        o, lse = triton_long.forward(q, k, v, lengths, mode, 0.125, 0, 0.0, True, config=config)
+        assert torch.equal(o, o_ref), f"{mode} {config}: output differs from the default config's"
+        assert torch.allclose(lse, lse_ref, rtol=0, atol=1e-5), f"{mode} {config}: LSE differs"
+        g_ref = triton_long.backward(do, q, k, v, o_ref, lse_ref, lengths, mode, 0.125, 0, 0.0)
+        g = triton_long.backward(do, q, k, v, o_ref, lse_ref, lengths, mode, 0.125, 0, 0.0, config=bwd_config)
+        for name, a, b in zip(("dq", "dk", "dv"), g, g_ref, strict=True):
+            assert torch.allclose(a.float(), b.float(), rtol=0, atol=2e-3), f"{mode} {bwd_config}: {name} differs"
+
+
+def test_tune_long_sweep_under_interpreter(monkeypatch, tmp_path):
+    """The H200 sweep's CPU path: every candidate checked (flash rule) before it is timed, JSON and summary."""
+    _interpret(monkeypatch)
+    import json
+
+    from pcvr_lib.kernels.attention import tune_long
+
+    out = tmp_path / "attention_long.json"
+    tune_long.main(["--device", "cpu", "--shapes", "1x1x520x64:causal", "--dtypes", "fp16", "--workers", "0",
+                    "--max-candidates", "1", "--out", str(out)])
+    doc = json.loads(out.read_text())
+    kernels = {(r["direction"], r["kernel"]) for r in doc["rows"]}
+    assert kernels == {("fwd", "long"), ("fwd", "old"), ("fwd+bwd", "long"), ("fwd+bwd", "old")}
+    assert all(r["pass"] and r["us"] > 0 for r in doc["rows"]), doc["rows"]
+    assert [s["passed"] for s in doc["summary"]] == ["1/1", "1/1"]
+
+
+@pytest.mark.parametrize("which,config", [("fwd", None), ("fwd", (128, 64, 8, 3, True, False)),
+                                          ("fwd", (128, 64, 8, 3, True, True)), ("bwd", None),
+                                          ("bwd", (64, 128, 8, 2, True))])
+def test_triton_long_compiles_for_sm90(which, config):
+    """The long kernels build for sm_90 with wgmma; the TMA configs read through cp.async.bulk.tensor."""
+    problem = registry.package_problem("triton")
+    if problem:
+        pytest.skip(f"triton: {problem}")
+    from pcvr_lib.kernels.attention import triton_long
+
+    kernel = triton_long.compile_for(90, which, 128 if config else 64, "bf16", "causal_valid", has_kl=True,
+                                     dropout=True, config=config)
+    assert "wgmma.mma_async" in kernel.asm["ptx"], f"{which} {config}: no Hopper wgmma in the PTX"
+    if config and config[4]:
+        assert "cp.async.bulk.tensor" in kernel.asm["ptx"], f"{which} {config}: no TMA load in the PTX"
+
+
 @pytest.mark.parametrize("which", ["fwd", "dq", "dkdv"])
 @pytest.mark.parametrize("mode,D", [("window", 16), ("roles", 32)])
 def test_triton_structured_masks_compile_for_sm90(which, mode, D):

@@ -20,7 +20,7 @@ PYTEST="python3 -m pytest -q -p no:cacheprovider --tb=short"
 step() {  # step NAME SECONDS COMMAND...: run with a limit, log to $OUT/NAME.log, print one line
   local name=$1 limit=$2; shift 2
   local t=$(date +%s)
-  timeout -s INT "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout -k 15 -s INT "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   echo "[$(( $(date +%s) - T0 ))s] $name rc=$rc ($(( $(date +%s) - t ))s): $(grep -E '(passed|failed|error|variants)' "$OUT/$name.log" | tail -1)"
 }

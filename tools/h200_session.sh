@@ -8,7 +8,7 @@
 #   REPS=3 bash tools/h200_session.sh warm planted noise                      # planted slowdown + noise floor
 # (BUDGET=seconds caps the whole command; steps: warm warm_norms accuracy accuracy_norms accuracy_attention
 #  sweep norm_sweep tune host perf_norms perf_embedding perf_attention noise planted optim gpu_timer host_ab smoke
-#  accuracy_parallel perf_models smoke_triton smoke_tilelang)
+#  accuracy_parallel perf_models smoke_triton smoke_tilelang tune_long tune_small)
 #
 # noise: the gated kernel suite (torch.compile peers, sweeps and host parts left out) REPS times, one JSON
 #   per repetition ($OUT/noise_repN.json), then `pcvr noise --from` them into $OUT/noise_h200.json.
@@ -41,7 +41,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit (cut to what is left 
   local t=$(date +%s) left=$(( BUDGET - ($(date +%s) - T0) ))
   if (( left < 15 )); then echo "$name: skipped, no time left"; return; fi
   (( limit > left )) && limit=$left
-  timeout -s INT "$limit" "$@" > "$OUT/$name.log" 2>&1
+  timeout -k 15 -s INT "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   echo "[$(( $(date +%s) - T0 ))s] $name rc=$rc ($(( $(date +%s) - t ))s): $(grep -E '(passed|failed|error|ready|variants)' "$OUT/$name.log" | tail -1)"
 }
@@ -77,6 +77,12 @@ for s in "$@"; do
       step attention_tune 150 python3 -m pcvr_lib.kernels.attention.tune --workers 16 ;;
     tune)
       step attention_tune 150 python3 -m pcvr_lib.kernels.attention.tune --workers 16 ;;
+    tune_small)  # the models' head size 16 (key-length shapes of issue 12): Triton tile candidates, unmasked
+      step attention_tune_small ${TUNE_SMALL_S:-130} python3 -m pcvr_lib.kernels.attention.tune --skip-tilelang \
+        --shapes 256x4x256x16,256x4x512x16 --dtype bf16 ;;
+    tune_long)  # the long-sequence Triton kernels vs the old ones vs cuDNN (notes/attention.md, session 3)
+      step attention_long 290 python3 -m pcvr_lib.kernels.attention.tune_long --workers 15 \
+        --out "$OUT/attention_long.json" ;;
     host)
       step host_parts 60 $PYTEST perf_tests/test_kernels.py -k host_part --benchmark-only \
         --benchmark-json="$OUT/host_parts.json" ;;
@@ -116,6 +122,9 @@ echo "--- summary"
 [ -f "$OUT/accuracy_rerun.log" ] && tail -5 "$OUT/accuracy_rerun.log"
 [ -f "$OUT/norm_sweep.json" ] && python3 -m pcvr_lib report "$OUT/norm_sweep.json" | cut -c1-140
 [ -f "$OUT/attention_tune.log" ] && tail -45 "$OUT/attention_tune.log"
+[ -f "$OUT/attention_tune_small.log" ] && tail -40 "$OUT/attention_tune_small.log"
+[ -f "$OUT/attention_long.log" ] && grep -E "^(compile|compiled|FAILED)" "$OUT/attention_long.log" | cut -c1-200 | tail -15 \
+  && tail -34 "$OUT/attention_long.log"
 [ -f "$OUT/kernels_norms.json" ] && python3 -m pcvr_lib report "$OUT/kernels_norms.json" --view cases | cut -c1-160 | head -80
 [ -f "$OUT/noise.log" ] && cat "$OUT/noise.log"
 [ -f "$OUT/optim.json" ] && python3 -m pcvr_lib report "$OUT/optim.json" --view optim

@@ -33,6 +33,14 @@ TRITON_BWD_KV_CONFIGS = {
     (32, 2): (32, 64, 4, 3), (64, 2): (32, 64, 4, 3), (128, 2): (64, 128, 8, 2),
 }
 
+# The long bucket (Sq > 512) on Hopper, masks none / key lengths / causal / causal-valid (triton_long.py):
+# forward (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA descriptors, warp-specialised loop) and backward
+# (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA descriptors for q / dO) of the one-kernel-per-key-tile
+# backward (dQ by fp32 atomics).
+# A head dim missing here keeps the kernels above. Defaults: pointer loads, no warp specialisation (they
+# compile with triton 3.6 and 3.9); `python -m pcvr_lib.kernels.attention.tune_long` picks the winners.
+TRITON_LONG_FWD_CONFIGS = {64: (128, 64, 8, 3, False, False), 128: (128, 64, 8, 3, False, False)}
+TRITON_LONG_BWD_CONFIGS = {64: (32, 128, 4, 3, False), 128: (64, 128, 8, 2, False)}
 
 # (block_M, block_N, threads, num_stages) per (head dim, bucket of Sq)
 TILELANG_FWD_CONFIGS = {

@@ -1,4 +1,6 @@
 """Flash attention in Triton: one forward kernel, two backward kernels (dQ with delta, then dK/dV).
+Sq > 512 with the masks none / key lengths / causal / causal-valid goes to triton_long.py (its config tables
+in config.py decide per head dim); everything else runs here.
 
 Layout (B, H, S, D), last dim contiguous. Scores are kept in base 2 (`qk_scale = scale * log2(e)`); the
 forward saves the per-row log-sum-exp in that base (+inf for rows without any key, so that the backward's
@@ -24,7 +26,14 @@ import triton
 import triton.language as tl
 
 from .._triton import Launcher, cdiv, kernel
-from .config import TRITON_BWD_DQ_CONFIGS, TRITON_BWD_KV_CONFIGS, TRITON_FWD_CONFIGS
+from . import triton_long
+from .config import (
+    TRITON_BWD_DQ_CONFIGS,
+    TRITON_BWD_KV_CONFIGS,
+    TRITON_FWD_CONFIGS,
+    TRITON_LONG_BWD_CONFIGS,
+    TRITON_LONG_FWD_CONFIGS,
+)
 from .masks import MODE_CODE, length_bucket
 
 _RUNTIME_INTS = ["H", "Sq", "Skv", "seed", "drop_threshold", "W", "G"]
@@ -504,6 +513,8 @@ def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p:
     """O (and the base-2 LSE, (B*H, Sq) fp32, when store_lse) for contiguous-last-dim q, k, v.
     `extra`: (window W, global queries G, role codes, visibility words) of the window and roles masks."""
     B, H, Sq, D = q.shape
+    if config is None and D in TRITON_LONG_FWD_CONFIGS and triton_long.applies(mode, Sq, scale, extra):
+        return triton_long.forward(q, k, v, key_lengths, mode, scale, seed, dropout_p, store_lse)
     Skv = k.shape[2]
     o = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B * H, Sq), dtype=torch.float32, device=q.device) if store_lse else o
@@ -531,6 +542,9 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
              dq_config=None, kv_config=None, extra=None):
     """(dQ, dK, dV): two launches, dQ (which also writes delta = rowsum(dO*O)) then dK/dV."""
     B, H, Sq, D = q.shape
+    if (dq_config is None and kv_config is None and D in TRITON_LONG_BWD_CONFIGS
+            and triton_long.applies(mode, Sq, scale, extra)):
+        return triton_long.backward(do, q, k, v, o, lse, key_lengths, mode, scale, seed, dropout_p)
     Skv = k.shape[2]
     if do.stride(-1) != 1:
         do = do.contiguous()

@@ -52,6 +52,11 @@ GPU_CASES = (
        (5, 1, 130, 130, 16, "fp16", "window_g3", 0.0), (5, 2, 130, 130, 48, "bf16", "key_lengths", 0.0),
        (3, 2, 600, 600, 16, "bf16", "window", 0.0), (3, 2, 300, 300, 64, "bf16", "roles", 0.0)]
     + [(5, 2, 45, 45, 16, "bf16", mode, 0.3) for mode in ("window", "roles")]
+    # issue 12, long sequences: triton_long's kernels (Sq > 512), every mask they take, Sq != Skv, dropout,
+    # a tail tile (Sq, Skv not multiples of 128), and several key tiles' dQ atomics onto one row block
+    + [(3, 2, 700, 700, d, dt, mode, 0.0) for d in (64, 128) for dt in ("fp16", "bf16") for mode in MODES]
+    + [(2, 2, 600, 1030, 64, "bf16", "key_lengths", 0.0), (2, 2, 1030, 600, 128, "fp16", "causal", 0.0),
+       (2, 2, 777, 777, 64, "bf16", "causal_valid", 0.2), (2, 2, 777, 900, 128, "fp16", "none", 0.2)]
 )
 # TileLang compiles each variant (head dim, dtype, mask mode, dropout, tile config) for seconds, so its GPU
 # matrix covers every mode, head dim, bucket, odd length and dropout once, not every combination.
