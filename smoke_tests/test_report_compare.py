@@ -57,6 +57,9 @@ def test_report_views_of_the_committed_snapshots(capsys):
     assert main(["report", ".benchmarks/h200/kernels_norms.json", "--view", "cases"]) == 0
     out = capsys.readouterr().out
     assert "| rms_norm | 65536x1024 | fp16 |" in out and "torch_compile" in out and "fwd+bwd" in out
+    assert main(["report", ".benchmarks/h200/attention_models.json", "--view", "cases"]) == 0
+    out = capsys.readouterr().out  # the attention table: SDPA backends and flex as peers, speedups as recorded
+    assert "| sdpa | sdpa_efficient | sdpa_cudnn | flex | triton | tilelang |" in out and "(flex) |" in out
     assert main(["report", ".benchmarks/h200/optim.json", "--view", "optim"]) == 0
     out = capsys.readouterr().out
     assert "orthogonal_adamw" in out and "pcvr_dense" in out
