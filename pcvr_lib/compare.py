@@ -38,6 +38,7 @@ from pathlib import Path
 from pcvr_lib.report import ReportError, format_table, load_benchmark_json
 
 EXIT_OK, EXIT_REGRESSED, EXIT_REFUSED = 0, 1, 2
+EXIT_INCONCLUSIVE = 3  # pcvr compare: a gated case still "unclear" after the last pair
 NOISE_VERSION = 1
 # Thresholds: K x the A/A spread of the case (or its group's 90th percentile, whichever is larger), never
 # below the relative floor nor below the absolute floor (a few hundred ns of device time, one us of host
@@ -761,13 +762,17 @@ def replay_runs(folder: Path) -> tuple[dict[str, list[dict]], dict[str, list[str
     return runs, files
 
 
-EXIT_INCONCLUSIVE = 3  # pcvr compare: a gated case still "unclear" after the last pair
-
-
 def unclear(rows: list[AbRow]) -> list[AbRow]:
     """Rows whose verdict more pairs could still change: the gated statistic and host time (per-call time
     is shown, its verdict never holds a comparison open)."""
     return [r for r in rows if r.verdict == "unclear" and r.metric != "per_call"]
+
+
+def ab_exit_code(rows: list[AbRow], missing: list[str]) -> int:
+    """1 when a case regressed or went missing, else 3 when a gated case is still unclear, else 0."""
+    if missing or any(r.verdict == "REGRESSED" for r in rows):
+        return EXIT_REGRESSED
+    return EXIT_INCONCLUSIVE if unclear(rows) else EXIT_OK
 
 
 def run_compare(args) -> int:
@@ -818,8 +823,8 @@ def run_compare(args) -> int:
         if made_worktree and base_dir is not None:
             subprocess.run(["git", "worktree", "remove", "--force", str(base_dir)], capture_output=True)
     print(ab_table(rows, missing, args.all))
-    regressed = bool(missing) or any(r.verdict == "REGRESSED" for r in rows)
-    inconclusive = not regressed and bool(unclear(rows))
+    code = ab_exit_code(rows, missing)
+    regressed, inconclusive = code == EXIT_REGRESSED, code == EXIT_INCONCLUSIVE
     if inconclusive:
         print(f"pcvr compare: INCONCLUSIVE: {len(unclear(rows))} gated case(s) neither within nor beyond the "
               "threshold with this many pairs (more: --rounds, or --until-clear N)")
@@ -830,7 +835,7 @@ def run_compare(args) -> int:
                   "inconclusive": inconclusive, "missing": missing, "rows": [asdict(r) for r in rows]}
         (work / "compare.json").write_text(json.dumps(report, indent=1))
         print(f"pcvr compare: runs and compare.json under {work}")
-    return EXIT_REGRESSED if regressed else EXIT_INCONCLUSIVE if inconclusive else EXIT_OK
+    return code
 
 
 def _keep(out: Path, side: str, runs: dict[str, list[dict]], files: dict[str, list[str]]) -> None:

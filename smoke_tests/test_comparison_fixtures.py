@@ -49,12 +49,20 @@ def test_recorded_interleaved_comparison(comparison, capsys):
     """Real `pcvr compare` runs on the 2-core machine (tools/validate_comparison.py --interleaved wrote them:
     the pairs `--until-clear` used, compacted): the A/A comparisons flag nothing; with a planted slowdown on the
     candidate side the comparison fails and no case passes as ok; the replay gives the recorded verdicts."""
-    folder, noise = INTERLEAVED / comparison["name"], ROOT / AB_MANIFEST["noise"]
-    code = main(["compare", "--replay", str(folder), "--noise", str(noise), "--all"])
-    out = capsys.readouterr().out
-    runs, _ = compare.replay_runs(folder)
+    noise = ROOT / AB_MANIFEST["noise"]
+    runs: dict[str, list] = {"base": [], "new": []}
+    for folder in comparison["folders"]:  # a comparison may join the pairs of several folders, in order
+        part, _ = compare.replay_runs(INTERLEAVED / folder)
+        for side in runs:
+            runs[side] += part[side]
+    runs = {side: runs[side][: comparison["pairs_used"]] for side in runs}
     assert len(runs["base"]) == len(runs["new"]) == comparison["pairs_used"]
     rows, missing = compare.ab_compare(runs["base"], runs["new"], compare.load_noise(noise))
+    out = compare.ab_table(rows, missing, everything=True)
+    code = compare.ab_exit_code(rows, missing)
+    if len(comparison["folders"]) == 1 and len(part["base"]) == comparison["pairs_used"]:  # so says the CLI
+        assert main(["compare", "--replay", str(INTERLEAVED / comparison["folders"][0]), "--noise", str(noise)]) == code
+        capsys.readouterr()
     gated = {compare.short_id(r.case): r.verdict for r in rows if r.metric == "cpu"}
     assert not missing, out
     assert gated == {case: v[3] for case, v in comparison["verdicts"].items()}, out

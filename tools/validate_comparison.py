@@ -130,8 +130,10 @@ def compact(run: dict) -> dict:
     for bench in run["benchmarks"]:
         extra = {k: v for k, v in (bench.get("extra_info") or {}).items() if k not in drop}
         stats = {k: v for k, v in (bench.get("stats") or {}).items() if k != "data"}
-        benches.append({**bench, "extra_info": extra, "stats": stats})
-    return {**run, "benchmarks": benches}
+        benches.append({**{k: v for k, v in bench.items() if k != "options"}, "extra_info": extra, "stats": stats})
+    info = run.get("machine_info") or {}
+    cpu = {k: v for k, v in (info.get("cpu") or {}).items() if k != "flags"}
+    return {**run, "machine_info": {**info, "cpu": cpu}, "benchmarks": benches}
 
 
 def validate_interleaved(args, noise: dict | None) -> int:
@@ -157,20 +159,20 @@ def validate_interleaved(args, noise: dict | None) -> int:
                 caught_by_group.setdefault((groups[r.case], size), []).append(r.verdict == "REGRESSED")
             table.append([spec, f"{size:.0%}", str(used), short_id(r.case), f"{100 * (r.ratio - 1):+.1f}%",
                           f"{100 * (r.low - 1):+.1f} .. {100 * (r.high - 1):+.1f}", r.verdict])
-        name = "_".join(f.name for f in folders)
-        entry = {"name": name, "folders": [str(f) for f in folders], "planted": size, "pairs_used": used,
+        name = "+".join(f.name for f in folders)
+        entry = {"name": name, "folders": [f.name for f in folders], "planted": size, "pairs_used": used,
                  "flagged": flagged, "missing": missing, "unclear": sorted(r.case for r in open_rows),
                  "verdicts": {short_id(r.case): [round(100 * (r.ratio - 1), 1), round(100 * (r.low - 1), 1),
                                                  round(100 * (r.high - 1), 1), r.verdict] for r in gated}}
         result["comparisons"].append(entry)
-        if fixtures:  # the pairs the replay used, compacted, numbered 01.. in order
-            dst = fixtures / name
-            if dst.exists():
-                shutil.rmtree(dst)
-            dst.mkdir(parents=True)
-            for i in range(used):
-                for side in ("base", "new"):
-                    (dst / f"{i + 1:02d}_{side}.json").write_text(json.dumps(compact(runs[side][i])))
+        if fixtures:  # every folder once, all its pairs, compacted; the manifest says which ones a comparison joins
+            for folder in folders:
+                dst = fixtures / folder.name
+                if dst.exists():
+                    shutil.rmtree(dst)
+                dst.mkdir(parents=True)
+                for path in sorted(folder.glob("[0-9][0-9]_*.json")):
+                    (dst / path.name).write_text(json.dumps(compact(json.loads(path.read_text()))))
     print(format_table(["comparison", "planted", "pairs", "case", "change", "95% interval", "verdict"], table))
     print(f"\nA/A: {sum(1 for c in result['comparisons'] if not c['planted'])} comparisons, {alarms_aa} alarm(s); "
           f"inconclusive comparisons (a case still unclear, none flagged): {inconclusive}")
@@ -185,7 +187,7 @@ def validate_interleaved(args, noise: dict | None) -> int:
     result["inconclusive"] = inconclusive
     if fixtures:
         manifest = {"noise": args.noise, "start": args.start, "comparisons": [
-            {k: c[k] for k in ("name", "planted", "pairs_used", "flagged", "unclear", "verdicts")}
+            {k: c[k] for k in ("name", "folders", "planted", "pairs_used", "flagged", "unclear", "verdicts")}
             for c in result["comparisons"]]}
         (fixtures / "expected.json").write_text(json.dumps(manifest, indent=1) + "\n")
         print(f"fixtures written under {fixtures}")
