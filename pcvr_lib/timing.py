@@ -593,7 +593,7 @@ class ExclusiveRound:
         self._fd = None
 
 
-def _wait_stopped(pid: int, timeout_s: float = 0.5) -> None:
+def _wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
     """Wait until /proc says `pid` is stopped (SIGSTOP is delivered asynchronously)."""
     deadline = time.perf_counter() + timeout_s
     while time.perf_counter() < deadline:
