@@ -19,7 +19,7 @@ BASE ?= HEAD
 AB_ROUNDS ?= 2
 # NAME=VALUE settings for the candidate's runs only (e.g. AB_ENV=PCVR_PLANTED_CPU_SLOWDOWN=0.10 plants a slowdown)
 AB_ENV ?=
-# more pcvr compare options, e.g. AB_FLAGS="--side-by-side --until-clear 8" (CPU cases: notes/comparison.md)
+# more pcvr compare options, e.g. AB_ROUNDS=8 AB_FLAGS="--side-by-side --until-clear 12" (CPU cases: notes/comparison.md)
 AB_FLAGS ?=
 REPORT_VIEW ?= summary
 SMOKE_MODELS ?= all
