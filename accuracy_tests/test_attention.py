@@ -455,6 +455,34 @@ def test_tilelang_structured_masks_compile_for_sm90(D, mode, has_kl, bucket):
             assert "VIS[" in sources[which], f"{which}: the role visibility words are not read"
 
 
+@pytest.mark.slow
+def test_tilelang_long_schedules_compile_for_sm90():
+    """The long-sequence candidates (tune.TILELANG_*_LONG, first of each): the forward with the Hopper
+    example's ordered pipeline and the fused backward (dK/dV per key block, dQ by atomics) lower and compile
+    for sm_90a, here with causal-valid, key lengths and dropout (the masked paths of both). D64 only: D128
+    is the same code at other sizes (its unmasked candidates compile in the precompile manifest), and each
+    of these costs about a minute of CI."""
+    D = 64
+    problem = registry.package_problem("tilelang")
+    if problem:
+        pytest.skip(f"tilelang: {problem}")
+    import shutil
+
+    if shutil.which("nvcc") is None:
+        pytest.skip("tilelang: nvcc not found (needed to compile for sm_90a)")
+    from pcvr_lib.kernels.attention import tilelang_impl, tune
+
+    sources = tilelang_impl.compile_only("sm_90a", D=D, dtype="bfloat16", mode=3, has_kl=True, dropout=True,
+                                         fwd_config=tune.TILELANG_FWD_LONG[D][0],
+                                         bwd_config=tune.TILELANG_BWD_LONG[D][0])
+    assert sources["cubin_bytes"] > 0
+    assert set(sources) == {"fwd", "fused", "cubin_bytes"}
+    for which in ("fwd", "fused"):
+        assert "wgmma" in sources[which], f"{which}: no Hopper matrix instructions"
+        assert str(0x21F0AAAD) in sources[which], f"{which}: the dropout hash is missing"
+    assert "AtomicAdd" in sources["fused"], "fused: dQ is not accumulated with atomics"
+
+
 # -------------------------------------------------------------------------------------------------- GPU
 
 GPU_BACKENDS = ["triton", "tilelang"]
@@ -480,6 +508,26 @@ def test_gpu_accuracy(backend, case):
         pytest.skip(reason)
     B, H, Sq, Skv, D, dt, mode, p = case
     check_case(backend, B, H, Sq, Skv, D, DT[dt], mode, p=p, device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case,fwd_config,bwd_config", workload.TILELANG_LONG_CASES,
+                         ids=[_gpu_case_id(c) for c, _, _ in workload.TILELANG_LONG_CASES])
+def test_gpu_tilelang_long_candidates(case, fwd_config, bwd_config, monkeypatch):
+    """The long-sequence candidates (ordered forward pipeline, fused backward) against fp64, through the
+    operator with the bucket's TileLang configs replaced."""
+    if not CUDA:
+        pytest.skip("tilelang: no CUDA device")
+    ok, reason = registry.backend_status("flash_attention", "tilelang", "cuda")
+    if not ok:
+        pytest.skip(reason)
+    from pcvr_lib.kernels.attention import config
+    from pcvr_lib.kernels.attention.masks import length_bucket
+
+    B, H, Sq, Skv, D, dt, mode, p = case
+    monkeypatch.setitem(config.TILELANG_FWD_CONFIGS, (D, length_bucket(Sq)), fwd_config)
+    monkeypatch.setitem(config.TILELANG_BWD_CONFIGS, (D, length_bucket(Sq)), bwd_config)
+    check_case("tilelang", B, H, Sq, Skv, D, DT[dt], mode, p=p, device="cuda")
 
 
 @pytest.mark.gpu

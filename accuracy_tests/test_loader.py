@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 import pytest
@@ -14,7 +15,8 @@ import torch
 from pcvr_lib.data.cache import belady_hit_count
 from pcvr_lib.data.convert import Converter
 from pcvr_lib.data.generate import generate_table
-from pcvr_lib.data.loader import PRESETS, CorruptRowGroupError, PcvrLoader
+from pcvr_lib.data.loader import PRESETS, CorruptRowGroupError, LoaderError, PcvrLoader
+from pcvr_lib.data.parquet import DataError
 from pcvr_lib.schema import load_schema
 
 ROWS, GROUP, BATCH = 400, 100, 64  # 4 row groups of 2 batches (64 + 36 rows)
@@ -393,3 +395,33 @@ def test_shared_cache_replay_is_the_policy(schema, dataset):
     assert hits == plan.stats["hits"] == belady_hit_count(keys, 5)
     for insert, readers in plan.readers.items():
         assert plan.source[insert] == -1 and all(plan.source[r] == insert and keys[r] == keys[insert] for r in readers)
+
+
+def test_converter_errors_come_wrapped_naming_file_group_and_rows_served(schema, dataset, tmp_path):
+    """The converter is the one place that checks the list-order options and rejects rows; the loader
+    raises its LoaderError for both, a rejected row naming the file, the row group and the rows served."""
+    with pytest.raises(LoaderError, match="non_monotonic must be one of sort, error, got 'drop'") as info:
+        PcvrLoader(dataset, schema, non_monotonic="drop")
+    assert isinstance(info.value.__cause__, ValueError)
+    table = pq.read_table(dataset)
+    column = schema.domains[0].ts_feature.column
+    times = table.column(column).to_pylist()
+    times[130] = [5, 1, 9]  # row group 1, its first batch: neither non-decreasing nor non-increasing
+    i = table.schema.get_field_index(column)
+    table = table.set_column(i, column, pa.array(times, table.schema.field(i).type))
+    bad = tmp_path / "non_monotonic.parquet"
+    pq.write_table(table, bad, row_group_size=GROUP)
+    assert sum(b.batch_size for b in PcvrLoader(bad, schema, batch_size=BATCH)) == ROWS  # sorted by default
+    for workers in (0, 1):
+        loader = PcvrLoader(bad, schema, batch_size=BATCH, non_monotonic="error", num_workers=workers)
+        served = 0
+        match = (
+            rf"non_monotonic\.parquet: row group 1 \(file rows 100\.\.199\), batch 0: column '{column}': row 130: "
+            r"event timestamps are neither non-decreasing nor non-increasing .*; 100 rows served before it"
+        )
+        with pytest.raises(LoaderError, match=match) as info:
+            for batch in loader:
+                served += batch.batch_size
+        assert served == 100
+        if workers == 0:
+            assert isinstance(info.value.__cause__, DataError)

@@ -9,12 +9,21 @@ Standalone, the numbers in notes/data-convert.md (--multiplier defaults to 30):
     python perf_tests/test_converter_micro.py --ab-list-order [--data-order newest-first] [--strict]
 the last one the cost of telling the order per row: list_order="auto" against the order given, interleaved
 in one process (which converter reads a batch first alternates, so neither always gets a warm source).
+    python perf_tests/test_converter_micro.py --ab-rev REV [--data-order newest-first] [--strict] [--json X]
+the converter of git revision REV (its convert.py and C source, imported under another name) against the
+checkout's, same batches, one process, interleaved A-B-B-A, thread CPU time, with the copy floor and the
+bytes each side must move measured in the same run, and the outputs checked bit-identical.
 """
 
 from __future__ import annotations
 
 import argparse
+import importlib.util
+import json
+import os
+import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -187,6 +196,80 @@ def ab_list_order(schema, batches, data_order: str, strict: bool, passes: int) -
     return {name: float(v.mean() * 1e3) for name, v in best.items()}
 
 
+def converter_at(rev: str):
+    """The Converter class of pcvr_lib/data/convert.py at git revision `rev`, with that revision's C source
+    beside it (compiled into its own cached library), imported as a separate module."""
+    folder = Path(tempfile.mkdtemp(prefix="pcvr-convert-"))
+    for name in ("convert.py", "convert_native.c"):
+        text = subprocess.run(
+            ["git", "show", f"{rev}:pcvr_lib/data/{name}"], cwd=ROOT, capture_output=True, text=True, check=True
+        ).stdout
+        (folder / name).write_text(text)
+    spec = importlib.util.spec_from_file_location(f"pcvr_convert_at_{rev}", folder / "convert.py")
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = module  # dataclasses look their module up
+    spec.loader.exec_module(module)
+    return module.Converter
+
+
+def ab_revisions(schema, batches, rev: str, strict: bool, passes: int) -> dict:
+    """Converter at `rev` (A) against the checkout's (B) on the same batches: per pass and batch A-B or B-A
+    alternately (A-B-B-A), thread CPU time, per batch the fastest pass; the copy floor before and after the
+    A/B; outputs compared bit for bit on the first pass."""
+    old = converter_at(rev)
+    convs = {"A": old(schema, strict_time_filter=strict), "B": Converter(schema, strict_time_filter=strict)}
+    for conv in convs.values():
+        conv(batches[0])  # warm-up (builds the libraries)
+    kept = [convs["B"](rb) for rb in batches[:8]]
+    floor_before = copy_floor_seconds(kept)[1]
+    best = {name: np.full(len(batches), np.inf) for name in convs}
+    for p in range(passes):
+        for i, rb in enumerate(batches):
+            outputs = {}
+            for name in ("A", "B") if (p + i) % 2 == 0 else ("B", "A"):
+                c0 = time.thread_time()
+                batch = convs[name](rb)
+                best[name][i] = min(best[name][i], time.thread_time() - c0)
+                if p == 0:
+                    outputs[name] = [t.clone() for t in batch.tensors()]
+                del batch
+            if p == 0:
+                for a, b in zip(outputs["A"], outputs["B"], strict=True):
+                    assert a.dtype == b.dtype and torch.equal(a, b), f"batch {i}: outputs differ"
+    floor_after = copy_floor_seconds(kept)[1]
+    floor = (floor_before + floor_after) / 2
+    rows = batches[0].num_rows
+    out_bytes = kept[0].nbytes
+    source = sum(source_bytes(schema, rb) for rb in batches) / len(batches)
+    result = {
+        "rev_a": rev,
+        "strict_time_filter": strict,
+        "batches": len(batches),
+        "rows_per_batch": rows,
+        "passes": passes,
+        "copy_floor_ms": floor * 1e3,
+        "copy_floor_ms_before_after": [floor_before * 1e3, floor_after * 1e3],
+        "output_bytes_per_batch": out_bytes,
+        "source_bytes_per_batch": source,
+        # the floor reads and writes the output once; a conversion reads its int64 source, writes the output
+        "bytes_moved_floor": 2 * out_bytes,
+        "bytes_moved_converter": source + out_bytes,
+        "outputs_identical": True,
+    }
+    for name in convs:
+        ms = float(best[name].mean() * 1e3)
+        result[name] = {
+            "ms_per_batch": ms,
+            "rows_per_sec": rows / ms * 1e3,
+            "x_reference_6400": rows / ms * 1e3 / 6400,
+            "ratio_to_copy_floor": floor * 1e3 / ms,
+            "converter_GB_per_s": (source + out_bytes) / ms / 1e6,
+        }
+    result["speedup_b_over_a"] = result["A"]["ms_per_batch"] / result["B"]["ms_per_batch"]
+    result["floor_GB_per_s"] = 2 * out_bytes / floor / 1e9
+    return result
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--multiplier", type=int, default=30)
@@ -199,11 +282,29 @@ def main() -> None:
     parser.add_argument("--data-order", default="newest-last", help="generated list order (newest-first, mixed)")
     parser.add_argument("--list-order", default="auto", help="the converter's list_order (auto: told per row)")
     parser.add_argument("--ab-list-order", action="store_true", help="auto against the given order, interleaved")
+    parser.add_argument("--ab-rev", help="git revision whose converter is A against this checkout's (B)")
+    parser.add_argument("--json", help="write the --ab-rev result here")
     args = parser.parse_args()
     single_thread()
     # the default (PCVR_CACHE_DIR) cache
     path = generate_dataset(SCHEMA, rows=1000, multiplier=args.multiplier, list_order=args.data_order)
     batches = preload(path, args.batches, args.batch_size)
+    if args.ab_rev:
+        result = ab_revisions(load_schema(SCHEMA), batches, args.ab_rev, args.strict, args.passes)
+        result.update(data=str(path), data_order=args.data_order, load_average=list(os.getloadavg()))
+        if args.json:
+            Path(args.json).write_text(json.dumps(result, indent=1))
+        print(f"data {path} ({len(batches)} batches x {args.batch_size} rows), strict={args.strict}, "
+              f"load {result['load_average'][0]:.1f}")
+        moved = result["bytes_moved_floor"] / 1e6, result["bytes_moved_converter"] / 1e6
+        print(f"  copy floor {result['copy_floor_ms']:.3f} ms/batch ({result['floor_GB_per_s']:.1f} GB/s); "
+              f"bytes moved: floor {moved[0]:.1f} MB, converter {moved[1]:.1f} MB")
+        for name, label in (("A", f"rev {args.ab_rev}"), ("B", "checkout")):
+            r = result[name]
+            print(f"  {label:16s} {r['ms_per_batch']:.3f} ms/batch  {r['rows_per_sec']:,.0f} rows/s  "
+                  f"{r['x_reference_6400']:.2f}x ref  {r['ratio_to_copy_floor']:.3f} of floor")
+        print(f"  B over A: {result['speedup_b_over_a']:.3f}x; outputs identical")
+        return
     if args.ab_list_order:
         ms = ab_list_order(load_schema(SCHEMA), batches, args.data_order, args.strict, args.passes)
         print(f"data {path} ({len(batches)} batches x {args.batch_size} rows), strict={args.strict}")

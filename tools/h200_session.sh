@@ -109,8 +109,13 @@ for s in "$@"; do
     perf_attention)
       step perf_attention 150 $PYTEST perf_tests/test_kernels_attention.py --benchmark-only \
         --benchmark-json="$OUT/attention.json" ;;
-    perf_models)  # model x backend x phase (perf_tests/test_models.py), checked against torch first
-      step perf_models 150 $PYTEST perf_tests/test_models.py --benchmark-only --durations=10 \
+    perf_models)  # model x backend x phase (perf_tests/test_models.py), checked against torch first.
+      # The models' TileLang variants load from the carried pack (a variant missing from it compiles here in
+      # 16 processes, not one by one inside a test); then every case's outcome is logged as it ends (-v), a
+      # failed check's reason at once (the test writes it past the capture), tracebacks of a case stuck 90 s.
+      step precompile_models 120 python3 -m pcvr_lib.kernels.precompile --models --workers 16
+      step perf_models 240 python3 -m pytest -v -p no:cacheprovider --tb=short -rfE --capture=sys \
+        -o faulthandler_timeout=90 perf_tests/test_models.py --benchmark-only --durations=10 \
         --benchmark-json="$OUT/models.json" ;;
     smoke_triton|smoke_tilelang)  # the smoke with every operator switch on one backend (numerics end to end)
       b=${s#smoke_}

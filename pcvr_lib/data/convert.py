@@ -1,8 +1,8 @@
 """Arrow RecordBatch / Table -> Batch (data.md section 2).
 
-Two backends with the same results (tested against a per-row reference): "native", small C kernels that
-read the Arrow buffers directly, one fused pass per domain / feature group (compiled on first use, see
-`native_library`), and "numpy", vectorised with Arrow offsets, sliding-window views and numpy. The default
+Two backends with the same results (tested against a per-row reference): "native", C kernels that walk
+the RecordBatch's buffers through the Arrow C data interface, one call per batch (compiled on first use,
+see `native_library`), and "numpy", vectorised with Arrow offsets, sliding-window views and numpy. The default
 "auto" takes native when it builds here. Output arrays of a batch share one recycled arena (`_ArenaPool`).
 One converter may be shared by threads (the kernels release the GIL).
 
@@ -73,6 +73,29 @@ ORDER_CLASSES = ("too_short", "newest_last", "newest_first", "non_monotonic")
 
 class OutOfVocabError(DataError):
     """An id >= vocab_size met with clip_oov=False."""
+
+
+def check_order_options(list_order: str, non_monotonic: str) -> None:
+    """The list-order options (of a Converter, and of callers that pass them on): ValueError naming the
+    option and the allowed values."""
+    if list_order not in LIST_ORDERS:
+        raise ValueError(f"list_order must be one of {', '.join(LIST_ORDERS)}, got {list_order!r}")
+    if non_monotonic not in NON_MONOTONIC_POLICIES:
+        raise ValueError(f"non_monotonic must be one of {', '.join(NON_MONOTONIC_POLICIES)}, got {non_monotonic!r}")
+
+
+def _non_monotonic_error(column: str, row: int, count: int) -> DataError:
+    return DataError(
+        f"column {column!r}: row {row}: event timestamps are neither non-decreasing nor non-increasing "
+        f"({count} such row(s) in this batch); non_monotonic='error' rejects them (non_monotonic='sort' sorts "
+        "them by time)"
+    )
+
+
+# the output arrays of a side's features and of a domain, in FeatureBlock / SequenceBlock field order
+FEATURE_ARRAYS = ("int_values", "int_missing", "dense_values", "dense_missing")
+SEQUENCE_ARRAYS = ("values", "timestamps", "lengths")
+_ArrowArrayStruct = ctypes.c_byte * 80  # sizeof(struct ArrowArray) of the Arrow C data interface
 
 
 def _column(data: pa.RecordBatch | pa.Table, index: int | str) -> pa.Array:
@@ -189,16 +212,6 @@ class _RawList:
         values = bufs[3] if len(bufs) > 3 else None
         itemsize = 4 if dtype is np.float32 else 8
         self.values = values.address + itemsize * child.offset if values is not None else _ptr(_EMPTY)
-
-    @staticmethod
-    def pointers(columns: list[_RawList]) -> tuple[int, int, int, int]:
-        """C arrays of the columns' offsets, validity, bit offsets and values (for one kernel call)."""
-        return (
-            _ptrs([c.offsets for c in columns]),
-            _ptrs([c.valid for c in columns]),
-            _i64s([c.bit for c in columns]),
-            _ptrs([c.values for c in columns]),
-        )
 
 
 @dataclass
@@ -334,9 +347,10 @@ def _gather(values: np.ndarray, plan: _Plan) -> np.ndarray:
 # ----------------------------------------------------------------------------------------------
 # numpy needs ~6 passes over every [B, L] block (gather, clamp, cast, pad mask, OOB compare, fix) plus
 # Python work per column; these C loops do one pass, reading the Arrow buffers directly, one call per
-# domain / feature group. The source is convert_native.c beside this file; it is compiled on first use with
-# the system C compiler into the data cache directory (keyed by source, flags and CPU) and loaded with
-# ctypes. backend="numpy" never uses it.
+# batch (pcvr_convert_batch: the RecordBatch exported through the Arrow C data interface, no Python per
+# column; the list-order check fused into each domain's row loop). The source is convert_native.c beside
+# this file; it is compiled on first use with the system C compiler into the data cache directory (keyed
+# by source, flags and CPU) and loaded with ctypes. backend="numpy" never uses it.
 
 NATIVE_SOURCE = Path(__file__).with_name("convert_native.c")
 _NATIVE_FLAGS = ["-O3", "-march=native", "-shared", "-fPIC", "-std=c99"]
@@ -397,16 +411,12 @@ def _build_native():
                 os.unlink(tmp)
     lib = ctypes.CDLL(str(path))
     p, i64 = ctypes.c_void_p, ctypes.c_int64
-    lib.pcvr_domain.argtypes = [i64, p, p, p, p, p, p, p, i64, p, p, i64, p, p, p, i64, i64, p, p, p, p, p]
     lib.pcvr_list_order.argtypes = [i64, p, p, i64, p, p]
     lib.pcvr_list_order.restype = None
-    lib.pcvr_domain.restype = None
-    lib.pcvr_int_lists.argtypes = [i64, p, p, p, p, p, p, p, i64, p, p, i64, p]
-    lib.pcvr_int_lists.restype = None
-    lib.pcvr_dense_lists.argtypes = [i64, p, p, p, p, p, p, i64, p, p, i64]
-    lib.pcvr_dense_lists.restype = None
-    lib.pcvr_scalar_ints.argtypes = [i64, p, p, p, p, p, i64, p, p, i64, p]
-    lib.pcvr_scalar_ints.restype = None
+    lib.pcvr_convert_batch.argtypes = [p, p, p, p, p, i64, i64, i64, p, p, p, p]
+    lib.pcvr_convert_batch.restype = i64
+    lib.pcvr_release.argtypes = [p]
+    lib.pcvr_release.restype = None
     return lib
 
 
@@ -416,16 +426,6 @@ class NativeUnavailable(RuntimeError):
 
 def _ptr(array: np.ndarray | None) -> int | None:
     return None if array is None else array.__array_interface__["data"][0]
-
-
-def _ptrs(pointers: list[int]) -> ctypes.Array:
-    """A C array of pointers. Passed as a call argument, ctypes keeps it alive for the call (a temporary
-    numpy array's address would not be)."""
-    return (ctypes.c_void_p * max(len(pointers), 1))(*pointers)
-
-
-def _i64s(values: list[int]) -> ctypes.Array:
-    return (ctypes.c_int64 * max(len(values), 1))(*values)
 
 
 class _ArenaPool:
@@ -443,11 +443,12 @@ class _ArenaPool:
         self.lock = threading.Lock()  # one Converter may serve several loader threads
         self.layouts: dict[tuple, tuple[int, dict[str, tuple[int, np.dtype, tuple[int, ...]]]]] = {}
 
-    def views(self, shapes: dict[str, tuple[np.dtype, tuple[int, ...]]]) -> dict[str, np.ndarray]:
+    def views(self, shapes: dict[str, tuple[np.dtype, tuple[int, ...]]]) -> tuple[dict[str, np.ndarray], int]:
+        """The output arrays of one batch, views of one free arena, and the arena's address."""
         with self.lock:  # choosing an arena and making its views must not interleave with another thread
             return self._views(shapes)
 
-    def _views(self, shapes: dict[str, tuple[np.dtype, tuple[int, ...]]]) -> dict[str, np.ndarray]:
+    def _views(self, shapes: dict[str, tuple[np.dtype, tuple[int, ...]]]) -> tuple[dict[str, np.ndarray], int]:
         key = tuple((name, shape) for name, (_, shape) in shapes.items())
         if key not in self.layouts:
             offset, layout = 0, {}
@@ -477,10 +478,8 @@ class _ArenaPool:
                 self.arenas[slot] = np.empty(total, dtype=np.uint8)
                 self.free_refs[slot] = sys.getrefcount(self.arenas[slot])
                 arena = self.arenas[slot]
-        return {
-            name: np.ndarray(shape, dtype=dt, buffer=arena, offset=offset)
-            for name, (offset, dt, shape) in layout.items()
-        }
+        views = {name: np.ndarray(shape, dtype=dt, buffer=arena, offset=o) for name, (o, dt, shape) in layout.items()}
+        return views, _ptr(arena)
 
 
 class Converter:
@@ -503,12 +502,7 @@ class Converter:
         strict_on_eval: bool = False,
     ) -> None:
         self.schema = schema
-        if list_order not in LIST_ORDERS:
-            raise ValueError(f"list_order must be one of {', '.join(LIST_ORDERS)}, got {list_order!r}")
-        if non_monotonic not in NON_MONOTONIC_POLICIES:
-            raise ValueError(
-                f"non_monotonic must be one of {', '.join(NON_MONOTONIC_POLICIES)}, got {non_monotonic!r}"
-            )
+        check_order_options(list_order, non_monotonic)
         self.list_order = list_order
         self.non_monotonic = non_monotonic
         self.training = bool(training)
@@ -597,8 +591,13 @@ class Converter:
             check_arrow_schema(data.schema, self.schema)
             self._checked = data.schema
             self._index = {name: data.schema.get_field_index(name) for name in self.expected}
+            if self._lib is not None:
+                self._native_spec(data.schema)
         rows = data.num_rows
-        cols = {name: _column(data, i) for name, i in self._index.items()}
+        native = self._lib is not None and rows > 0
+        # the native path reads the other columns in C; the numpy path takes them all here
+        names = ("timestamp", "label_type", "user_id") if native else self._index
+        cols = {name: _column(data, self._index[name]) for name in names}
 
         ts_arr = cols["timestamp"]
         if ts_arr.null_count:
@@ -621,10 +620,21 @@ class Converter:
             user_id[null] = NULL_USER_ID
             self.stats["null_user_id"] += int(null.sum())
 
-        out = self._pool.views(self._shapes(rows))
-        user = self._features("user", cols, rows, out)
-        item = self._features("item", cols, rows, out)
-        sequences = {d.name: self._domain(d, cols, request_ts, rows, out, row_offset) for d in self.schema.domains}
+        out, base = self._pool.views(self._shapes(rows))
+        if native:
+            self._convert_native(data, out, base, request_ts, row_offset)
+        else:
+            for side in ("user", "item"):
+                self._features(side, cols, rows, out)
+            for d in self.schema.domains:
+                self._domain_numpy(d, cols, request_ts, rows, out, row_offset)
+        user, item = (
+            FeatureBlock(*(torch.from_numpy(out[f"{side}.{k}"]) for k in FEATURE_ARRAYS)) for side in ("user", "item")
+        )
+        sequences = {
+            d.name: SequenceBlock(*(torch.from_numpy(out[f"{d.name}.{k}"]) for k in SEQUENCE_ARRAYS))
+            for d in self.schema.domains
+        }
 
         self.stats["rows"] += rows
         self.stats["batches"] += 1
@@ -652,12 +662,125 @@ class Converter:
         for d in self.schema.domains:
             shapes[f"{d.name}.values"] = (np.int32, (rows, len(d.side_features), d.max_len))
             shapes[f"{d.name}.timestamps"] = (np.int64, (rows, d.max_len))
+            shapes[f"{d.name}.lengths"] = (np.int32, (rows,))
         if len(self._shape_cache) > 8:
             self._shape_cache.clear()
         self._shape_cache[rows] = shapes
         return shapes
 
     # ------------------------------------------------------------------------------------------
+    def _native_spec(self, arrow_schema: pa.Schema) -> None:
+        """What pcvr_convert_batch reads (column positions in batches of this Arrow schema, vocabularies,
+        output positions) as int64 arrays, and the (group, column) of each out-of-vocabulary counter."""
+        index, schema = self._index, self.schema
+        feat, slots = [], []
+        for side in ("user", "item"):
+            scalars, lists, dense = self._scalars[side], self._lists_int[side], schema.dense_group(side)
+            feat.append(len(scalars))
+            for f in scalars:
+                feat += [index[f.column], f.vocab_size, f.offset]
+            feat.append(len(lists))
+            for f in lists:
+                feat += [index[f.column], f.dim, f.vocab_size, f.offset]
+            feat.append(len(dense))
+            for f in dense:
+                feat += [index[f.column], f.dim, f.offset]
+            feat += [schema.int_width(side), schema.dense_width(side)]
+            slots += [(f"{side}_int", f.column) for f in scalars + lists]
+        dom = [len(schema.domains)]
+        for d in schema.domains:
+            dom += [index[d.ts_feature.column], d.max_len, len(d.side_features)]
+            for f in d.side_features:
+                dom += [index[f.column], f.vocab_size]
+            slots += [(d.name, f.column) for f in d.side_features]
+        self._spec_feat, self._spec_dom = np.array(feat, dtype=np.int64), np.array(dom, dtype=np.int64)
+        self._spec_ptrs = (_ptr(self._spec_feat), _ptr(self._spec_dom))
+        self._out_offsets: dict[int, np.ndarray] = {}
+        self._oob_slots = slots
+        self._out_names = [f"{side}.{k}" for side in ("user", "item") for k in FEATURE_ARRAYS] + [
+            f"{d.name}.{k}" for d in schema.domains for k in SEQUENCE_ARRAYS
+        ]
+        self._dense_columns = {f.column for f in schema.user_dense + schema.item_dense}
+        # large_list columns (int64 offsets) are cast to list (int32 offsets), what the kernels read
+        self._large_lists = [i for i, field in enumerate(arrow_schema) if pa.types.is_large_list(field.type)]
+
+    def _record_batch(self, data: pa.RecordBatch | pa.Table) -> pa.RecordBatch:
+        """The data as one RecordBatch with int32 list offsets (a table's chunks are combined)."""
+        if isinstance(data, pa.Table):
+            batches = data.to_batches()
+            if len(batches) != 1:
+                batches = data.combine_chunks().to_batches()
+            data = batches[0]
+        if self._large_lists:
+            arrays = data.columns
+            for i in self._large_lists:
+                try:
+                    arrays[i] = arrays[i].cast(pa.list_(arrays[i].type.value_type))
+                except pa.ArrowInvalid as exc:
+                    raise DataError(
+                        f"column {data.schema.names[i]!r}: more than 2**31 list elements in one batch"
+                    ) from exc
+            data = pa.RecordBatch.from_arrays(arrays, names=data.schema.names)
+        return data
+
+    def _convert_native(self, data, out: dict, base: int, request_ts: np.ndarray, row_offset: int) -> None:
+        """Every user / item feature and sequence domain of a batch (rows > 0) in one C call, which walks the
+        RecordBatch's buffers through the Arrow C data interface (no Python per column)."""
+        rb = self._record_batch(data)
+        domains = self.schema.domains
+        oob = np.empty(len(self._oob_slots), dtype=np.int64)
+        classes = np.zeros((len(domains), 4), dtype=np.int64)
+        child_nulls = np.zeros(rb.num_columns, dtype=np.int8)
+        bad = np.zeros(3, dtype=np.int64)
+        rows = rb.num_rows
+        if rows not in self._out_offsets:  # the arena layout is fixed per batch size
+            self._out_offsets[rows] = np.array([_ptr(out[name]) - base for name in self._out_names], dtype=np.int64)
+        outs = self._out_offsets[rows] + base
+        mode = {"auto": 0, "newest-last": 1, "newest-first": -1}[self.list_order]
+        exported = _ArrowArrayStruct()
+        rb._export_to_c(ctypes.addressof(exported))
+        try:
+            status = self._lib.pcvr_convert_batch(
+                ctypes.addressof(exported), *self._spec_ptrs, _ptr(outs), _ptr(request_ts),
+                int(self.strict_time_filter), mode, int(self.non_monotonic == "sort"),
+                _ptr(oob), _ptr(classes), _ptr(child_nulls), _ptr(bad),
+            )  # fmt: skip
+        finally:
+            self._lib.pcvr_release(ctypes.addressof(exported))
+        if status < 0:
+            raise MemoryError("pcvr_convert_batch: out of memory")
+        for i in np.flatnonzero(child_nulls).tolist():  # raises when a row uses a null element
+            name = rb.schema.names[i]
+            _lists(rb.column(i), name, np.float32 if name in self._dense_columns else np.int64)
+        for d, counts in zip(domains, classes.tolist(), strict=True):
+            stats = self.stats["list_order_rows"][d.name]
+            if mode:
+                stats["given"] += rb.num_rows
+            else:
+                for name, n in zip(ORDER_CLASSES, counts, strict=True):
+                    stats[name] += n
+        if status == 1:
+            raise _non_monotonic_error(domains[int(bad[0])].ts_feature.column, row_offset + int(bad[1]), int(bad[2]))
+        if oob.any():
+            if not self.clip_oov:  # the numpy backend raises naming the column, the value and the row
+                self._numpy_twin()(data, row_offset)
+                raise AssertionError("native and numpy converters disagree on out-of-vocabulary ids")
+            per_group, per_feature = self.stats["oob_per_group"], self.stats["oob_per_feature"]
+            for i in np.flatnonzero(oob).tolist():
+                group, column = self._oob_slots[i]
+                n = int(oob[i])
+                per_group[group] += n
+                per_feature[column] = per_feature.get(column, 0) + n
+            self.stats["oob_total"] += int(oob.sum())
+
+    def _numpy_twin(self) -> Converter:
+        """A numpy-backend converter with the same settings (to raise the named out-of-vocabulary error)."""
+        return Converter(
+            self.schema, training=self.training, strict_time_filter=self.strict_time_filter,
+            clip_oov=self.clip_oov, backend="numpy", list_order=self.list_order, non_monotonic=self.non_monotonic,
+            strict_on_eval=True,
+        )  # fmt: skip
+
     def _scalar_ints(self, side: str, cols: dict[str, pa.Array], values, missing) -> None:
         """All width-1 int features of a side at once: a [rows, n] matrix, vectorised over columns."""
         group = f"{side}_int"
@@ -665,27 +788,6 @@ class Converter:
         if not feats:
             return
         rows = values.shape[0]
-        if self._lib is not None and rows:
-            vals, valid, bits = [], [], []
-            for feat in feats:
-                arr = cols[feat.column]
-                bufs = arr.buffers()
-                vals.append(bufs[1].address + 8 * arr.offset)
-                valid.append(bufs[0].address if arr.null_count else 0)
-                bits.append(arr.offset)
-            oob = np.empty(len(feats), dtype=np.int64)
-            self._lib.pcvr_scalar_ints(
-                len(feats), _ptrs(vals), _ptrs(valid), _i64s(bits),
-                _ptr(self._scalar_vocab[side]), _ptr(self._scalar_offsets[side]), rows,
-                _ptr(values), _ptr(missing), values.shape[1], _ptr(oob),
-            )  # fmt: skip
-            if not oob.any():
-                return
-            if self.clip_oov:
-                for i in np.flatnonzero(oob):
-                    self._count_oob(group, feats[i].column, int(oob[i]))
-                return
-            # clip_oov=False: the numpy path below raises naming the column and value
         raw = np.empty((rows, len(feats)), dtype=np.int64)
         for i, feat in enumerate(feats):
             arr = cols[feat.column]
@@ -707,60 +809,28 @@ class Converter:
         values[:, cols_at] = np.where(ok, raw, 0)
         missing[:, cols_at] = ~ok
 
-    def _features(self, side: str, cols: dict[str, pa.Array], rows: int, out: dict) -> FeatureBlock:
+    def _features(self, side: str, cols: dict[str, pa.Array], rows: int, out: dict) -> None:
+        """The numpy backend's user / item features into `out`."""
         schema = self.schema
         group = f"{side}_int"
         values, missing = out[f"{side}.int_values"], out[f"{side}.int_missing"]
         self._scalar_ints(side, cols, values, missing)
 
         dense, dmissing = out[f"{side}.dense_values"], out[f"{side}.dense_missing"]
-        if self._lib is not None:
-            self._lists_native(side, cols, rows, values, missing, dense, dmissing)
-        else:
-            for feat in self._lists_int[side]:
-                lists = _lists(cols[feat.column], feat.column, np.int64)
-                # the first dim elements: these lists are not time-ordered
-                self._int_list_numpy(group, feat, lists, _head_plan(lists, feat.dim), values, missing)
-            for feat in schema.dense_group(side):
-                lists = _lists(cols[feat.column], feat.column, np.float32)
-                plan = _head_plan(lists, feat.dim)
-                target = slice(feat.offset, feat.offset + feat.dim)
-                v = _gather(lists.values, plan)
-                ok = np.isfinite(v)
-                if plan.padded:
-                    ok &= plan.keep()
-                dense[:, target] = np.where(ok, v, np.float32(0))
-                np.logical_not(ok, out=dmissing[:, target])
-
-        return FeatureBlock(
-            int_values=torch.from_numpy(values),
-            int_missing=torch.from_numpy(missing),
-            dense_values=torch.from_numpy(dense),
-            dense_missing=torch.from_numpy(dmissing),
-        )
-
-    def _lists_native(self, side: str, cols, rows: int, values, missing, dense, dmissing) -> None:
-        group = f"{side}_int"
-        feats = self._lists_int[side]
-        if feats:
-            raw = [_RawList(cols[f.column], f.column, np.int64) for f in feats]
-            oob = np.empty(len(feats), dtype=np.int64)
-            self._lib.pcvr_int_lists(
-                len(feats), *_RawList.pointers(raw), _ptr(self._list_dims[side]), _ptr(self._list_vocab[side]),
-                _ptr(self._list_pos[side]), rows, _ptr(values), _ptr(missing), values.shape[1], _ptr(oob),
-            )  # fmt: skip
-            for i in np.flatnonzero(oob):
-                if not self.clip_oov:  # the numpy path raises naming the column and value
-                    lists = _lists(cols[feats[i].column], feats[i].column, np.int64)
-                    self._int_list_numpy(group, feats[i], lists, _head_plan(lists, feats[i].dim), values, missing)
-                self._count_oob(group, feats[i].column, int(oob[i]))
-        dfeats = self.schema.dense_group(side)
-        if dfeats:
-            raw = [_RawList(cols[f.column], f.column, np.float32) for f in dfeats]
-            self._lib.pcvr_dense_lists(
-                len(dfeats), *_RawList.pointers(raw), _ptr(self._dense_dims[side]), _ptr(self._dense_pos[side]),
-                rows, _ptr(dense), _ptr(dmissing), dense.shape[1],
-            )  # fmt: skip
+        for feat in self._lists_int[side]:
+            lists = _lists(cols[feat.column], feat.column, np.int64)
+            # the first dim elements: these lists are not time-ordered
+            self._int_list_numpy(group, feat, lists, _head_plan(lists, feat.dim), values, missing)
+        for feat in schema.dense_group(side):
+            lists = _lists(cols[feat.column], feat.column, np.float32)
+            plan = _head_plan(lists, feat.dim)
+            target = slice(feat.offset, feat.offset + feat.dim)
+            v = _gather(lists.values, plan)
+            ok = np.isfinite(v)
+            if plan.padded:
+                ok &= plan.keep()
+            dense[:, target] = np.where(ok, v, np.float32(0))
+            np.logical_not(ok, out=dmissing[:, target])
 
     def _int_list_numpy(self, group: str, feat, lists: _Lists, plan: _Plan, values, missing) -> None:
         v = _gather(lists.values, plan)
@@ -846,20 +916,16 @@ class Converter:
         limit = None if np.array_equal(lists.lengths, ts.lengths) else lists.lengths
         return base.with_start(lists.starts, limit)
 
-    def _row_order(self, domain, cols, rows: int, row_offset: int, ts_raw: _RawList | None, count: bool = True):
+    def _row_order(self, domain, cols, rows: int, row_offset: int):
         """Each row's order for the kernels: None (every row newest last, the stored order) or int8 [rows]
         of 1 (newest last), -1 (newest first, reversed) and 2 (sorted by time: perm_start, perm give each
         such row's events oldest first). Counts the rows per class in stats["list_order_rows"]."""
-        counts = self.stats["list_order_rows"][domain.name] if count else dict.fromkeys((*ORDER_CLASSES, "given"), 0)
+        counts = self.stats["list_order_rows"][domain.name]
         if self.list_order != "auto":
             counts["given"] += rows
             return (None, None, None) if self.list_order == "newest-last" else (np.full(rows, -1, np.int8), None, None)
         column = domain.ts_feature.column
-        if ts_raw is not None and rows:
-            cls = np.empty(rows, dtype=np.uint8)
-            self._lib.pcvr_list_order(rows, ts_raw.offsets, ts_raw.valid, ts_raw.bit, ts_raw.values, _ptr(cls))
-        else:
-            cls = _classify_numpy(_lists(cols[column], column, np.int64))
+        cls = _classify_numpy(_lists(cols[column], column, np.int64))
         per_class = np.bincount(cls, minlength=4)
         for name, n in zip(ORDER_CLASSES, per_class.tolist(), strict=True):
             counts[name] += n
@@ -867,11 +933,7 @@ class Converter:
             return None, None, None
         if per_class[NON_MONOTONIC] and self.non_monotonic == "error":
             row = int(np.flatnonzero(cls == NON_MONOTONIC)[0])
-            raise DataError(
-                f"column {column!r}: row {row_offset + row}: event timestamps are neither non-decreasing nor "
-                f"non-increasing ({int(per_class[NON_MONOTONIC])} such row(s) in this batch); "
-                "non_monotonic='error' rejects them (non_monotonic='sort' sorts them by time)"
-            )
+            raise _non_monotonic_error(column, row_offset + row, int(per_class[NON_MONOTONIC]))
         # rows too short to tell take the batch's majority order (newest last on a tie)
         majority = -1 if per_class[NEWEST_FIRST] > per_class[NEWEST_LAST] else 1
         order = np.choose(cls, [majority, 1, -1, 2]).astype(np.int8)
@@ -886,43 +948,12 @@ class Converter:
             ).astype(np.int64)
         return order, perm_start, perm
 
-    def _domain(
-        self, domain, cols: dict[str, pa.Array], request_ts: np.ndarray, rows: int, out: dict, row_offset: int = 0
-    ) -> SequenceBlock:
-        if self._lib is None:
-            return self._domain_numpy(domain, cols, request_ts, rows, out, row_offset)
-        L = domain.max_len
-        side = domain.side_features
-        raw = [_RawList(cols[f.column], f.column, np.int64) for f in side]
-        ts = _RawList(cols[domain.ts_feature.column], domain.ts_feature.column, np.int64)
-        order, perm_start, perm = self._row_order(domain, cols, rows, row_offset, ts)
-        values, timestamps = out[f"{domain.name}.values"], out[f"{domain.name}.timestamps"]
-        lengths = np.empty(rows, dtype=np.int32)
-        rel = np.empty(2 * L, dtype=np.int64)  # strict-mode scratch
-        oob = np.empty(len(side), dtype=np.int64)
-        self._lib.pcvr_domain(
-            len(side), *_RawList.pointers(raw), _ptr(self._side_vocab[domain.name]),
-            ts.offsets, ts.valid, ts.bit, ts.values, _ptr(request_ts), int(self.strict_time_filter),
-            _ptr(order), _ptr(perm_start), _ptr(perm), rows, L,
-            _ptr(values), _ptr(timestamps), _ptr(lengths), _ptr(rel), _ptr(oob),
-        )  # fmt: skip
-        if oob.any() and not self.clip_oov:  # the numpy path raises naming the column and value
-            self._domain_numpy(domain, cols, request_ts, rows, out, row_offset, count_order=False)
-        for f, n_oob in enumerate(oob.tolist()):
-            if n_oob:
-                self._count_oob(domain.name, side[f].column, n_oob)
-        return SequenceBlock(
-            values=torch.from_numpy(values), timestamps=torch.from_numpy(timestamps), lengths=torch.from_numpy(lengths)
-        )
-
-    def _domain_numpy(
-        self, domain, cols, request_ts: np.ndarray, rows: int, out: dict, row_offset: int = 0, count_order=True
-    ) -> SequenceBlock:
+    def _domain_numpy(self, domain, cols, request_ts: np.ndarray, rows: int, out: dict, row_offset: int = 0) -> None:
+        """The numpy backend's sequence domain into `out`."""
         L = domain.max_len
         side = domain.side_features
         ts = _lists(cols[domain.ts_feature.column], domain.ts_feature.column, np.int64)
-        # count_order False: the native pass counted this batch's rows already
-        order, perm_start, perm = self._row_order(domain, cols, rows, row_offset, None, count=count_order)
+        order, perm_start, perm = self._row_order(domain, cols, rows, row_offset)
         side_lists = [_lists(cols[f.column], f.column, np.int64, like=ts) for f in side]
         if order is not None:
             # every row's events oldest first; strict mode and sorted rows take side events by the
@@ -946,12 +977,7 @@ class Converter:
             if not self.strict_time_filter:
                 lengths = np.maximum(lengths, plan.count)
             self._side_values_numpy(domain.name, feat, lists.values, plan, values[:, f, :])
-
-        return SequenceBlock(
-            values=torch.from_numpy(values),
-            timestamps=torch.from_numpy(timestamps),
-            lengths=torch.from_numpy(lengths.astype(np.int32)),
-        )
+        out[f"{domain.name}.lengths"][...] = lengths
 
     def _side_values_numpy(self, group: str, feat, source: np.ndarray, plan: _Plan, out: np.ndarray) -> None:
         vocab = feat.vocab_size

@@ -69,7 +69,7 @@ import torch
 from pcvr_lib.data.augment import BENCHMARK_AUGMENTATIONS, Augmenter
 from pcvr_lib.data.batch import Batch
 from pcvr_lib.data.cache import CACHE_POLICIES, make_cache
-from pcvr_lib.data.convert import LIST_ORDERS, NON_MONOTONIC_POLICIES, ORDER_CLASSES, Converter
+from pcvr_lib.data.convert import ORDER_CLASSES, Converter, check_order_options
 from pcvr_lib.data.parquet import DataError, open_dataset
 from pcvr_lib.data.shared_cache import CachePlan, SharedBatchStore
 from pcvr_lib.data.split import SIDES, SPLIT_METHODS, SplitPlan, plan_split, splitmix64
@@ -96,7 +96,9 @@ BatchKey = tuple[str, int, int]  # (file, row_group, batch_index)
 
 
 class LoaderError(ValueError):
-    """A loader option is invalid; the message names the option and the allowed values."""
+    """A loader option is invalid (the message names the option and the allowed values), or the converter
+    rejected a batch of the file (the message names the file, the row group and the rows served before it;
+    the converter's DataError is the cause)."""
 
 
 class CorruptRowGroupError(DataError):
@@ -343,13 +345,26 @@ class _Pipeline:
             except CorruptRowGroupError as exc:
                 raise CorruptRowGroupError(f"{exc}; {self.rows} rows served before it") from exc
             data = self._slice(table, key)
-        return self.converter(data, row_offset=self.loader.batch_start(key))
+        return self._converted(key, data)
+
+    def _converted(self, key: BatchKey, data: pa.Table) -> Batch:
+        """The converter's batch; bad data it finds (a rejected row, a null element, an out-of-vocabulary id
+        with clip_oov=False) becomes a LoaderError naming the file, the row group and the rows served."""
+        try:
+            return self.converter(data, row_offset=self.loader.batch_start(key))
+        except DataError as exc:
+            group = key[1]
+            start, end = int(self.loader.row_group_offsets[group]), int(self.loader.row_group_offsets[group + 1])
+            raise LoaderError(
+                f"{self.loader.path}: row group {group} (file rows {start}..{end - 1}), batch {key[2]}: {exc}; "
+                f"{self.rows} rows served before it"
+            ) from exc
 
     def _produce(self, foreign: _Foreign) -> None:
         """Convert another worker's miss from a row group decoded here; publish it for that worker and
         for the cache hits it will serve."""
         s = self.shared
-        batch = self.converter(foreign.data, row_offset=self.loader.batch_start(foreign.key))
+        batch = self._converted(foreign.key, foreign.data)
         s.store.put(foreign.position, batch, [foreign.position, *s.plan.readers.get(foreign.position, [])])
         self.converted_for_other_workers += 1
 
@@ -490,12 +505,10 @@ class PcvrLoader:
             raise LoaderError(f"cache_policy must be one of {', '.join(CACHE_POLICIES)}, got {cache_policy!r}")
         if split is not None and not isinstance(split, SplitPlan) and split not in SPLIT_METHODS:
             raise LoaderError(f"split must be None, a SplitPlan or one of {', '.join(SPLIT_METHODS)}, got {split!r}")
-        if list_order not in LIST_ORDERS:
-            raise LoaderError(f"list_order must be one of {', '.join(LIST_ORDERS)}, got {list_order!r}")
-        if non_monotonic not in NON_MONOTONIC_POLICIES:
-            raise LoaderError(
-                f"non_monotonic must be one of {', '.join(NON_MONOTONIC_POLICIES)}, got {non_monotonic!r}"
-            )
+        try:  # the converter's rules, checked here so a bad option fails before the first batch
+            check_order_options(list_order, non_monotonic)
+        except ValueError as exc:
+            raise LoaderError(str(exc)) from exc
         self.list_order = list_order
         self.non_monotonic = non_monotonic
         if split is None and side != "all":

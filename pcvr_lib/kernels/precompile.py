@@ -1,6 +1,6 @@
 """Build every kernel the suites use ahead of time, from the ops' workload manifests.
 
-    python -m pcvr_lib.kernels.precompile [OP ...] [--arch sm_90a] [--workers N] [--tune] [--run-triton]
+    python -m pcvr_lib.kernels.precompile [OP ...] [--arch sm_90a] [--workers N] [--tune] [--models] [--run-triton]
 
 TileLang compiles one kernel in seconds (nvcc dominates) and keeps it in its disk cache
 (TILELANG_CACHE_DIR, default ~/.tilelang/cache), so a later process only loads it. This compiles the
@@ -8,9 +8,10 @@ TileLang variants of each op's `workload` in `workers` processes, for `--arch` (
 or sm_90a for the H200 without one: each op takes the form it is compiled with, sm_90 for the norms and
 the embedding, sm_90a for attention). No GPU is needed: a CPU machine fills the cache a GPU session then
 carries. OPs: rms_norm layer_norm embedding_bag_mean flash_attention (default: all). `--tune` adds the
-attention tile sweep's candidates (tune.py). `--run-triton` (GPU only) also runs every Triton attention
-variant once in the pool, filling Triton's disk cache (the norms' and embedding's few Triton kernels
-compile at first use in about a second each).
+attention tile sweep's candidates (tune.py); `--models` keeps only the models' variants (the model-level
+benchmark's, recorded by pcvr_lib.models.kernel_variants; the full manifest includes them).
+`--run-triton` (GPU only) also runs every Triton attention variant once in the pool, filling Triton's
+disk cache (the norms' and embedding's few Triton kernels compile at first use in about a second each).
 """
 
 from __future__ import annotations
@@ -27,8 +28,13 @@ _PACKAGE = {"rms_norm": "rms_norm", "layer_norm": "layer_norm", "embedding_bag_m
             "flash_attention": "attention"}
 
 
-def tilelang_jobs(ops, arch: str, tune: bool = False) -> list[tuple]:
-    """(op, variant, arch) of every TileLang kernel in the manifests of `ops`."""
+def tilelang_jobs(ops, arch: str, tune: bool = False, models_only: bool = False) -> list[tuple]:
+    """(op, variant, arch) of every TileLang kernel in the manifests of `ops` (`models_only`: only the
+    models' variants, those of perf_tests/test_models.py)."""
+    from pcvr_lib.models.kernel_variants import MODEL_VARIANTS
+
+    if models_only:
+        return [(op, variant, arch) for op in ops for variant in MODEL_VARIANTS[op]]
     jobs = []
     for op in ops:
         if op in ("rms_norm", "layer_norm"):
@@ -43,6 +49,8 @@ def tilelang_jobs(ops, arch: str, tune: bool = False) -> list[tuple]:
             from pcvr_lib.kernels.attention import workload
 
             variants = workload.tilelang_variants(tune)
+        # the models' variants (perf_tests/test_models.py), recorded on CPU by pcvr_lib.models.kernel_variants
+        variants = list(variants) + [v for v in MODEL_VARIANTS[op] if v not in set(variants)]
         jobs += [(op, variant, arch) for variant in variants]
     return jobs
 
@@ -108,13 +116,16 @@ def main(argv=None) -> int:
     parser.add_argument("--arch", help="TileLang architecture, e.g. sm_90a (default: the local GPU's, else sm_90a)")
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1)
     parser.add_argument("--tune", action="store_true", help="also the attention tile sweep's TileLang candidates")
+    parser.add_argument("--models", action="store_true",
+                        help="only the models' variants (perf_tests/test_models.py; pcvr_lib.models.kernel_variants)")
     parser.add_argument("--run-triton", action="store_true", help="also run every Triton attention variant (GPU)")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.ops) - set(OPS))
     if unknown:
         parser.error(f"unknown operator(s) {', '.join(unknown)}; known: {', '.join(OPS)}")
     ops = args.ops or list(OPS)
-    failures = run_pool(compile_job, tilelang_jobs(ops, args.arch or default_arch(), args.tune), args.workers,
+    failures = run_pool(compile_job, tilelang_jobs(ops, args.arch or default_arch(), args.tune, args.models),
+                        args.workers,
                         "tilelang")
     if args.run_triton and "flash_attention" in ops:
         from pcvr_lib.kernels.attention import workload

@@ -39,8 +39,15 @@ TRITON_BWD_KV_CONFIGS = {
 # backward (dQ by fp32 atomics).
 # A head dim missing here keeps the kernels above. Defaults: pointer loads, no warp specialisation (they
 # compile with triton 3.6 and 3.9); `python -m pcvr_lib.kernels.attention.tune_long` picks the winners.
+# H200 sweep of 2026-12-01 (session 3, bf16, `.benchmarks/h200/attention_long.json`): the forward defaults
+# beat the old kernel (S1024 D64 91.0 vs 95.9 us, S4096 D128 1153 vs 1194); TMA (1122) and TMA + warp
+# specialisation (1117) were within 3% at D128 and warp specialisation fails to compile at D64 under
+# triton 3.6, so the defaults stay on pointer loads. The one-kernel backward was slower than the two-kernel
+# one at every swept shape (best: S1024 481 vs 451 us, S4096 5195 vs 4983, causal 3185 vs 2742), so no head
+# dim routes to it (TRITON_LONG_BWD_ROUTED); its configs stay for the sweep and explicit calls.
 TRITON_LONG_FWD_CONFIGS = {64: (128, 64, 8, 3, False, False), 128: (128, 64, 8, 3, False, False)}
-TRITON_LONG_BWD_CONFIGS = {64: (32, 128, 4, 3, False), 128: (64, 128, 8, 2, False)}
+TRITON_LONG_BWD_CONFIGS = {64: (64, 64, 4, 2, False), 128: (64, 128, 8, 2, False)}
+TRITON_LONG_BWD_ROUTED: frozenset[int] = frozenset()  # head dims whose default backward is triton_long's
 
 # (block_M, block_N, threads, num_stages) per (head dim, bucket of Sq)
 TILELANG_FWD_CONFIGS = {
@@ -53,5 +60,8 @@ TILELANG_BWD_CONFIGS = {  # shared by the dQ kernel (rows x keys) and the dK/dV 
     (16, 0): (64, 64, 128, 1), (16, 1): (64, 64, 128, 2), (16, 2): (64, 64, 128, 2),
     (32, 0): (64, 64, 128, 1), (64, 0): (64, 64, 128, 1), (128, 0): (64, 64, 128, 1),
     (32, 1): (64, 64, 128, 2), (64, 1): (64, 64, 128, 2), (128, 1): (64, 64, 128, 2),
-    (32, 2): (64, 64, 128, 2), (64, 2): (64, 64, 128, 2), (128, 2): (64, 64, 128, 2),
+    (32, 2): (64, 64, 128, 2), (64, 2): (128, 128, 256, 2, "fused"), (128, 2): (64, 128, 256, 2, "fused"),
 }
+# The long bucket's backward is the fused one (dK/dV per key block, dQ by atomics): H200 sweep of 2026-12-01
+# (session 3, bf16, `.benchmarks/h200/attention_long_tl.json`), forward + backward device time: S1024 D64
+# 639 us against 909 with (64, 64, 128, 2); S4096 D128 5541 against 7616.

@@ -78,6 +78,27 @@ def _row_range(mode, m_start, bm, bn, qlen, kv_len, Skv, W, G):
     return lo, T.max(lo, causal_hi)
 
 
+def _col_range(mode, n_start, bm, bn, qlen, kv_len, Sq, W, G):
+    """[lo, hi) query tiles a block of keys starting at n_start visits (the fused backward). bwd_dkdv_program
+    computes the same bounds inline: its statements name them, so its compiled kernels (cached) stay as built."""
+    if mode == 1:
+        return 0, T.if_then_else(n_start < kv_len, T.ceildiv(Sq, bm), 0)
+    if mode == 2:
+        lo = n_start // bm
+        return lo, T.if_then_else(n_start < kv_len, T.max(lo, T.ceildiv(Sq, bm)), lo)
+    if mode == 4:
+        # one range over the window band, the padded rows on the diagonal and the global rows (the
+        # rows between band and global rows are visited masked: simpler than a second loop)
+        has_keys = n_start < kv_len
+        lo = T.if_then_else(has_keys, T.min(n_start, T.max(qlen - G, 0)), n_start) // bm
+        top = T.max(n_start + bn - 1 + W, T.if_then_else(has_keys, qlen, 0))
+        return lo, T.max(lo, T.ceildiv(T.min(Sq, top), bm))
+    if mode == 5:
+        return 0, T.ceildiv(Sq, bm)
+    lo = n_start // bm
+    return lo, T.max(lo, T.ceildiv(T.min(Sq, T.max(qlen, n_start + bn)), bm))
+
+
 def _padded(sq: int) -> int:
     """Row statistics (LSE, delta) are stored padded to whole 128-row tiles: every tile load stays in bounds
     and the rows stay 16-byte aligned, as the bulk-copy (TMA) descriptors require."""
@@ -93,7 +114,23 @@ def _pass_configs(config: tuple) -> dict:
     return {}
 
 
-def fwd_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
+def _fa3_pipeline(dropout):
+    """T.Pipelined order/stage of TileLang's Hopper flash-attention schedule for the forward loop body below,
+    one entry per statement (tilelang 0.1.15 has neither `group` nor shared orders, so the example's groups
+    are expanded and ranked): K copy | clear, QK gemm | mask+scale .. P cast | O rescale | V copy | PV gemm.
+    Tile k's copies, QK gemm and softmax are stage 0; the rescale and PV gemm of tile k-1 (stage 1) are
+    issued after tile k's QK gemm and before its softmax, which they overlap."""
+    n_softmax = 9 if dropout else 8  # the dropout keep test is one more statement of the softmax group
+    order = [0, 2, 3] + list(range(6, 6 + n_softmax)) + [4, 1, 5]
+    stage = [0, 0, 0] + [0] * n_softmax + [1, 0, 1]
+    return dict(order=order, stage=stage)
+
+
+def fwd_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages, schedule=""):
+    """Forward. `schedule="fa3"` (long buckets): the Hopper example's overlapped pipeline for the key-length
+    and causal masks; the window and roles masks (per-tile staging statements) keep the plain pipeline."""
+    if schedule == "fa3" and mode in (1, 2, 3):
+        return _fwd_fa3_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages)
     B, H, Sq, Skv, NKL, SqP, NR = T.dynamic("B, H, Sq, Skv, NKL, SqP, NR")
     acc = "float32"
     neg_inf = -T.infinity(acc)
@@ -172,6 +209,90 @@ def fwd_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
                 for i, j in T.Parallel(bm, D):
                     o[i, j] *= alpha[i]
                 T.copy(s, s_cast)
+                T.copy(V[bz, by, kk * bn:(kk + 1) * bn, :], V_s)
+                T.gemm(s_cast, V_s, o, policy=T.GemmWarpPolicy.FullRow)
+            for i, j in T.Parallel(bm, D):
+                o[i, j] = T.if_then_else(l[i] == 0.0, 0.0, o[i, j] * drop_scale / l[i])
+            T.copy(o, O[bz, by, m_start:m_start + bm, :])
+            for i in T.Parallel(bm):
+                lse[i] = T.if_then_else(l[i] == 0.0, T.infinity(acc), m[i] + T.log2(l[i]))
+            T.copy(lse, LSE[bz, by, m_start:m_start + bm])
+
+    return attn_fwd
+
+
+def _fwd_fa3_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
+    """fwd_program's algorithm (same arguments, masks, dropout and LSE), its loop body ordered for
+    `_fa3_pipeline`: the P cast closes the softmax group and the O rescale follows it."""
+    B, H, Sq, Skv, NKL, SqP, NR = T.dynamic("B, H, Sq, Skv, NKL, SqP, NR")
+    acc = "float32"
+    neg_inf = -T.infinity(acc)
+
+    @T.prim_func
+    def attn_fwd(
+        Q: T.Tensor([B, H, Sq, D], dtype),
+        K: T.Tensor([B, H, Skv, D], dtype),
+        V: T.Tensor([B, H, Skv, D], dtype),
+        O: T.Tensor([B, H, Sq, D], dtype),
+        LSE: T.Tensor([B, H, SqP], acc),
+        KL: T.Tensor([NKL], "int32"),
+        ROLE: T.Tensor([NR], "int32"),
+        VIS: T.Tensor([32], "int32"),
+        qk_scale: T.float32,
+        seed: T.int32,
+        thr: T.int32,
+        drop_scale: T.float32,
+        W: T.int32,
+        G: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(Sq, bm), H, B, threads=threads) as (bx, by, bz):
+            Q_s = T.alloc_shared([bm, D], dtype)
+            K_s = T.alloc_shared([bn, D], dtype)
+            V_s = T.alloc_shared([bn, D], dtype)
+            s = T.alloc_fragment([bm, bn], acc)
+            s_cast = T.alloc_fragment([bm, bn], dtype)
+            o = T.alloc_fragment([bm, D], acc)
+            m = T.alloc_fragment([bm], acc)
+            m_prev = T.alloc_fragment([bm], acc)
+            m_use = T.alloc_fragment([bm], acc)
+            alpha = T.alloc_fragment([bm], acc)
+            row_sum = T.alloc_fragment([bm], acc)
+            l = T.alloc_fragment([bm], acc)
+            lse = T.alloc_fragment([bm], acc)
+
+            qlen = T.max(KL[bz], 0) if has_kl else Skv
+            kv_len = T.min(qlen, Skv) if has_kl else Skv
+            m_start = bx * bm
+            lo, hi = _row_range(mode, m_start, bm, bn, qlen, kv_len, Skv, W, G)
+            stream = _stream(seed, bz * H + by)
+
+            T.copy(Q[bz, by, m_start:m_start + bm, :], Q_s)
+            T.fill(o, 0)
+            T.fill(l, 0)
+            T.fill(m, neg_inf)
+            for kk in T.Pipelined(lo, hi, **_fa3_pipeline(dropout)):
+                T.copy(K[bz, by, kk * bn:(kk + 1) * bn, :], K_s)
+                T.clear(s)
+                T.gemm(Q_s, K_s, s, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                for i, j in T.Parallel(bm, bn):
+                    s[i, j] = T.if_then_else(_allowed(mode, m_start + i, kk * bn + j, qlen, kv_len, Sq, Skv),
+                                             s[i, j] * qk_scale, neg_inf)
+                T.copy(m, m_prev)
+                T.reduce_max(s, m, dim=1, clear=False)
+                for i in T.Parallel(bm):
+                    m_use[i] = T.if_then_else(m[i] == neg_inf, 0.0, m[i])
+                    alpha[i] = T.exp2(m_prev[i] - m_use[i])
+                for i, j in T.Parallel(bm, bn):
+                    s[i, j] = T.exp2(s[i, j] - m_use[i])
+                T.reduce_sum(s, row_sum, dim=1)
+                for i in T.Parallel(bm):
+                    l[i] = l[i] * alpha[i] + row_sum[i]
+                if dropout:
+                    for i, j in T.Parallel(bm, bn):
+                        s[i, j] = T.if_then_else(_keep(m_start + i, kk * bn + j, Skv, stream, thr), s[i, j], 0.0)
+                T.copy(s, s_cast)
+                for i, j in T.Parallel(bm, D):
+                    o[i, j] *= alpha[i]
                 T.copy(V[bz, by, kk * bn:(kk + 1) * bn, :], V_s)
                 T.gemm(s_cast, V_s, o, policy=T.GemmWarpPolicy.FullRow)
             for i, j in T.Parallel(bm, D):
@@ -380,7 +501,105 @@ def bwd_dkdv_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
     return attn_bwd_dkdv
 
 
-_PROGRAMS = {"fwd": fwd_program, "dq": bwd_dq_program, "dkdv": bwd_dkdv_program}
+def bwd_fused_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages, schedule="fused"):
+    """One backward kernel (the FlashAttention-2 structure of TileLang's Hopper example): a block of bn keys
+    accumulates dK and dV over the query tiles it sees, as bwd_dkdv_program does, and adds each query tile's
+    dQ share (dS^T K, scaled) into the fp32 `dQacc` with atomics (5 matmuls per tile pair instead of the two
+    kernels' 7). Delta = rowsum(dO * O) comes in precomputed; `backward` casts dQacc to the output dtype.
+    With 256 threads the key block is split between two warpgroups: bn = 128 keys."""
+    assert schedule == "fused"
+    B, H, Sq, Skv, NKL, SqP, NR = T.dynamic("B, H, Sq, Skv, NKL, SqP, NR")
+    acc = "float32"
+
+    @T.prim_func
+    def attn_bwd_fused(
+        Q: T.Tensor([B, H, Sq, D], dtype),
+        K: T.Tensor([B, H, Skv, D], dtype),
+        V: T.Tensor([B, H, Skv, D], dtype),
+        dO: T.Tensor([B, H, Sq, D], dtype),
+        dQacc: T.Tensor([B, H, SqP, D], acc),
+        dK: T.Tensor([B, H, Skv, D], dtype),
+        dV: T.Tensor([B, H, Skv, D], dtype),
+        LSE: T.Tensor([B, H, SqP], acc),
+        Delta: T.Tensor([B, H, SqP], acc),
+        KL: T.Tensor([NKL], "int32"),
+        ROLE: T.Tensor([NR], "int32"),
+        VIS: T.Tensor([32], "int32"),
+        qk_scale: T.float32,
+        sm_scale: T.float32,
+        seed: T.int32,
+        thr: T.int32,
+        drop_scale: T.float32,
+        W: T.int32,
+        G: T.int32,
+    ):
+        with T.Kernel(T.ceildiv(Skv, bn), H, B, threads=threads) as (bx, by, bz):
+            K_s = T.alloc_shared([bn, D], dtype)
+            V_s = T.alloc_shared([bn, D], dtype)
+            Q_s = T.alloc_shared([bm, D], dtype)
+            dO_s = T.alloc_shared([bm, D], dtype)
+            dsT_s = T.alloc_shared([bn, bm], dtype)
+            lse_s = T.alloc_shared([bm], acc)
+            delta_s = T.alloc_shared([bm], acc)
+            sT = T.alloc_fragment([bn, bm], acc)
+            dpT = T.alloc_fragment([bn, bm], acc)
+            p_cast = T.alloc_fragment([bn, bm], dtype)
+            ds_cast = T.alloc_fragment([bn, bm], dtype)
+            dk = T.alloc_fragment([bn, D], acc)
+            dv = T.alloc_fragment([bn, D], acc)
+            dq = T.alloc_fragment([bm, D], acc)
+            q_word = T.alloc_shared([bm], "int32")
+            k_code = T.alloc_shared([bn], "int32")
+
+            qlen = T.max(KL[bz], 0) if has_kl else Skv  # the valid length L of masks.py
+            kv_len = T.min(qlen, Skv) if has_kl else Skv  # no key lengths: every key is valid
+            n_start = bx * bn
+            lo, hi = _col_range(mode, n_start, bm, bn, qlen, kv_len, Sq, W, G)
+            stream = _stream(seed, bz * H + by)
+
+            T.copy(K[bz, by, n_start:n_start + bn, :], K_s)
+            T.copy(V[bz, by, n_start:n_start + bn, :], V_s)
+            if mode == 5:
+                for i in T.Parallel(bn):
+                    k_code[i] = T.if_then_else(n_start + i < Skv, ROLE[bz * Skv + n_start + i], 32)
+            T.clear(dk)
+            T.clear(dv)
+            for mm in T.Pipelined(lo, hi, num_stages=stages):
+                T.copy(Q[bz, by, mm * bm:(mm + 1) * bm, :], Q_s)
+                T.copy(dO[bz, by, mm * bm:(mm + 1) * bm, :], dO_s)
+                T.copy(LSE[bz, by, mm * bm:(mm + 1) * bm], lse_s)
+                T.copy(Delta[bz, by, mm * bm:(mm + 1) * bm], delta_s)
+                if mode == 5:
+                    for j in T.Parallel(bm):
+                        q_word[j] = VIS[T.if_then_else(mm * bm + j < Sq, ROLE[bz * Sq + mm * bm + j], 0) & 31]
+                T.clear(sT)
+                T.gemm(K_s, Q_s, sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                T.clear(dpT)
+                T.gemm(V_s, dO_s, dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
+                for i, j in T.Parallel(bn, bm):
+                    p = T.if_then_else(_allowed(mode, mm * bm + j, n_start + i, qlen, kv_len, Sq, Skv, W, G,
+                                                q_word[j], k_code[i]),
+                                       T.exp2(sT[i, j] * qk_scale - lse_s[j]), 0.0)
+                    if dropout:
+                        kept = _keep(mm * bm + j, n_start + i, Skv, stream, thr)
+                        p_cast[i, j] = T.if_then_else(kept, p * drop_scale, 0.0)
+                        ds_cast[i, j] = p * (T.if_then_else(kept, dpT[i, j] * drop_scale, 0.0) - delta_s[j]) * sm_scale
+                    else:
+                        p_cast[i, j] = p
+                        ds_cast[i, j] = p * (dpT[i, j] - delta_s[j]) * sm_scale
+                T.gemm(p_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
+                T.gemm(ds_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)
+                T.copy(ds_cast, dsT_s)
+                T.clear(dq)
+                T.gemm(dsT_s, K_s, dq, transpose_A=True)
+                T.atomic_add(dQacc[bz, by, mm * bm:(mm + 1) * bm, :], dq)
+            T.copy(dk, dK[bz, by, n_start:n_start + bn, :])
+            T.copy(dv, dV[bz, by, n_start:n_start + bn, :])
+
+    return attn_bwd_fused
+
+
+_PROGRAMS = {"fwd": fwd_program, "dq": bwd_dq_program, "dkdv": bwd_dkdv_program, "fused": bwd_fused_program}
 
 
 def _program(which: str):
@@ -404,18 +623,19 @@ def lower_source(which: str, D: int, dtype: str, mode: int, has_kl: bool, dropou
 
 
 def compile_only(arch: str = "sm_90a", D: int = 64, dtype: str = "bfloat16", mode: int = 3, has_kl: bool = True,
-                 dropout: bool = True, bucket: int = 1) -> dict:
-    """Lower the forward and both backward kernels of one variant for `arch` and compile the three sources
-    with nvcc in one invocation (one header parse instead of three). Returns {"fwd"|"dq"|"dkdv": source,
+                 dropout: bool = True, bucket: int = 1, fwd_config: tuple | None = None,
+                 bwd_config: tuple | None = None) -> dict:
+    """Lower the forward and the backward kernels of one variant for `arch` and compile the sources with nvcc
+    in one invocation (one header parse). Returns {"fwd", then "dq" and "dkdv" or "fused": source,
     "cubin_bytes": n}; raises RuntimeError with nvcc's errors when compilation fails."""
     import os
     import subprocess
     import tempfile
 
     target = {"kind": "cuda", "arch": arch}
-    jobs = [(which, D, dtype, mode, has_kl, dropout,
-             TILELANG_FWD_CONFIGS[(D, bucket)] if which == "fwd" else TILELANG_BWD_CONFIGS[(D, bucket)], target)
-            for which in ("fwd", "dq", "dkdv")]
+    bwd_config = bwd_config or TILELANG_BWD_CONFIGS[(D, bucket)]
+    jobs = [("fwd", D, dtype, mode, has_kl, dropout, fwd_config or TILELANG_FWD_CONFIGS[(D, bucket)], target)]
+    jobs += [(which, D, dtype, mode, has_kl, dropout, bwd_config, target) for which in backward_kernels(bwd_config)]
     sources = [lower_source(*job) for job in jobs]
     root = os.path.dirname(tilelang.__file__)
     with tempfile.TemporaryDirectory() as tmp:
@@ -429,7 +649,7 @@ def compile_only(arch: str = "sm_90a", D: int = 64, dtype: str = "bfloat16", mod
             errors = [line for line in result.stderr.splitlines() if "error" in line]
             raise RuntimeError(f"nvcc failed ({result.returncode}): " + "\n".join(errors[:10]))
         size = os.path.getsize(cubin)
-    return {"fwd": sources[0], "dq": sources[1], "dkdv": sources[2], "cubin_bytes": size}
+    return {**{job[0]: source for job, source in zip(jobs, sources, strict=True)}, "cubin_bytes": size}
 
 
 _dummy_kl: dict = {}
@@ -480,6 +700,11 @@ def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p:
     return o, lse
 
 
+def backward_kernels(config: tuple) -> tuple[str, ...]:
+    """The backward kernels a tile config names: the fused kernel, or dQ then dK/dV."""
+    return ("fused",) if len(config) > 4 and config[4] == "fused" else ("dq", "dkdv")
+
+
 def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: int, dropout_p: float,
              config=None, extra=None):
     import torch
@@ -488,13 +713,22 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
     B, H, Sq, D = q.shape
     cfg = config or TILELANG_BWD_CONFIGS[(D, length_bucket(Sq))]
     variant = (D, q.dtype, MODE_CODE[mode], key_lengths is not None, dropout_p > 0.0, cfg, q.get_device())
-    dq = torch.empty_like(q)
     dk = torch.empty_like(k)
     dv = torch.empty_like(v)
-    delta = torch.empty((B, H, _padded(Sq)), dtype=torch.float32, device=q.device)
     kl = _kl_arg(key_lengths, q.device)
     role, vis, W, G = _extra_args(extra, q.device)
     scalars = (scale * _LOG2E, scale, seed, int(round(dropout_p * (1 << 24))), 1.0 / (1.0 - dropout_p), W, G)
+    if backward_kernels(cfg) == ("fused",):
+        # delta = rowsum(dO * O) in fp32 (padded rows 0), dQ accumulated in fp32 by the kernel's atomics
+        delta = torch.zeros((B, H, _padded(Sq)), dtype=torch.float32, device=q.device)
+        delta[:, :, :Sq] = (o.float() * do.float()).sum(-1)
+        dq_acc = torch.zeros((B, H, _padded(Sq), D), dtype=torch.float32, device=q.device)
+        key = ("flash_attention.fused", *variant)
+        (LAUNCHERS.get(key) or KERNELS.first(key, q.device))(q, k, v, do, dq_acc, dk, dv, lse, delta, kl, role, vis,
+                                                             *scalars)
+        return dq_acc[:, :, :Sq].to(q.dtype), dk, dv
+    dq = torch.empty_like(q)
+    delta = torch.empty((B, H, _padded(Sq)), dtype=torch.float32, device=q.device)
     key = ("flash_attention.dq", *variant)
     (LAUNCHERS.get(key) or KERNELS.first(key, q.device))(q, k, v, o, do, dq, lse, delta, kl, role, vis, *scalars)
     key = ("flash_attention.dkdv", *variant)

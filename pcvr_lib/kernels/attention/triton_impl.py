@@ -31,7 +31,7 @@ from .config import (
     TRITON_BWD_DQ_CONFIGS,
     TRITON_BWD_KV_CONFIGS,
     TRITON_FWD_CONFIGS,
-    TRITON_LONG_BWD_CONFIGS,
+    TRITON_LONG_BWD_ROUTED,
     TRITON_LONG_FWD_CONFIGS,
 )
 from .masks import MODE_CODE, length_bucket
@@ -542,7 +542,7 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
              dq_config=None, kv_config=None, extra=None):
     """(dQ, dK, dV): two launches, dQ (which also writes delta = rowsum(dO*O)) then dK/dV."""
     B, H, Sq, D = q.shape
-    if (dq_config is None and kv_config is None and D in TRITON_LONG_BWD_CONFIGS
+    if (dq_config is None and kv_config is None and D in TRITON_LONG_BWD_ROUTED
             and triton_long.applies(mode, Sq, scale, extra)):
         return triton_long.backward(do, q, k, v, o, lse, key_lengths, mode, scale, seed, dropout_p)
     Skv = k.shape[2]

@@ -38,6 +38,13 @@ TILELANG_FWD = {64: [(128, 128, 256, 2), (128, 64, 256, 2), (64, 64, 128, 2)],
                 128: [(128, 128, 256, 2), (128, 64, 256, 2), (64, 64, 128, 2)]}
 TILELANG_BWD = {64: [(64, 64, 128, 2), (128, 64, 256, 2), (64, 128, 256, 2)],
                 128: [(64, 64, 128, 2), (128, 64, 256, 2), (64, 32, 128, 2)]}
+# session 3 (notes/attention.md "TileLang long sequences"): the Hopper example's ordered forward pipeline
+# ("fa3") and the fused backward (dK/dV per key block, dQ by atomics; "fused"), fp16 and bf16; D64 also the
+# plain pipeline with one consumer warpgroup for 128 rows (fewer registers per CTA than 256 threads)
+TILELANG_FWD_LONG = {64: [(128, 128, 256, 2, "fa3"), (128, 64, 256, 2, "fa3"), (128, 64, 128, 2)],
+                     128: [(128, 128, 256, 2, "fa3"), (128, 64, 256, 2, "fa3")]}
+TILELANG_BWD_LONG = {64: [(64, 128, 256, 2, "fused"), (128, 128, 256, 2, "fused"), (64, 64, 128, 2, "fused")],
+                     128: [(64, 128, 256, 2, "fused"), (32, 128, 256, 2, "fused"), (64, 64, 128, 2, "fused")]}
 
 
 def _time(fn, reps=20, warm_s=0.1) -> float:

@@ -71,6 +71,14 @@ TILELANG_CASES = (
        (3, 2, 110, 110, 32, "bf16", "roles", 0.0), (4, 2, 320, 320, 16, "bf16", "window", 0.0),
        (5, 1, 130, 130, 16, "bf16", "window_g3", 0.0)]
 )
+# the long-sequence candidates (tune.TILELANG_FWD_LONG / TILELANG_BWD_LONG, first of each; session 3), run with
+# the bucket's config replaced: (case as above, forward config, backward config)
+TILELANG_LONG_CASES = [
+    ((2, 2, 1000, 1000, 64, "bf16", "causal_valid", 0.3), (128, 128, 256, 2, "fa3"), (64, 128, 256, 2, "fused")),
+    ((2, 2, 1000, 1000, 64, "fp16", "key_lengths", 0.0), (128, 128, 256, 2, "fa3"), (64, 128, 256, 2, "fused")),
+    ((2, 1, 600, 1000, 128, "bf16", "causal", 0.0), (128, 128, 256, 2, "fa3"), (64, 128, 256, 2, "fused")),
+    ((2, 2, 777, 777, 128, "fp16", "none", 0.0), (128, 128, 256, 2, "fa3"), (64, 128, 256, 2, "fused")),
+]
 # the row-count test's calls (bucket 0, fp16, key lengths)
 RECOMPILE_CASE = (2, 2, 100, 100, 64, "fp16", "key_lengths", 0.0)
 
@@ -207,37 +215,27 @@ def variants(backend: str) -> list[tuple]:
 
 def tilelang_variants(tune: bool = False) -> list[tuple]:
     """(kernel, D, dtype, mode code, key lengths, dropout, tile config) of the TileLang kernels the suites
-    use (and, with `tune`, tune.py's candidates: bf16, no mask)."""
+    use, TILELANG_LONG_CASES included (and, with `tune`, tune.py's candidates: bf16, no mask; the long-sequence
+    ones in fp16 too)."""
+    from .tilelang_impl import backward_kernels
+
     out = set()
     for D, dtype, mode, dropout, bucket in variants("tilelang"):
         use_kl, code = mask_spec(mode)
         out.add(("fwd", D, dtype, code, use_kl, dropout, TILELANG_FWD_CONFIGS[(D, bucket)]))
-        out.update((w, D, dtype, code, use_kl, dropout, TILELANG_BWD_CONFIGS[(D, bucket)]) for w in ("dq", "dkdv"))
+        bwd = TILELANG_BWD_CONFIGS[(D, bucket)]
+        out.update((w, D, dtype, code, use_kl, dropout, bwd) for w in backward_kernels(bwd))
+    for (_, _, _, _, D, dt, mode, p), fwd_cfg, bwd_cfg in TILELANG_LONG_CASES:
+        use_kl, code = mask_spec(mode)
+        out.add(("fwd", D, DTYPES[dt], code, use_kl, p > 0, fwd_cfg))
+        out.update((w, D, DTYPES[dt], code, use_kl, p > 0, bwd_cfg) for w in backward_kernels(bwd_cfg))
     if tune:
-        from .tune import TILELANG_BWD, TILELANG_FWD
+        from .tune import TILELANG_BWD, TILELANG_BWD_LONG, TILELANG_FWD, TILELANG_FWD_LONG
 
         for D in TILELANG_FWD:
             out.update(("fwd", D, torch.bfloat16, 1, False, False, c) for c in TILELANG_FWD[D])
             out.update((w, D, torch.bfloat16, 1, False, False, c) for c in TILELANG_BWD[D] for w in ("dq", "dkdv"))
+            for dtype in (torch.float16, torch.bfloat16):
+                out.update(("fwd", D, dtype, 1, False, False, c) for c in TILELANG_FWD_LONG[D])
+                out.update(("fused", D, dtype, 1, False, False, c) for c in TILELANG_BWD_LONG[D])
     return sorted(out, key=str)
-
-
-def run_once(backend: str, D: int, dtype: torch.dtype, mode: str, dropout: bool, bucket: int) -> None:
-    """Inference forward, training forward and backward of one variant on tiny CUDA tensors (compiles it)."""
-    from . import flash_attention
-
-    S = {0: 64, 1: 256, 2: 640}[bucket]
-    q, k, v = (torch.randn(1, 1, S, D, device="cuda", dtype=dtype) for _ in range(3))
-    if mode in STRUCTURED:
-        args = structured_mask(mode, 1, S, device="cuda")
-    else:
-        use_kl, causal, causal_valid = MODES[mode]
-        kl = torch.tensor([S - 3], device="cuda", dtype=torch.int32) if use_kl else None
-        args = dict(key_lengths=kl, causal=causal, causal_valid=causal_valid)
-    args.update(dropout_p=0.25 if dropout else 0.0, training=dropout, backend=backend,
-                generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        flash_attention(q, k, v, **args)
-    q.requires_grad_()
-    flash_attention(q, k, v, **args).sum().backward()
-    torch.cuda.synchronize()

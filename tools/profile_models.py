@@ -1,0 +1,102 @@
+"""Where a model's training step spends its time, per operator backend (GPU; issue 12's model-level note).
+
+    python tools/profile_models.py [--models all] [--backends torch,triton] [--steps 3] [--top 12] [--out DIR]
+
+Same build and batch as perf_tests/test_models.py (batch 256, the demo schema's lengths, tables capped at
+8192 rows). Each (model, backend): two warm-up steps, then `--steps` training steps under torch.profiler.
+Per step: the kernels' device time (sum of CUDA kernel durations), the number of kernel launches, and the
+`--top` kernels by device time. Writes profile_models.json to --out (default $OUT, else .) and prints, per
+model, the backends side by side and the kernels whose device time differs most between them.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections import defaultdict
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from pcvr_lib.models import model_names  # noqa: E402
+from pcvr_lib.models.step import ModelStep  # noqa: E402
+from pcvr_lib.schema import load_schema  # noqa: E402
+from smoke_tests.model_checks import DEMO_SCHEMA, random_batch  # noqa: E402
+
+BATCH, TABLE_CAP = 256, 8192  # as perf_tests/test_models.py
+
+
+def profile_step(name: str, backend: str, schema, batch, steps: int) -> dict:
+    step = ModelStep(name, schema, batch, backend, config={"vocab_cap": TABLE_CAP}, seed=0, device="cuda")
+    for _ in range(2):
+        step.train_step()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(steps):
+            step.train_step()
+        torch.cuda.synchronize()
+    kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
+    for event in prof.events():
+        if event.device_type == torch.autograd.DeviceType.CUDA:
+            entry = kernels[event.name[:90]]
+            entry[0] += event.time_range.elapsed_us() / steps  # us per step (kernel durations)
+            entry[1] += 1 / steps
+    device_us = sum(us for us, _ in kernels.values())
+    launches = sum(n for _, n in kernels.values())
+    return {"device_us": round(device_us, 1), "launches": round(launches, 1),
+            "kernels": {k: [round(us, 1), round(n, 2)] for k, (us, n) in
+                        sorted(kernels.items(), key=lambda kv: -kv[1][0])}}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--models", default="all")
+    parser.add_argument("--backends", default="torch,triton")
+    parser.add_argument("--steps", type=int, default=3)
+    parser.add_argument("--top", type=int, default=12)
+    parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    args = parser.parse_args(argv)
+    if not torch.cuda.is_available():
+        parser.error("needs a CUDA device")
+    models = model_names() if args.models == "all" else args.models.split(",")
+    backends = args.backends.split(",")
+    schema = load_schema(DEMO_SCHEMA)
+    batch = random_batch(schema, batch=BATCH, seed=3)
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "models": {}}
+    path = os.path.join(args.out, "profile_models.json")
+    for name in models:
+        result["models"][name] = {}
+        for backend in backends:
+            try:
+                result["models"][name][backend] = profile_step(name, backend, schema, batch, args.steps)
+            except Exception as exc:  # noqa: BLE001 - reported; the other models still run
+                result["models"][name][backend] = {"error": f"{type(exc).__name__}: {exc}"[:300]}
+            with open(path, "w") as f:
+                json.dump(result, f, indent=1)
+            print(f"{name} {backend}: done", flush=True)
+    for name, per_backend in result["models"].items():
+        ok = {b: r for b, r in per_backend.items() if "error" not in r}
+        print(f"\n== {name}: " + ", ".join(f"{b} {r['device_us'] / 1e3:.1f} ms device, {r['launches']:.0f} launches"
+                                         for b, r in ok.items()))
+        for b, r in per_backend.items():
+            if "error" in r:
+                print(f"   {b}: {r['error']}")
+        if len(ok) < 2:
+            continue
+        names = set().union(*(r["kernels"] for r in ok.values()))
+        diff = sorted(names, key=lambda k: -max(abs(ok[b]["kernels"].get(k, [0, 0])[0] -
+                                                     ok[backends[0]]["kernels"].get(k, [0, 0])[0]) for b in ok))
+        print("   " + "  ".join(f"{b:>16}" for b in ok) + "  kernel (us per step [launches])")
+        for k in diff[:args.top]:
+            cells = "  ".join(f"{ok[b]['kernels'].get(k, [0, 0])[0]:9.0f} [{ok[b]['kernels'].get(k, [0, 0])[1]:4.0f}]"
+                              for b in ok)
+            print(f"   {cells}  {k}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
