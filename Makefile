@@ -19,6 +19,8 @@ BASE ?= HEAD
 AB_ROUNDS ?= 2
 # NAME=VALUE settings for the candidate's runs only (e.g. AB_ENV=PCVR_PLANTED_CPU_SLOWDOWN=0.10 plants a slowdown)
 AB_ENV ?=
+# more pcvr compare options, e.g. AB_ROUNDS=8 AB_FLAGS="--side-by-side --until-clear 12" (CPU cases: notes/comparison.md)
+AB_FLAGS ?=
 REPORT_VIEW ?= summary
 SMOKE_MODELS ?= all
 SMOKE_SEEDS ?= 17,42,97
@@ -80,7 +82,7 @@ noise: setup
 # Interleaved A-B-B-A runs of BASE (git revision or directory) and this tree, bootstrap interval per case.
 ab: setup
 	$(PYTHON) -m pcvr_lib compare --base $(BASE) --rounds $(AB_ROUNDS) --work $(RESULTS)/ab \
-		$(foreach e,$(AB_ENV),--candidate-env $(e)) $(COMPARE_TESTS)
+		$(foreach e,$(AB_ENV),--candidate-env $(e)) $(AB_FLAGS) $(COMPARE_TESTS)
 
 report: setup
 	$(PYTHON) -m pcvr_lib report $(BENCH_JSON) --view $(REPORT_VIEW)

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import contextlib
+import os
+import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -35,6 +38,36 @@ def test_update_machine_info_lists_versions():
     assert "triton" in info["libraries"] and "tilelang" in info["libraries"]
     if not torch.cuda.is_available():
         assert info["gpu"] is None
+    else:  # every GPU run records the host's speed (compare.host_factors divides host ratios by it)
+        probe = info["host_probe"]
+        assert 0.5 < probe["us"] < 1000 and len(probe["samples_us"]) == 3 and probe["call"] == timing.HOST_PROBE_CALL
+
+
+def test_exclusive_round_stops_the_other_process_for_its_duration(tmp_path, monkeypatch):
+    """`pcvr compare --side-by-side`: a timed CPU round holds the pair's lock and keeps the other process
+    stopped; afterwards it runs again. Without PCVR_EXCLUSIVE_DIR nothing happens."""
+    import subprocess
+    import sys
+
+    def state(pid):
+        return Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+    other = subprocess.Popen([sys.executable, "-c", "while True: pass"])
+    try:
+        (tmp_path / "pids").write_text(f"{other.pid} {os.getpid()}")
+        with timing.ExclusiveRound(str(tmp_path)) as round_:
+            assert round_.active and state(other.pid) == "T"
+        deadline = time.time() + 5
+        while state(other.pid) == "T" and time.time() < deadline:
+            time.sleep(0.01)
+        assert state(other.pid) in ("R", "S")
+        monkeypatch.delenv(timing.EXCLUSIVE_ENV, raising=False)
+        assert not timing.ExclusiveRound().active
+        monkeypatch.setenv(timing.EXCLUSIVE_ENV, str(tmp_path))
+        assert timing.ExclusiveRound().active
+    finally:
+        other.kill()
+        other.wait()
 
 
 class _FakeEvents:

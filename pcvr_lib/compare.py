@@ -13,12 +13,14 @@ metric regresses when it grew by more than max(K x the spread seen in A/A runs o
 a relative floor, an absolute floor). Runs from different CPUs or accelerators are refused.
 
 Exit codes: 0 nothing regressed, 1 a case regressed or went missing, 2 refused (unreadable input,
-different machines, nothing comparable).
+different machines, nothing comparable), 3 (`pcvr compare` only) inconclusive: a gated case neither within
+nor beyond its threshold after the last pair.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import hashlib
 import json
 import math
@@ -36,6 +38,7 @@ from pathlib import Path
 from pcvr_lib.report import ReportError, format_table, load_benchmark_json
 
 EXIT_OK, EXIT_REGRESSED, EXIT_REFUSED = 0, 1, 2
+EXIT_INCONCLUSIVE = 3  # pcvr compare: a gated case still "unclear" after the last pair
 NOISE_VERSION = 1
 # Thresholds: K x the A/A spread of the case (or its group's 90th percentile, whichever is larger), never
 # below the relative floor nor below the absolute floor (a few hundred ns of device time, one us of host
@@ -108,7 +111,9 @@ def cases_of(data: dict) -> dict[str, Case]:
                 if extra.get(f"{metric}_us") is not None:
                     values[metric] = extra[f"{metric}_us"] / 1e6
         values = {k: v for k, v in values.items() if isinstance(v, int | float) and math.isfinite(v)}
-        rounds = {kind: stats["data"]} if stats.get("data") else {}
+        # per-round samples of the gated number, for the interleaved comparison: a CPU case's raw CPU seconds of
+        # every timed round (timing.bench_cpu keeps them), else nothing (the run's one value is its sample)
+        rounds = {kind: extra["cpu_raw_rounds_s"]} if kind == "cpu" and extra.get("cpu_raw_rounds_s") else {}
         out[bench["fullname"]] = Case(bench["fullname"], case_group(bench), kind, extra.get("gated", True) is not False,
                                       extra.get("fingerprint") or fingerprint(extra), values, rounds)
     return out
@@ -246,10 +251,69 @@ class Row:
     why: str = ""
 
 
-def diff_runs(base: dict, new: dict, noise: dict | None) -> list[Row]:
-    """Compare two stored runs case by case (no running)."""
+MIN_CASES_FOR_GROUP_FACTOR = 4  # fewer gated cases with host time: the run-wide median is the group's factor
+MIN_CASES_FOR_MEDIAN_FACTOR = 8  # without a host probe and fewer cases than this: no host factor at all
+# Host time is gated where a user can feel it: when it is at least this fraction of the device time. A call of
+# milliseconds on the GPU hides its 50-300 us of issue time, and that host time scatters 3x between runs of
+# one tree (the issuing thread waits on a busy GPU): lease A/B, S4096 attention, notes/comparison.md.
+HOST_GATED_FRACTION = 0.25
+
+
+def host_gated(case: Case) -> bool:
+    """Whether a case's host time is gated: its host time is >= HOST_GATED_FRACTION x its device time."""
+    host, device = case.values.get("host"), case.values.get("device")
+    return host is not None and device is not None and host >= HOST_GATED_FRACTION * device
+
+
+def host_probe_us(run: dict) -> float | None:
+    """The run's host-speed probe (timing.host_probe: a fixed torch call's host time), when it has one."""
+    probe = (run.get("machine_info") or {}).get("host_probe") or {}
+    value = probe.get("us")
+    return float(value) if isinstance(value, int | float) and value > 0 else None
+
+
+def host_factors(old_cases: dict[str, Case], new_cases: dict[str, Case], base: dict,
+                 new: dict) -> tuple[dict[str, float], dict[str, float], str]:
+    """How much slower the new run's host issues the same calls, per group: (factor by which host ratios are
+    divided, common shift left after that division, where the factor came from).
+
+    Host time follows the host's speed, which differs between sessions (lease B's host issued the same calls
+    about 2x slower than lease A's, notes/comparison.md). With a host probe in both runs the factor is the
+    probe ratio, and a shift of our own code (a slower launcher) stays visible in every case it touches;
+    without one it is the median host ratio of the group's gated cases, which also absorbs a shift common to
+    the group: the common shift is then reported on its own line (`host shift` rows), never hidden."""
+    ratios: dict[str, list[float]] = {}
+    for cid, old in old_cases.items():
+        now = new_cases.get(cid)
+        if (now is None or not (old.gated and now.gated) or now.fingerprint != old.fingerprint
+                or not host_gated(old) or "host" not in now.values or old.values["host"] <= 0):
+            continue
+        ratios.setdefault(old.group, []).append(now.values["host"] / old.values["host"])
+    if not ratios:
+        return {}, {}, "none"
+    every = [r for v in ratios.values() for r in v]
+    medians = {g: statistics.median(v if len(v) >= MIN_CASES_FOR_GROUP_FACTOR else every) for g, v in ratios.items()}
+    probe_base, probe_new = host_probe_us(base), host_probe_us(new)
+    if probe_base and probe_new:
+        factor = probe_new / probe_base
+        return ({g: factor for g in ratios}, {g: m / factor for g, m in medians.items()},
+                f"host probe {probe_base:.2f} -> {probe_new:.2f} us (x{factor:.2f})")
+    if len(every) < MIN_CASES_FOR_MEDIAN_FACTOR:  # too few cases to tell the host from the code: as measured
+        return {}, {}, "none"
+    return medians, medians, "median host ratio of each group's cases (no host probe in both runs)"
+
+
+def diff_runs(base: dict, new: dict, noise: dict | None, normalise_host: bool = True) -> list[Row]:
+    """Compare two stored runs case by case (no running). Host time is gated only where it is felt
+    (`host_gated`) and compared after dividing by the host's speed ratio between the runs (`host_factors`);
+    each group's common host shift is its own row. `normalise_host=False`: the rule before both (host time
+    of every case, as measured), kept to show what they change (tools/validate_comparison.py)."""
     old_cases, new_cases = cases_of(base), cases_of(new)
+    factors, shifts, source = host_factors(old_cases, new_cases, base, new) if normalise_host else ({}, {}, "")
     rows = []
+    for group in sorted(shifts):
+        rows.append(Row(f"group {group}", "host shift", None, None, shifts[group] - 1, None, "host shift",
+                        f"host factor x{factors[group]:.2f}: {source}"))
     for cid, old in old_cases.items():
         now = new_cases.get(cid)
         if now is None:
@@ -268,9 +332,15 @@ def diff_runs(base: dict, new: dict, noise: dict | None) -> list[Row]:
             if metric not in old.values or metric not in now.values:
                 continue
             b, n = old.values[metric], now.values[metric]
-            change = n / b - 1 if b > 0 else float("inf")
+            # host time on the base run's host speed (new us stays what was measured)
+            factor = factors.get(old.group, 1.0) if metric == "host" else 1.0
+            change = n / factor / b - 1 if b > 0 else float("inf")
             limit, source = threshold(noise, old, metric, b)
-            if not (old.gated and now.gated):
+            if metric == "host" and old.group in factors:
+                source += f", host x{factors[old.group]:.2f} taken out"
+            if metric == "host" and normalise_host and not host_gated(old):
+                verdict, source = "informational", f"host < {HOST_GATED_FRACTION:g} x device time: not felt per call"
+            elif not (old.gated and now.gated):
                 verdict = "informational"
             elif change > limit:
                 verdict = "REGRESSED"
@@ -301,8 +371,8 @@ def short_id(cid: str) -> str:
 
 
 def diff_table(rows: list[Row], everything: bool = False) -> str:
-    order = {"REGRESSED": 0, "MISSING": 1, "WORKLOAD CHANGED": 2, "STAT CHANGED": 3, "faster": 4, "ok": 5,
-             "informational": 6, "new": 7}
+    order = {"REGRESSED": 0, "MISSING": 1, "WORKLOAD CHANGED": 2, "STAT CHANGED": 3, "host shift": 4, "faster": 5,
+             "ok": 6, "informational": 7, "new": 8}
     shown = rows if everything else [r for r in rows if r.verdict not in ("ok", "informational")]
     shown = sorted(shown, key=lambda r: (order.get(r.verdict, 9), r.case, r.metric))
     table = format_table(
@@ -420,13 +490,23 @@ def run_suite(json_out: Path, tests: list[str], cwd: Path | None = None,
               extra_env: dict[str, str] | None = None) -> None:
     """One pytest process of the benchmark suite, writing its JSON; a failure to write JSON is an error.
     `extra_env` is set for this process only (`pcvr compare --candidate-env`)."""
+    check_suite(start_suite(json_out, tests, cwd, extra_env).wait(), json_out, tests, cwd)
+
+
+def start_suite(json_out: Path, tests: list[str], cwd: Path | None = None,
+                extra_env: dict[str, str] | None = None) -> subprocess.Popen:
+    """Start one pytest process of the benchmark suite (see run_suite) without waiting for it."""
     from pcvr_lib.data.generate import default_cache_dir
 
     json_out.parent.mkdir(parents=True, exist_ok=True)
     # both trees share one data cache: generated files are keyed by content, so a base worktree does not
     # regenerate them (nor rebuild the converter's native code, keyed by its source)
     env = {**os.environ, "PCVR_CACHE_DIR": str(default_cache_dir().resolve()), **(extra_env or {})}
-    code = subprocess.call(pytest_command(json_out.resolve(), tests), cwd=cwd, env=env)
+    return subprocess.Popen(pytest_command(json_out.resolve(), tests), cwd=cwd, env=env)
+
+
+def check_suite(code: int, json_out: Path, tests: list[str], cwd: Path | None = None) -> None:
+    """A pytest run that wrote no JSON, or exited with an error other than a failed case, is an error."""
     if not json_out.is_file():
         raise ReportError(f"pytest ({' '.join(tests)}) in {cwd or Path.cwd()} exited {code} without writing {json_out}")
     if code not in (0, 1):  # 1: a failed case is reported by the comparison (it goes missing)
@@ -474,6 +554,10 @@ def run_noise(args) -> int:
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(noise, indent=1) + "\n")
     print(noise_summary(noise))
+    probes = [host_probe_us(load_run(src)) for src in sources]
+    if any(probes):  # the host's speed per run (GPU runs): what `pcvr diff` divides host ratios by
+        print("host probe per run (us): " + ", ".join(f"{Path(src).name} {'-' if p is None else f'{p:.2f}'}"
+                                                      for src, p in zip(sources, probes, strict=True)))
     print(f"pcvr noise: {len(noise['cases'])} cases over {noise['runs']} runs -> {out}")
     return EXIT_OK
 
@@ -481,18 +565,34 @@ def run_noise(args) -> int:
 # ---------------------------------------------------------------- interleaved A/B
 
 
-def bootstrap_ratio(base: list[float], new: list[float], iterations: int = 2000, seed: int = 0,
-                    level: float = 0.95) -> tuple[float, float, float]:
-    """(median ratio new/base, low, high): percentile bootstrap interval of the ratio of medians,
-    resampling each side's values with replacement."""
+@functools.cache
+def t_quantile(q: float, df: int, samples: int = 400_000) -> float:
+    """Student's t quantile, from numpy's t sampler (seeded: the same number every time; +-0.01)."""
     import numpy as np
 
-    a, b = np.asarray(base, dtype=float), np.asarray(new, dtype=float)
-    rng = np.random.default_rng(seed)
-    ratios = (np.median(rng.choice(b, (iterations, b.size)), axis=1)
-              / np.median(rng.choice(a, (iterations, a.size)), axis=1))
-    tail = (1 - level) / 2
-    return float(np.median(b) / np.median(a)), float(np.quantile(ratios, tail)), float(np.quantile(ratios, 1 - tail))
+    return float(np.quantile(np.random.default_rng(0).standard_t(df, samples), q))
+
+
+def paired_interval(base: list[list[float]], new: list[list[float]],
+                    level: float = 0.95) -> tuple[float, float, float]:
+    """(ratio new/base, low, high) over pairs of runs (base run i with candidate run i, run next to it).
+
+    Per run the value is the median of its samples (its timed rounds, or its one value); per pair the log of
+    new / base. The ratio is the geometric mean over the pairs, the interval Student's t over the pairs'
+    logs: what differs between two processes of one tree (8% between two side-by-side processes of the
+    pipeline's opt case) is in the pairs' scatter, and with 4-8 pairs a bootstrap would be too narrow (it
+    undercovers; resampling the rounds within runs instead made single warm-up rounds decide). One pair:
+    no interval (unbounded)."""
+    import numpy as np
+
+    logs = np.array([np.log(np.median(b) / np.median(a)) for a, b in zip(base, new, strict=False)])
+    if logs.size == 0:
+        raise ValueError("paired_interval: no pair of runs")
+    mean = float(logs.mean())
+    if logs.size == 1:
+        return math.exp(mean), 0.0, math.inf
+    half = t_quantile(0.5 + level / 2, logs.size - 1) * float(logs.std(ddof=1)) / math.sqrt(logs.size)
+    return math.exp(mean), math.exp(mean - half), math.exp(mean + half)
 
 
 def abba_order(rounds: int) -> list[str]:
@@ -500,21 +600,22 @@ def abba_order(rounds: int) -> list[str]:
     return ["base", "new", "new", "base"] * rounds
 
 
-def ab_samples(runs: list[dict], metric_kind: str) -> dict[str, list[float]]:
-    """Per case: the values of one metric over the runs of one side (per round when stats.data is stored)."""
-    out: dict[str, list[float]] = {}
+def ab_samples(runs: list[dict], metric_kind: str) -> dict[str, list[list[float]]]:
+    """Per case: for every run of one side, in order, the samples of one metric (Case.rounds: a CPU case's
+    timed rounds; else the run's one value)."""
+    out: dict[str, list[list[float]]] = {}
     for run in runs:
         for cid, case in cases_of(run).items():
             metric = case.kind if metric_kind == "stat" else metric_kind
             if metric in case.values:
-                out.setdefault(cid, []).append(case.values[metric])
+                out.setdefault(cid, []).append(list(case.rounds.get(metric) or [case.values[metric]]))
     return out
 
 
 def ab_threshold(noise: dict | None, case: Case, metric: str, base_s: float) -> float:
     """The smallest change an interleaved comparison reports: the relative and absolute floors only. The A/A
     spreads of the noise file describe two runs far apart in time (what `pcvr diff` must allow for); in
-    A-B-B-A runs the bootstrap interval measures the noise of this session, so adding them again would
+    A-B-B-A runs the interval measures the noise of this session, so adding them again would
     hide any slowdown below 2x the stored-run spread (21-37% on the 2-core machine, notes/comparison.md)."""
     floors_only = {**noise, "cases": {}, "groups": {}} if noise else None
     return threshold(floors_only, case, metric, base_s)[0]
@@ -533,11 +634,28 @@ class AbRow:
     verdict: str  # REGRESSED | faster | ok | unclear | informational
 
 
+def ab_verdict(ratio: float, low: float, high: float, limit: float, gated: bool) -> str:
+    """REGRESSED: slower by more than the threshold, and the interval excludes no change. ok: not that, and
+    the interval excludes a slowdown of twice the threshold (what the comparison promises to catch: 10% on
+    CPU cases with the 5% floor). faster: the mirror of REGRESSED. Otherwise unclear: more pairs would tell
+    (`pcvr compare --until-clear`), and a comparison left unclear is inconclusive, never a pass."""
+    if not gated:
+        return "informational"
+    if ratio > 1 + limit and low > 1:
+        return "REGRESSED"
+    if ratio < 1 - limit and high < 1:
+        return "faster"
+    if high <= 1 + 2 * limit:
+        return "ok"
+    return "unclear"
+
+
 def ab_compare(base_runs: list[dict], new_runs: list[dict], noise: dict | None) -> tuple[list[AbRow], list[str]]:
-    """Per case and metric (the gated statistic, host time, per-call time): the ratio new/base with its
-    bootstrap interval; REGRESSED only when the whole interval lies above 1 + threshold. The threshold here
-    is the floors alone (`ab_threshold`): the interval already carries this session's run-to-run noise."""
-    rows, missing = [], []
+    """Per case and metric (the gated statistic, host time, per-call time): the ratio new/base over pairs of
+    runs (base run i with candidate run i) with its 95% interval (`paired_interval`), and the verdict
+    (`ab_verdict`). The threshold is the floors alone (`ab_threshold`): the interval already carries this
+    session's noise."""
+    rows = []
     base_cases = cases_of(base_runs[0])
     new_ids = set.intersection(*(set(cases_of(r)) for r in new_runs))
     missing = sorted(set(base_cases) - new_ids)
@@ -546,20 +664,12 @@ def ab_compare(base_runs: list[dict], new_runs: list[dict], noise: dict | None) 
         for cid in sorted(a.keys() & b.keys()):
             case = base_cases[cid]
             metric = case.kind if metric_kind == "stat" else metric_kind
-            ratio, low, high = bootstrap_ratio(a[cid], b[cid])
-            limit = ab_threshold(noise, case, metric, statistics.median(a[cid]))
-            if not case.gated:
-                verdict = "informational"
-            elif low > 1 + limit:
-                verdict = "REGRESSED"
-            elif high < 1 - limit:
-                verdict = "faster"
-            elif high <= 1 + limit:
-                verdict = "ok"
-            else:
-                verdict = "unclear"
-            rows.append(AbRow(cid, metric, statistics.median(a[cid]) * 1e6, statistics.median(b[cid]) * 1e6,
-                              ratio, low, high, limit, verdict))
+            ratio, low, high = paired_interval(a[cid], b[cid])
+            base_s = statistics.median(statistics.median(r) for r in a[cid])
+            new_s = statistics.median(statistics.median(r) for r in b[cid])
+            limit = ab_threshold(noise, case, metric, base_s)
+            rows.append(AbRow(cid, metric, base_s * 1e6, new_s * 1e6, ratio, low, high, limit,
+                              ab_verdict(ratio, low, high, limit, case.gated)))
     return rows, missing
 
 
@@ -605,7 +715,14 @@ def add_compare_arguments(parser) -> None:
     parser.add_argument("--replay", metavar="DIR", help="run nothing: compare the NN_base/NN_new runs an earlier "
                         "`pcvr compare` left in DIR (its --work), e.g. with another noise file")
     parser.add_argument("--new", default=".", help="directory of the candidate tree (default: this checkout)")
-    parser.add_argument("--rounds", type=int, default=2, help="A-B-B-A rounds (default 2: 4 runs per side)")
+    parser.add_argument("--rounds", type=int, default=2, help="A-B-B-A rounds (default 2: 4 runs per side); "
+                        "with --side-by-side, pairs of runs")
+    parser.add_argument("--side-by-side", action="store_true",
+                        help="CPU cases: run base and candidate at the same time, each timed round alone "
+                        "(the other process paused), so both sides see the same outside load")
+    parser.add_argument("--until-clear", type=int, metavar="N",
+                        help="after --rounds, add rounds (pairs) one at a time while a gated case is unclear, up "
+                        "to N in all; still unclear then: exit 3 (inconclusive), never a pass")
     parser.add_argument("--noise", help="noise file (default .benchmarks/<machine>/noise.json of the candidate)")
     parser.add_argument("--work", default="results/compare", help="where the runs' JSON and the report go")
     parser.add_argument("--all", action="store_true", help="list every case, not only those outside threshold")
@@ -645,11 +762,26 @@ def replay_runs(folder: Path) -> tuple[dict[str, list[dict]], dict[str, list[str
     return runs, files
 
 
+def unclear(rows: list[AbRow]) -> list[AbRow]:
+    """Rows whose verdict more pairs could still change: the gated statistic and host time (per-call time
+    is shown, its verdict never holds a comparison open)."""
+    return [r for r in rows if r.verdict == "unclear" and r.metric != "per_call"]
+
+
+def ab_exit_code(rows: list[AbRow], missing: list[str]) -> int:
+    """1 when a case regressed or went missing, else 3 when a gated case is still unclear, else 0."""
+    if missing or any(r.verdict == "REGRESSED" for r in rows):
+        return EXIT_REGRESSED
+    return EXIT_INCONCLUSIVE if unclear(rows) else EXIT_OK
+
+
 def run_compare(args) -> int:
     work = Path(args.work)
     made_worktree = False
     base_dir = None
     side_env: dict[str, dict[str, str]] = {"base": {}, "new": {}}
+    runs: dict[str, list[dict]] = {"base": [], "new": []}
+    files: dict[str, list[str]] = {"base": [], "new": []}
     try:
         if args.replay:
             runs, files = replay_runs(Path(args.replay))
@@ -658,12 +790,17 @@ def run_compare(args) -> int:
             if not args.base:
                 raise ReportError("--base REV_OR_DIR is needed (or --replay DIR of an earlier comparison)")
             if args.rounds < 1:
-                raise ReportError(f"--rounds {args.rounds}: at least one A-B-B-A round")
+                raise ReportError(f"--rounds {args.rounds}: at least one A-B-B-A round (or side-by-side pair)")
+            if args.until_clear is not None and args.until_clear < args.rounds:
+                raise ReportError(f"--until-clear {args.until_clear}: a cap below --rounds {args.rounds}")
             args.tests = args.tests or ["perf_tests"]
             side_env["new"] = parse_env_assignments(args.candidate_env, "--candidate-env")
             base_dir, made_worktree = base_checkout(args.base, Path(tempfile.gettempdir()) / "pcvr-compare")
             new_dir = Path(args.new).resolve()
-            runs, files = run_abba(args, {"base": base_dir, "new": new_dir}, side_env, work)
+            unit = run_side_by_side_pair if args.side_by_side else run_abba_round
+            dirs, t0 = {"base": base_dir, "new": new_dir}, time.time()
+            for i in range(args.rounds):
+                unit(i, args, dirs, side_env, work, runs, files, t0)
         check_same_machine(runs["base"][0], runs["new"][0], "base", "candidate")
         noise_path = Path(args.noise) if args.noise else default_noise_path(runs["new"][0], new_dir / ".benchmarks")
         noise = load_noise(noise_path)
@@ -672,6 +809,13 @@ def run_compare(args) -> int:
                 raise ReportError(f"{noise_path}: noise measured on {noise.get('machine')}, not on this machine")
             noise = None  # the default noise file is another machine's: the floors only
         rows, missing = ab_compare(runs["base"], runs["new"], noise)
+        done = args.rounds
+        while not args.replay and args.until_clear and done < args.until_clear and unclear(rows) and not missing:
+            print(f"pcvr compare: {len(unclear(rows))} case(s) unclear after {done}: one more "
+                  f"({done + 1} of at most {args.until_clear})", flush=True)
+            unit(done, args, dirs, side_env, work, runs, files, t0)
+            done += 1
+            rows, missing = ab_compare(runs["base"], runs["new"], noise)
     except ReportError as exc:
         print(f"pcvr compare: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
@@ -679,28 +823,91 @@ def run_compare(args) -> int:
         if made_worktree and base_dir is not None:
             subprocess.run(["git", "worktree", "remove", "--force", str(base_dir)], capture_output=True)
     print(ab_table(rows, missing, args.all))
-    regressed = missing or any(r.verdict == "REGRESSED" for r in rows)
+    code = ab_exit_code(rows, missing)
+    regressed, inconclusive = code == EXIT_REGRESSED, code == EXIT_INCONCLUSIVE
+    if inconclusive:
+        print(f"pcvr compare: INCONCLUSIVE: {len(unclear(rows))} gated case(s) neither within nor beyond the "
+              "threshold with this many pairs (more: --rounds, or --until-clear N)")
     if not args.replay:  # a replay writes nothing (its folder may be committed fixtures)
-        report = {"base": args.base, "new": str(args.new), "rounds": args.rounds, "files": files,
-                  "candidate_env": side_env["new"], "tests": args.tests,
-                  "noise": str(noise_path) if noise else None, "failed": bool(regressed), "missing": missing,
-                  "rows": [asdict(r) for r in rows]}
+        report = {"base": args.base, "new": str(args.new), "rounds": args.rounds, "units_run": done,
+                  "side_by_side": args.side_by_side, "files": files, "candidate_env": side_env["new"],
+                  "tests": args.tests, "noise": str(noise_path) if noise else None, "failed": regressed,
+                  "inconclusive": inconclusive, "missing": missing, "rows": [asdict(r) for r in rows]}
         (work / "compare.json").write_text(json.dumps(report, indent=1))
         print(f"pcvr compare: runs and compare.json under {work}")
-    return EXIT_REGRESSED if regressed else EXIT_OK
+    return code
 
 
-def run_abba(args, dirs: dict[str, Path], side_env: dict[str, dict[str, str]],
-             work: Path) -> tuple[dict[str, list[dict]], dict[str, list[str]]]:
-    """A-B-B-A x rounds separate pytest processes; each run's JSON is kept as work/NN_side.json."""
-    runs: dict[str, list[dict]] = {"base": [], "new": []}
-    files: dict[str, list[str]] = {"base": [], "new": []}
-    t0 = time.time()
-    for i, side in enumerate(abba_order(args.rounds)):
-        out = work / f"{i + 1:02d}_{side}.json"
-        print(f"pcvr compare: run {i + 1}/{4 * args.rounds} ({side}, {dirs[side]}) [{time.time() - t0:.0f}s]",
-              flush=True)
+def _keep(out: Path, side: str, runs: dict[str, list[dict]], files: dict[str, list[str]]) -> None:
+    runs[side].append(load_run(out))
+    files[side].append(str(out))
+
+
+def run_abba_round(i: int, args, dirs: dict[str, Path], side_env: dict[str, dict[str, str]], work: Path,
+                   runs: dict[str, list[dict]], files: dict[str, list[str]], t0: float) -> None:
+    """A-B-B-A round i: four pytest processes, one after the other; each run's JSON is work/NN_side.json.
+    Pairs for the comparison: base and candidate runs in order (01-02, 04-03, 05-06, 08-07: neighbours)."""
+    for j, side in enumerate(abba_order(1)):
+        n = 4 * i + j + 1
+        out = work / f"{n:02d}_{side}.json"
+        print(f"pcvr compare: run {n} ({side}, {dirs[side]}) [{time.time() - t0:.0f}s]", flush=True)
         run_suite(out, args.tests, cwd=dirs[side], extra_env=side_env[side])
-        runs[side].append(load_run(out))
-        files[side].append(str(out))
-    return runs, files
+        _keep(out, side, runs, files)
+
+
+def run_side_by_side_pair(i: int, args, dirs: dict[str, Path], side_env: dict[str, dict[str, str]], work: Path,
+                          runs: dict[str, list[dict]], files: dict[str, list[str]], t0: float) -> None:
+    """`--side-by-side` pair i: one base and one candidate pytest process at the same time, each timed CPU
+    round run alone (timing.ExclusiveRound: a shared lock, the other process stopped meanwhile), so the two
+    sides' rounds interleave within seconds under the same outside load. Which side starts first alternates
+    between pairs. The JSON of pair i is work/ii_base.json and work/ii_new.json."""
+    from pcvr_lib.timing import EXCLUSIVE_ENV
+
+    pair = work / f".pair{i + 1:02d}"
+    if pair.exists():
+        shutil.rmtree(pair)
+    pair.mkdir(parents=True)
+    order = ["base", "new"] if i % 2 == 0 else ["new", "base"]
+    print(f"pcvr compare: pair {i + 1} side by side ({order[0]} started first) [{time.time() - t0:.0f}s]", flush=True)
+    procs, outs = {}, {}
+    try:
+        for side in order:
+            outs[side] = work / f"{i + 1:02d}_{side}.json"
+            procs[side] = start_suite(outs[side], args.tests, cwd=dirs[side],
+                                      extra_env={**side_env[side], EXCLUSIVE_ENV: str(pair.resolve())})
+        (pair / "pids").write_text(" ".join(str(p.pid) for p in procs.values()))
+        codes = _wait_pair(procs)
+    finally:
+        for proc in procs.values():  # never leave a stopped or orphaned process behind
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+    for side in ("base", "new"):
+        check_suite(codes[side], outs[side], args.tests, dirs[side])
+        run = load_run(outs[side])
+        if not all((b.get("extra_info") or {}).get("exclusive_rounds") for b in run["benchmarks"]
+                   if stat_kind(b) == "cpu"):
+            raise ReportError(f"{outs[side]}: its CPU rounds did not run alone (no exclusive_rounds): the {side} "
+                              "tree's timing predates --side-by-side; compare it with A-B-B-A rounds instead")
+        if any(stat_kind(b) == "device" for b in run["benchmarks"]):
+            raise ReportError(f"{outs[side]}: --side-by-side pauses only CPU cases' rounds; GPU cases share the "
+                              "device: compare them with A-B-B-A rounds (without --side-by-side)")
+        _keep(outs[side], side, runs, files)
+    shutil.rmtree(pair)
+
+
+def _wait_pair(procs: dict[str, subprocess.Popen]) -> dict[str, int]:
+    """Wait for both processes; when one ends, the other is continued (SIGCONT) in case the first ended
+    while holding it stopped (killed in the middle of a round)."""
+    import signal
+
+    codes: dict[str, int] = {}
+    while len(codes) < len(procs):
+        for side, proc in procs.items():
+            if side not in codes and proc.poll() is not None:
+                codes[side] = proc.returncode
+                for other in procs.values():
+                    if other.poll() is None:
+                        os.kill(other.pid, signal.SIGCONT)
+        time.sleep(0.2)
+    return codes

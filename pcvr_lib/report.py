@@ -123,13 +123,22 @@ def case_times(bench: dict) -> tuple[float, float | None, float | None]:
     return per_call, extra.get("device_us"), extra.get("host_us")
 
 
-KERNEL_PEERS = ("torch", "torch_compile", "liger")
 KERNEL_OURS = ("triton", "tilelang", "cuembed")
+# peers in display order; a backend of neither list is shown as a peer after these
+KERNEL_PEERS = ("torch", "torch_compile", "liger", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex")
+
+
+def _backend_order(backend: str) -> tuple:
+    if backend in KERNEL_OURS:
+        return (2, KERNEL_OURS.index(backend), backend)
+    return (0, KERNEL_PEERS.index(backend), backend) if backend in KERNEL_PEERS else (1, 0, backend)
 
 
 def cases_view(data: dict) -> str:
-    """Markdown, one row per (direction, op, shape, dtype): every backend's per-call us [device us], the best
-    of ours as a fraction of the copy ceiling and against torch and the best peer (per call), and the
+    """Markdown, one row per (direction, op, shape, dtype): every backend's per-call us [device us] (peers:
+    torch, torch.compile, Liger, the SDPA backends, flex_attention; then ours), the best of ours as a fraction
+    of the copy ceiling (and its TFLOP/s when the case counts FLOPs), each of ours against torch and against
+    the best peer (per call; the speedups the benchmark recorded, else computed here), and the
     Triton/TileLang device-time ratio."""
     cases: dict = {}
     for bench in data["benchmarks"]:
@@ -138,30 +147,50 @@ def cases_view(data: dict) -> str:
             continue
         shape = e["shape"] + (f",dist={e['dist']}" if "dist" in e else "")
         per_call, device, _ = case_times(bench)
-        cases.setdefault((e["dir"], e["op"], shape, e["dtype"]), {})[e["backend"]] = (
-            per_call, device, e.get("fraction_of_copy_ceiling"))
-    backends = [b for b in (*KERNEL_PEERS, *KERNEL_OURS) if any(b in by for by in cases.values())]
+        cases.setdefault((e["dir"], e["op"], shape, e["dtype"]), {})[e["backend"]] = {
+            "per_call": per_call, "device": device, **e}
+    backends = sorted({b for by in cases.values() for b in by}, key=_backend_order)
+    with_flops = any(by[b].get("tflops") is not None for by in cases.values() for b in by if b in KERNEL_OURS)
     lines = []
     for direction in sorted({k[0] for k in cases}, key=lambda d: (d != "fwd", d)):
+        extra = ["best ours % copy", *(["best ours TFLOP/s"] if with_flops else []), "ours vs torch",
+                 "ours vs best peer", "triton/tilelang device"]
         lines += [f"\n{direction}: per-call us [device us]\n",
-                  "| op | shape | dtype | " + " | ".join(backends) + " | best ours % copy | vs torch | vs best peer | "
-                  "triton/tilelang device |", "|---" * (len(backends) + 7) + "|"]
+                  "| op | shape | dtype | " + " | ".join(backends) + " | " + " | ".join(extra) + " |",
+                  "|---" * (len(backends) + 3 + len(extra)) + "|"]
         for (dr, op, shape, dtype), by in cases.items():
             if dr != direction:
                 continue
-            cells = [f"{by[b][0]:.1f} [{by[b][1]:.1f}]" if b in by and by[b][1] is not None else "-" for b in backends]
-            ours = {b: by[b] for b in KERNEL_OURS if b in by}
-            peers = {b: by[b] for b in KERNEL_PEERS if b in by}
-            best = min(ours, key=lambda b: ours[b][0]) if ours else None
-            peer = min(peers, key=lambda b: peers[b][0]) if peers else None
-            frac = f"{100 * ours[best][2]:.1f}% ({best})" if best and ours[best][2] is not None else "-"
-            vs_torch = f"{by['torch'][0] / ours[best][0]:.2f}x" if best and "torch" in by else "-"
-            vs_peer = f"{peers[peer][0] / ours[best][0]:.2f}x ({peer})" if best and peer else "-"
-            ratio = (f"{ours['triton'][1] / ours['tilelang'][1]:.2f}" if {"triton", "tilelang"} <= ours.keys()
-                     and ours["tilelang"][1] and ours["triton"][1] is not None else "-")
-            lines.append(f"| {op} | {shape} | {dtype} | " + " | ".join(cells) + f" | {frac} | {vs_torch} | {vs_peer} "
-                         f"| {ratio} |")
+            cells = [f"{by[b]['per_call']:.1f} [{_fmt(by[b]['device'], '.1f')}]" if b in by else "-" for b in backends]
+            ours = [b for b in KERNEL_OURS if b in by]
+            peers = {b: by[b]["per_call"] for b in by if b not in KERNEL_OURS}
+            best = min(ours, key=lambda b: by[b]["per_call"]) if ours else None
+            peer = min(peers, key=peers.get) if peers else None
+            frac = by[best].get("fraction_of_copy_ceiling") if best else None
+            cols = [f"{100 * frac:.1f}% ({best})" if frac is not None else "-"]
+            if with_flops:
+                cols.append(_fmt(by[best].get("tflops") if best else None, ".1f"))
+            cols.append(", ".join(f"{b} {_speedup(by, b, 'torch', by.get('torch', {}).get('per_call'))}"
+                                  for b in ours) if ours and ("torch" in by or any(
+                                      "speedup_vs_torch" in by[b] for b in ours)) else "-")
+            named = {by[b].get("best_peer") for b in ours if by[b].get("best_peer")}
+            peer_name = named.pop() if len(named) == 1 else peer
+            cols.append(", ".join(f"{b} {_speedup(by, b, 'best_peer', peers.get(peer))}" for b in ours)
+                        + f" ({peer_name})" if ours and peer else "-")
+            cols.append(f"{by['triton']['device'] / by['tilelang']['device']:.2f}"
+                        if {"triton", "tilelang"} <= by.keys() and by["tilelang"]["device"]
+                        and by["triton"]["device"] is not None else "-")
+            lines.append(f"| {op} | {shape} | {dtype} | " + " | ".join(cells) + " | " + " | ".join(cols) + " |")
     return "\n".join(lines) if lines else "(no kernel cases in this file)"
+
+
+def _speedup(by: dict, backend: str, against: str, against_us: float | None) -> str:
+    """`backend`'s recorded speedup_vs_<against> (same-run per-call times, perf_tests/kernel_bench.py), else
+    the ratio of the per-call times in this file."""
+    recorded = by[backend].get(f"speedup_vs_{against}")
+    if recorded is None and against_us:
+        recorded = against_us / by[backend]["per_call"]
+    return _fmt(recorded, ".2f") + ("x" if recorded is not None else "")
 
 
 def optim_rows(data: dict) -> list[list]:

@@ -8,6 +8,7 @@ is which, and how each is gated: README "Reading the JSON".
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import importlib
 import math
@@ -65,6 +66,7 @@ def update_machine_info(machine_info: dict) -> None:
                     "power_limit_w")
             gpu.update(dict(zip(keys, smi, strict=False)))
         machine_info["gpu"] = gpu
+        machine_info["host_probe"] = host_probe()
         if _CEILINGS:
             machine_info["ceilings"] = dict(next(iter(_CEILINGS.values())))
     else:
@@ -377,6 +379,28 @@ def host_time(fn: Callable[[], object], calls: int, samples: int = HOST_SAMPLES)
     return host_s, (time.perf_counter() - t0) / calls
 
 
+HOST_PROBE_CALL = "torch.add(a, a, out=c), 1024 float32 elements on the GPU"
+
+
+def host_probe(repeats: int = 3) -> dict:
+    """The host's speed, stored in every GPU run's machine_info: the thread CPU time to issue one fixed small
+    torch call, measured like host_us (warmed, median over HOST_SAMPLES batches), `repeats` times (median
+    kept). `pcvr diff` divides host-time ratios by the probe ratio of the two runs (compare.host_factors)."""
+    import torch
+
+    a = torch.ones(1024, device="cuda")
+    c = torch.empty_like(a)
+
+    def call():
+        torch.add(a, a, out=c)
+
+    for _ in range(200):  # warm the dispatcher and the allocator's cache
+        call()
+    samples = [host_time(call, 20)[0] * 1e6 for _ in range(repeats)]
+    return {"us": round(statistics.median(samples), 3), "samples_us": [round(x, 3) for x in samples],
+            "call": HOST_PROBE_CALL}
+
+
 def per_call_seconds(fn: Callable[[], object], calls: int, rounds: int = PER_CALL_ROUNDS,
                      flush: bool = True) -> float:
     """What a user sees: median over rounds of event time / calls of back-to-back calls started on an idle
@@ -510,14 +534,89 @@ def probe_seconds(clock: Callable[[], float] = time.thread_time) -> float:
     return clock() - t0
 
 
+# Side by side (`pcvr compare --side-by-side`): the base and the candidate run as two processes at once, and
+# each timed CPU round (its probes included) runs alone: it takes a lock shared by the two and stops the
+# other process (SIGSTOP) until the round is over. So the two sides' rounds interleave within seconds and
+# see the same load from other jobs, while neither ever shares the cores with the other's work.
+EXCLUSIVE_ENV = "PCVR_EXCLUSIVE_DIR"  # a folder holding `lock` and `pids` (the processes of the pair)
+
+
+class ExclusiveRound:
+    """Context manager: with `PCVR_EXCLUSIVE_DIR` set, hold its lock and keep the other processes named in
+    its `pids` file stopped for the duration; without it, nothing."""
+
+    def __init__(self, folder: str | None = None):
+        self.folder = folder if folder is not None else os.environ.get(EXCLUSIVE_ENV) or None
+        self._fd: int | None = None
+        self._stopped: list[int] = []
+
+    @property
+    def active(self) -> bool:
+        return self.folder is not None
+
+    def peers(self) -> list[int]:
+        try:
+            text = open(os.path.join(self.folder, "pids")).read()
+        except FileNotFoundError:  # the other side is not started yet
+            return []
+        return [int(p) for p in text.split() if int(p) != os.getpid()]
+
+    def __enter__(self):
+        if not self.active:
+            return self
+        import fcntl
+        import signal
+
+        self._fd = os.open(os.path.join(self.folder, "lock"), os.O_RDWR | os.O_CREAT, 0o644)
+        fcntl.flock(self._fd, fcntl.LOCK_EX)
+        for pid in self.peers():
+            try:
+                os.kill(pid, signal.SIGSTOP)
+            except ProcessLookupError:  # already finished
+                continue
+            self._stopped.append(pid)
+            _wait_stopped(pid)
+        return self
+
+    def __exit__(self, *exc):
+        if self._fd is None:
+            return
+        import fcntl
+        import signal
+
+        for pid in self._stopped:
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGCONT)
+        self._stopped = []
+        fcntl.flock(self._fd, fcntl.LOCK_UN)
+        os.close(self._fd)
+        self._fd = None
+
+
+def _wait_stopped(pid: int, timeout_s: float = 5.0) -> None:
+    """Wait until /proc says `pid` is stopped (SIGSTOP is delivered asynchronously)."""
+    deadline = time.perf_counter() + timeout_s
+    while time.perf_counter() < deadline:
+        try:
+            state = open(f"/proc/{pid}/stat").read().rsplit(")", 1)[1].split()[0]
+        except (FileNotFoundError, IndexError):
+            return
+        if state in ("T", "t", "Z", "X"):
+            return
+        time.sleep(0.0005)
+
+
 class CalibratedCpuClock:
     """A pytest-benchmark timer advancing by the round's CPU time x PROBE_NOMINAL_S / the mean of the probes
     run just before and just after the round (outside the timed interval). `raw` and `probes` keep what
-    was measured."""
+    was measured. Under `pcvr compare --side-by-side` each round with its probes runs alone
+    (`ExclusiveRound`)."""
 
     def __init__(self, clock: Callable[[], float] = time.process_time,
-                 probe: Callable[[], float] = probe_seconds, nominal_s: float = PROBE_NOMINAL_S):
+                 probe: Callable[[], float] = probe_seconds, nominal_s: float = PROBE_NOMINAL_S,
+                 exclusive: ExclusiveRound | None = None):
         self.clock, self.probe, self.nominal_s = clock, probe, nominal_s
+        self.exclusive = exclusive if exclusive is not None else ExclusiveRound()
         probe()  # first touch of the probe's buffers stays out of the calibration
         self.now = 0.0
         self.raw: list[float] = []
@@ -527,11 +626,13 @@ class CalibratedCpuClock:
 
     def __call__(self) -> float:
         if self._start is None:
+            self.exclusive.__enter__()
             self._before = self.probe()
             self._start = self.clock()
             return self.now
         spent = self.clock() - self._start
         after = self.probe()
+        self.exclusive.__exit__(None, None, None)
         self._start = None
         self.raw.append(spent)
         self.probes += [self._before, after]
@@ -557,7 +658,10 @@ def bench_cpu(benchmark, fn: Callable[[], object], *, setup=None, rounds: int = 
     timer = CalibratedCpuClock(clock, probe)
     if benchmark.enabled:
         benchmark._timer = timer
-    result = benchmark.pedantic(timed, setup=setup, rounds=rounds, warmup_rounds=warmup_rounds, iterations=1)
+    try:
+        result = benchmark.pedantic(timed, setup=setup, rounds=rounds, warmup_rounds=warmup_rounds, iterations=1)
+    finally:  # a round that raised never reached the timer's second call: release the other side
+        timer.exclusive.__exit__(None, None, None)
     clock_name = {time.process_time: "process_time", time.thread_time: "thread_time"}.get(clock, repr(clock))
     benchmark.extra_info.update({
         "stat": "cpu",
@@ -569,5 +673,9 @@ def bench_cpu(benchmark, fn: Callable[[], object], *, setup=None, rounds: int = 
         benchmark.extra_info.update({
             "cpu_raw_min_s": min(timer.raw[warmup_rounds:] or timer.raw),
             "probe_median_s": statistics.median(timer.probes),
+            # every timed round, for the interleaved comparison's statistic (warm-up rounds left out)
+            "cpu_raw_rounds_s": [round(x, 7) for x in timer.raw[warmup_rounds:] or timer.raw],
+            "probe_rounds_s": [round(x, 7) for x in timer.probes[2 * warmup_rounds:] or timer.probes],
+            "exclusive_rounds": timer.exclusive.active,
         })
     return result

@@ -22,15 +22,13 @@ conftest.flex_peer); kernel_bench records `best_peer`, `best_peer_us` and `speed
 of the SDPA backends and flex measured before; target 1.5x). Their ids carry `set=model` (select them with `-k model`).
 FLOPs of the window and roles masks are nominal (the full S x S).
 
-Print the summary table of a saved run: python perf_tests/test_kernels_attention.py RUN.json
+The table of a saved run (every backend, flex included, and the speedups): pcvr report RUN.json --view cases
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import os
-import sys
 
 import pytest
 import torch
@@ -40,14 +38,8 @@ from pcvr_lib.kernels import flash_attention, precompile
 from pcvr_lib.kernels.attention import OP, workload
 from pcvr_lib.kernels.testing import poisoned_outputs
 from pcvr_lib.kernels.tolerance import flash_rule, max_abs_error
-
-try:
-    from perf_tests import kernel_bench as kb
-    from perf_tests.conftest import flex_peer, sdpa_only
-except ImportError:  # run as a script from perf_tests/
-    import kernel_bench as kb
-
-    from conftest import flex_peer, sdpa_only
+from perf_tests import kernel_bench as kb
+from perf_tests.conftest import flex_peer, sdpa_only
 
 CUDA = torch.cuda.is_available()
 DTYPES = {name: kb.DTYPES[name] for name in ("fp16", "bf16")}
@@ -262,43 +254,3 @@ def test_flex_peer_mask_matches_reference(mask):
     got = flex_peer(kw, B, H, S, "cpu", compile=False)(q, k, v)
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=workload.reference_mask(B, S, S, kw))
     assert float((got - expected).abs().max()) < 1e-4
-
-
-# ---------------------------------------------------------------------------------------- summary table
-
-
-def summary(path: str) -> str:
-    """A short table: per case, per-call us [device us] per backend, and our speedup vs the best SDPA."""
-    with open(path) as f:
-        data = json.load(f)
-    rows: dict = {}
-    for bench in data["benchmarks"]:
-        e = bench.get("extra_info", {})
-        if e.get("op") != OP:
-            continue
-        case = f"{e['shape']} {e['dtype']} {e['dir']}"
-        rows.setdefault(case, {})[e["backend"]] = e
-    lines = [f"{'case':<52} {'best SDPA us':>14} {'flex us':>8} {'triton us [dev]':>18} {'x':>6} "
-             f"{'tilelang us [dev]':>18} {'x':>6} {'x peer tri/tl':>13}"]
-    for case, by in rows.items():
-        sd = [(e["per_call_us"], b) for b, e in by.items() if b in (*SDPA, "torch", "sdpa") and "per_call_us" in e]
-        best = f"{min(sd)[0]:.1f} {min(sd)[1].replace('sdpa_', '')}" if sd else "-"
-        flex = f"{by['flex']['per_call_us']:.1f}" if "per_call_us" in by.get("flex", {}) else "-"
-        peer = "/".join(f"{by[b]['speedup_vs_best_peer']:.2f}" if "speedup_vs_best_peer" in by.get(b, {}) else "-"
-                        for b in ("triton", "tilelang"))
-        cols = []
-        for b in ("triton", "tilelang"):
-            e = by.get(b)
-            if e and "per_call_us" in e:
-                tf = f" {e['tflops']:.0f}TF" if e.get("tflops", 0) >= 10 else ""
-                cols.append(f"{e['per_call_us']:.1f} [{e['device_us']:.1f}]{tf}")
-                cols.append(f"{e.get('speedup_vs_torch', float('nan')):.2f}")
-            else:
-                cols += ["-", "-"]
-        lines.append(f"{case:<52} {best:>14} {flex:>8} {cols[0]:>18} {cols[1]:>6} {cols[2]:>18} {cols[3]:>6} "
-                     f"{peer:>13}")
-    return "\n".join(lines)
-
-
-if __name__ == "__main__":
-    print(summary(sys.argv[1]))

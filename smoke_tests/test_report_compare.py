@@ -1,6 +1,7 @@
 """`pcvr report`, `pcvr diff`, `pcvr noise` and `pcvr compare`: tables, thresholds, refusals, A-B-B-A."""
 
 import json
+import math
 import subprocess
 import sys
 import textwrap
@@ -56,11 +57,38 @@ def test_report_views_of_the_committed_snapshots(capsys):
     assert main(["report", ".benchmarks/h200/kernels_norms.json", "--view", "cases"]) == 0
     out = capsys.readouterr().out
     assert "| rms_norm | 65536x1024 | fp16 |" in out and "torch_compile" in out and "fwd+bwd" in out
+    assert main(["report", ".benchmarks/h200/attention_models.json", "--view", "cases"]) == 0
+    out = capsys.readouterr().out  # the attention table: SDPA backends and flex as peers, speedups as recorded
+    assert "| sdpa | sdpa_efficient | sdpa_cudnn | flex | triton | tilelang |" in out and "(flex) |" in out
     assert main(["report", ".benchmarks/h200/optim.json", "--view", "optim"]) == 0
     out = capsys.readouterr().out
     assert "orthogonal_adamw" in out and "pcvr_dense" in out
     assert main(["report", ".benchmarks/cpu/make-bench-2core.json", "--view", "data"]) == 0
     assert "preset=opt,mode=loader" in capsys.readouterr().out
+
+
+def test_cases_view_shows_every_peer_and_the_recorded_speedups():
+    """The attention table (formerly its own printer): SDPA backends and flex as peers, each of ours against
+    torch and against the best peer as the benchmark recorded them, and TFLOP/s."""
+    def case(backend, per_call, device, **extra):
+        return {"name": f"test_attention_perf[{backend}]", "stats": {"median": device * 1e-6},
+                "extra_info": {"op": "flash_attention", "backend": backend, "shape": "B8xH8xS128xD16,mask=roles",
+                               "dtype": "bf16", "dir": "fwd", "stat": "device", "per_call_us": per_call,
+                               "device_us": device, **extra}}
+
+    data = {"benchmarks": [
+        case("sdpa", 60.0, 20.0), case("flex", 40.0, 9.0),
+        case("triton", 25.0, 6.0, speedup_vs_best_peer=1.6, best_peer="flex", tflops=12.5,
+             fraction_of_copy_ceiling=0.05),
+        case("tilelang", 50.0, 8.0, speedup_vs_best_peer=0.8, best_peer="flex", tflops=6.0,
+             fraction_of_copy_ceiling=0.02)]}
+    table = report.cases_view(data)
+    header = next(line for line in table.splitlines() if line.startswith("| op |"))
+    assert header.index("sdpa") < header.index("flex") < header.index("triton") < header.index("tilelang")
+    row = next(line for line in table.splitlines() if "mask=roles" in line)
+    assert "| 40.0 [9.0] |" in row and "5.0% (triton) | 12.5 |" in row
+    assert "triton 1.60x, tilelang 0.80x (flex)" in row
+    assert "triton/tilelang device" in header and "| 0.75 |" in row
 
 
 def test_summary_names_the_measured_tree_over_the_git_metadata():
@@ -89,14 +117,59 @@ def test_diff_passes_an_identical_run_and_fails_a_regression(tmp_path, capsys):
 
 
 def test_diff_gates_device_and_host_time_separately(tmp_path, capsys):
-    base = _run(tmp_path / "a.json", [_gpu_case("test_k[op=n]", 100.0, 10.0)], gpu="NVIDIA H200")
-    host = _run(tmp_path / "b.json", [_gpu_case("test_k[op=n]", 100.5, 13.0)], gpu="NVIDIA H200")
-    device = _run(tmp_path / "c.json", [_gpu_case("test_k[op=n]", 110.0, 10.0)], gpu="NVIDIA H200")
+    base = _run(tmp_path / "a.json", [_gpu_case("test_k[op=n]", 100.0, 40.0)], gpu="NVIDIA H200")
+    host = _run(tmp_path / "b.json", [_gpu_case("test_k[op=n]", 100.5, 52.0)], gpu="NVIDIA H200")
+    device = _run(tmp_path / "c.json", [_gpu_case("test_k[op=n]", 110.0, 40.0)], gpu="NVIDIA H200")
     assert main(["diff", str(base), str(host)]) == compare.EXIT_REGRESSED
     out = capsys.readouterr().out
     assert "host" in out and "+30.0%" in out
     rows = compare.diff_runs(json.loads(base.read_text()), json.loads(device.read_text()), None)
     assert [(r.metric, r.verdict) for r in rows] == [("device", "REGRESSED"), ("host", "ok")]
+
+
+def _host_run(path, hosts, probe_us=None, device_us=20.0):
+    run = _run(path, [_gpu_case(f"test_k[i={i}]", device_us, h, op="rms_norm", dir="fwd") for i, h in enumerate(hosts)],
+               gpu="NVIDIA H200")
+    if probe_us is not None:
+        data = json.loads(run.read_text())
+        data["machine_info"]["host_probe"] = {"us": probe_us}
+        run.write_text(json.dumps(data))
+    return json.loads(run.read_text())
+
+
+def _host_verdicts(rows):
+    return {r.case.split("::")[-1]: r.verdict for r in rows if r.metric == "host"}
+
+
+def test_host_time_is_compared_on_the_base_runs_host_speed(tmp_path):
+    """Another session's host issues every call 2x slower: with the host probe 2x slower too, nothing is
+    flagged; a launcher 1.5x slower on an unchanged host (probe the same) is flagged in every case and shows as
+    the group's host shift; without a probe the group's median ratio is the factor, so a common shift is no
+    per-case alarm but its own `host shift` row, while one case out of line is still flagged."""
+    hosts = [10.0, 12.0, 15.0, 20.0, 11.0, 14.0, 16.0, 18.0]
+    base = _host_run(tmp_path / "a.json", hosts, probe_us=5.0)
+    slower_host = _host_run(tmp_path / "b.json", [2 * h for h in hosts], probe_us=10.0)
+    rows = compare.diff_runs(base, slower_host, None)
+    assert set(_host_verdicts(rows).values()) == {"ok"}
+    (shift,) = [r for r in rows if r.verdict == "host shift"]
+    assert shift.case == "group rms_norm fwd" and shift.change == pytest.approx(0.0) and "probe" in shift.why
+    assert not compare.failed(rows)
+    assert compare.failed(compare.diff_runs(base, slower_host, None, normalise_host=False))  # the rule before
+    launcher = _host_run(tmp_path / "c.json", [1.5 * h for h in hosts], probe_us=5.0)
+    rows = compare.diff_runs(base, launcher, None)
+    assert set(_host_verdicts(rows).values()) == {"REGRESSED"}
+    assert [r.change for r in rows if r.verdict == "host shift"] == [pytest.approx(0.5)]
+    # no probe: the median ratio of the group
+    base, common = _host_run(tmp_path / "d.json", hosts), _host_run(tmp_path / "e.json", [2 * h for h in hosts])
+    rows = compare.diff_runs(base, common, None)
+    assert set(_host_verdicts(rows).values()) == {"ok"} and not compare.failed(rows)
+    assert [r.change for r in rows if r.verdict == "host shift"] == [pytest.approx(1.0)]
+    one_off = _host_run(tmp_path / "f.json", [2 * h for h in hosts[:-1]] + [3 * hosts[-1]])
+    assert [c for c, v in _host_verdicts(compare.diff_runs(base, one_off, None)).items() if v == "REGRESSED"] == [
+        "test_k[i=7]"]
+    # a device-bound case (host < 0.25 x device): its host time is not gated
+    heavy, heavier = (_host_run(tmp_path / f"{n}.json", [h], device_us=100.0) for n, h in (("g", 10.0), ("h", 30.0)))
+    assert _host_verdicts(compare.diff_runs(heavy, heavier, None)) == {"test_k[i=0]": "informational"}
 
 
 def test_diff_missing_case_fails_and_changed_workload_is_flagged(tmp_path, capsys):
@@ -182,28 +255,28 @@ def test_noise_file_drives_the_thresholds(tmp_path, capsys):
 # ---------------------------------------------------------------- interleaved A/B
 
 
-def test_abba_order_and_bootstrap_interval():
+def test_abba_order_and_paired_interval():
     assert compare.abba_order(2) == ["base", "new", "new", "base"] * 2
-    ratio, low, high = compare.bootstrap_ratio([1.0, 1.01, 0.99, 1.0], [1.2, 1.21, 1.19, 1.2])
-    assert ratio == pytest.approx(1.2) and 1.15 < low <= ratio <= high < 1.25
-    ratio, low, high = compare.bootstrap_ratio([1.0, 1.01, 0.99, 1.0], [1.0, 0.99, 1.01, 1.0])
-    assert low < 1.0 < high
-
-
-def test_interleaved_threshold_is_the_floor_not_the_stored_run_spread():
-    """A noise file whose group spread is 8% (a 16% threshold for `pcvr diff`) must not hide a steady 10%
-    slowdown from A-B-B-A runs: their interval carries the session's noise, the threshold is the floor."""
-    noise = {"runs": 3, "k": 2.0, "cases": {}, "groups": {"data": {"cpu": {"cases": 1, "p50": 0.08, "p90": 0.08,
-                                                                         "max": 0.08}}}}
-    def runs(values):
-        return [{"machine_info": {}, "benchmarks": [_bench("test_x[a=1]", v, group="data")]} for v in values]
-    base = runs([1.0, 1.01, 0.99, 1.0])
-    rows, missing = compare.ab_compare(base, runs([1.1, 1.11, 1.09, 1.1]), noise)
-    assert [(r.verdict, r.threshold) for r in rows] == [("REGRESSED", 0.05)] and not missing
-    case = compare.cases_of(base[0])["perf_tests/test_x.py::test_x[a=1]"]
-    assert compare.threshold(noise, case, "cpu", 1.0)[0] == pytest.approx(0.16)  # what diff would allow
-    rows, _ = compare.ab_compare(base, runs([1.0, 0.99, 1.01, 1.0]), noise)
-    assert [r.verdict for r in rows] == ["ok"]
+    # four pairs, each run's rounds; the candidate 20% slower in every pair
+    base = [[1.0, 1.01, 0.99], [1.05, 1.04, 1.06], [0.97, 0.98, 0.96], [1.0, 1.0, 1.01]]
+    ratio, low, high = compare.paired_interval(base, [[1.2 * x for x in run] for run in base])
+    assert ratio == low == high == pytest.approx(1.2)
+    # the pairs' levels differ by 9% (1.0, 1.05, 0.97, 1.0): shared by both runs of a pair, that cancels
+    assert compare.paired_interval(base, [list(run) for run in base]) == pytest.approx((1.0, 1.0, 1.0))
+    # the pairs' disagreement (+2%, 0, -2%, 0): Student's t with 3 degrees of freedom (3.18 x sd / 2)
+    shifted = [[1.02 * x for x in base[0]], base[1], [0.98 * x for x in base[2]], base[3]]
+    ratio, low, high = compare.paired_interval(base, shifted)
+    assert ratio == pytest.approx(1.0, abs=1e-3) and low == pytest.approx(0.974, abs=2e-3)
+    assert high == pytest.approx(1.026, abs=2e-3)
+    assert compare.paired_interval(base[:1], shifted[:1]) == (pytest.approx(1.02), 0.0, math.inf)  # one pair
+    assert compare.t_quantile(0.975, 3) == pytest.approx(3.182, abs=0.02)
+    assert compare.ab_verdict(1.10, 1.06, 1.14, 0.05, True) == "REGRESSED"
+    assert compare.ab_verdict(1.07, 1.01, 1.13, 0.05, True) == "REGRESSED"  # above the floor, surely slower
+    assert compare.ab_verdict(1.04, 1.01, 1.07, 0.05, True) == "ok"  # surely slower, but not by 10%
+    assert compare.ab_verdict(1.04, 0.99, 1.12, 0.05, True) == "unclear"  # 10% slower is not excluded
+    assert compare.ab_verdict(1.00, 0.97, 1.04, 0.05, True) == "ok"
+    assert compare.ab_verdict(0.90, 0.86, 0.94, 0.05, True) == "faster"
+    assert compare.ab_verdict(1.50, 1.40, 1.60, 0.05, False) == "informational"
 
 
 def _tiny_project(path: Path, spin_ms: float) -> Path:
@@ -282,6 +355,45 @@ def test_candidate_env_plants_on_the_candidate_side_only(tmp_path, capsys):
     assert main(["compare", "--replay", str(tmp_path / "nowhere")]) == compare.EXIT_REFUSED
     assert main(["compare", "--work", str(tmp_path)]) == compare.EXIT_REFUSED
     assert "--base REV_OR_DIR is needed" in capsys.readouterr().err
+
+
+def test_side_by_side_pairs_run_every_round_alone_and_flag_the_planted_side(tmp_path, capsys, monkeypatch):
+    """`--side-by-side`: per pair a base and a candidate process at once, their rounds exclusive (bench_cpu's
+    rounds take the pair's lock, `exclusive_rounds` recorded); a planted 50% is flagged. A tree whose timing
+    does not take part (plain pedantic rounds) is refused, not compared unfairly."""
+    tree = tmp_path / "tree"
+    (tree / "perf_tests").mkdir(parents=True)
+    (tree / "perf_tests" / "test_sbs.py").write_text(textwrap.dedent("""
+        import os
+        import time
+        from pcvr_lib import timing
+
+        def spin():
+            end = time.thread_time() + 0.01 * (1 + float(os.environ.get("TINY_SLOWER", "0")))
+            while time.thread_time() < end:
+                pass
+
+        def test_sbs(benchmark):
+            timing.bench_cpu(benchmark, spin, rounds=5, warmup_rounds=0, clock=time.thread_time)
+    """))
+    monkeypatch.setenv("PYTHONPATH", str(ROOT))
+    code = main(["compare", "--base", str(tree), "--new", str(tree), "--side-by-side", "--rounds", "3", "--work",
+                 str(tmp_path / "w"), "--candidate-env", "TINY_SLOWER=0.5", "perf_tests"])
+    out = capsys.readouterr().out
+    assert code == compare.EXIT_REGRESSED, out
+    result = json.loads((tmp_path / "w" / "compare.json").read_text())
+    assert result["side_by_side"] and [Path(f).name for f in result["files"]["base"]] == [
+        "01_base.json", "02_base.json", "03_base.json"]
+    (row,) = [r for r in result["rows"] if r["metric"] == "cpu"]
+    assert row["verdict"] == "REGRESSED" and 1.35 < row["ratio"] < 1.65, row
+    run = json.loads((tmp_path / "w" / "02_new.json").read_text())
+    assert run["benchmarks"][0]["extra_info"]["exclusive_rounds"] is True
+    assert len(run["benchmarks"][0]["extra_info"]["cpu_raw_rounds_s"]) == 5
+    assert not list((tmp_path / "w").glob(".pair*"))  # the pairs' lock folders are gone
+    plain = _tiny_project(tmp_path / "plain", 20.0)
+    assert main(["compare", "--base", str(plain), "--new", str(plain), "--side-by-side", "--rounds", "1", "--work",
+                 str(tmp_path / "p"), "perf_tests"]) == compare.EXIT_REFUSED
+    assert "did not run alone" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize("item", ["NOEQUALS", "=1", "2X=1", "A B=1"])

@@ -3,7 +3,7 @@
 #   bash tools/h200_attention_ii.sh accuracy   # precompile + the GPU accuracy cases of the new head sizes and masks
 #   bash tools/h200_attention_ii.sh perf       # the models' shapes (set=model) -> $OUT/attention_models.json
 #   bash tools/h200_attention_ii.sh accuracy perf
-# Logs and JSON go to $OUT; the benchmark's summary table is printed last.
+# Logs and JSON go to $OUT; `pcvr report --view cases` of the JSON is printed last.
 #
 # The TileLang kernels come from the carried cache, built on a CPU machine (no GPU needed):
 #   TILELANG_CACHE_DIR=$PWD/.cache/tilelang python3 -m pcvr_lib.kernels.precompile flash_attention --arch sm_90a
@@ -38,4 +38,4 @@ for s in "$@"; do
   esac
 done
 grep -E "^(FAILED|ERROR)" "$OUT"/*.log | head -20
-[ -f "$OUT/attention_models.json" ] && python3 perf_tests/test_kernels_attention.py "$OUT/attention_models.json"
+[ -f "$OUT/attention_models.json" ] && python3 -m pcvr_lib report "$OUT/attention_models.json" --view cases

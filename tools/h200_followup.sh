@@ -29,4 +29,4 @@ timeout -s INT 90 python3 -m pytest accuracy_tests/test_norms.py -q -p no:cachep
   > "$OUT/norms_accuracy.log" 2>&1
 echo "norms accuracy rc=$?"; tail -4 "$OUT/norms_accuracy.log"
 python3 -m pcvr_lib report "$OUT/optim_orthogonal.json" --view optim 2>&1 | tail -12
-python3 perf_tests/test_kernels_attention.py "$OUT/attention.json"
+python3 -m pcvr_lib report "$OUT/attention.json" --view cases

@@ -11,7 +11,9 @@
 #  accuracy_parallel perf_models smoke_triton smoke_tilelang tune_long tune_small)
 #
 # noise: the gated kernel suite (torch.compile peers, sweeps and host parts left out) REPS times, one JSON
-#   per repetition ($OUT/noise_repN.json), then `pcvr noise --from` them into $OUT/noise_h200.json.
+#   per repetition ($OUT/noise_repN.json), then `pcvr noise --from` them into $OUT/noise_h200.json. Every GPU
+#   run's JSON holds the host-speed probe (machine_info.host_probe, timing.host_probe; noise.log prints it),
+#   which `pcvr diff` divides host-time ratios by across sessions (notes/comparison.md).
 # planted: the Triton RMSNorm cases with PCVR_PLANTED_NORM_TILE=256 (256 elements per program instead of
 #   2048: perf_tests/conftest.py), $OUT/planted_tile256.json, and `pcvr diff` of it against noise_rep1.
 #   (First, so that a budget cut falls on the last noise repetition, not on the planted run.)

@@ -7,6 +7,17 @@ From stored pytest-benchmark JSON only (nothing is run):
         --planted 0.05=results/val/p05.json 0.10=results/val/p10.json \
         [--fixtures fixtures/comparison/cpu] [--json results/val/validation.json]
 
+Or, for interleaved comparisons (`pcvr compare` folders of NN_base.json / NN_new.json runs; "DIR1+DIR2"
+joins the pairs of two folders into one comparison):
+
+    python tools/validate_comparison.py --interleaved --noise .benchmarks/cpu/noise.json \
+        --aa results/c10s/aa1 results/c10s/aa2+results/c10s/aa3 --planted 0.10=results/c10s/p10_1 \
+        [--start 4] [--fixtures fixtures/comparison/cpu/sbs]
+
+replays each as `pcvr compare --rounds START --until-clear ALL` would have run it: the verdicts after the
+first START pairs, then one pair more while a gated case is unclear, up to all the folder holds; prints the
+A/A alarms (REGRESSED), the inconclusive comparisons, and per group how many planted cases were flagged.
+
 Prints, for every pair of --aa runs, the alarms of `pcvr diff` (REGRESSED or MISSING: false alarms), and
 for every planted run against every A/A run, which of the gated cases it ran were flagged; per group, the
 detection limit: the smallest planted size that was flagged in every case and every pair. With
@@ -19,6 +30,7 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import shutil
 import sys
 from pathlib import Path
 
@@ -32,6 +44,10 @@ from pcvr_lib.report import format_table  # noqa: E402
 
 def only_cases(run: dict, ids: set[str]) -> dict:
     return {**run, "benchmarks": [b for b in run["benchmarks"] if b["fullname"] in ids]}
+
+
+def by_metric(rows) -> str:
+    return ", ".join(f"{m} {sum(r.metric == m for r in rows)}" for m in sorted({r.metric for r in rows}))
 
 
 def alarms(rows) -> list:
@@ -79,9 +95,113 @@ def write_fixtures(out: Path, aa: dict[str, dict], planted_specs: list[str], noi
     print(f"fixtures written under {out}")
 
 
+def interleaved_runs(spec: str) -> tuple[dict[str, list[dict]], list[Path]]:
+    """The runs of one or more `pcvr compare` folders ("DIR" or "DIR1+DIR2"), their pairs in order."""
+    from pcvr_lib.compare import replay_runs
+
+    runs: dict[str, list[dict]] = {"base": [], "new": []}
+    folders = [Path(part) for part in spec.split("+")]
+    for folder in folders:
+        part, _ = replay_runs(folder)
+        pairs = min(len(part["base"]), len(part["new"]))
+        for side in runs:
+            runs[side] += part[side][:pairs]
+    return runs, folders
+
+
+def until_clear(runs: dict[str, list[dict]], noise: dict | None, start: int):
+    """Replay `pcvr compare --rounds START --until-clear ALL`: (pairs used, rows, missing)."""
+    from pcvr_lib.compare import ab_compare, unclear
+
+    total = min(len(runs["base"]), len(runs["new"]))
+    used = min(start, total)
+    while True:
+        rows, missing = ab_compare(runs["base"][:used], runs["new"][:used], noise)
+        if used >= total or not unclear(rows) or missing:
+            return used, rows, missing
+        used += 1
+
+
+def compact(run: dict) -> dict:
+    """A run without what the comparison never reads (the data file's generation record, per-column list
+    orders, pytest-benchmark's calibrated per-round list): fixtures stay small."""
+    drop = ("data_file", "list_order_rows", "list_order_detected", "ratio_to_pyarrow_read_per_round")
+    benches = []
+    for bench in run["benchmarks"]:
+        extra = {k: v for k, v in (bench.get("extra_info") or {}).items() if k not in drop}
+        stats = {k: v for k, v in (bench.get("stats") or {}).items() if k != "data"}
+        benches.append({**{k: v for k, v in bench.items() if k != "options"}, "extra_info": extra, "stats": stats})
+    info = run.get("machine_info") or {}
+    cpu = {k: v for k, v in (info.get("cpu") or {}).items() if k != "flags"}
+    return {**run, "machine_info": {**info, "cpu": cpu}, "benchmarks": benches}
+
+
+def validate_interleaved(args, noise: dict | None) -> int:
+    from pcvr_lib.compare import cases_of, short_id, unclear
+
+    result: dict = {"noise": args.noise, "start": args.start, "comparisons": []}
+    table, caught_by_group, alarms_aa, inconclusive = [], {}, 0, 0
+    specs = [(0.0, spec) for spec in args.aa] + [(float(s.partition("=")[0]), s.partition("=")[2])
+                                                 for s in args.planted]
+    fixtures = Path(args.fixtures) if args.fixtures else None
+    for size, spec in specs:
+        runs, folders = interleaved_runs(spec)
+        used, rows, missing = until_clear(runs, noise, args.start)
+        gated = [r for r in rows if r.metric in ("cpu", "device") and r.verdict != "informational"]
+        flagged = sorted(r.case for r in rows if r.verdict == "REGRESSED")
+        open_rows = unclear(rows)
+        inconclusive += bool(open_rows and not flagged)
+        if size == 0:
+            alarms_aa += len(flagged) + len(missing)
+        groups = {cid: c.group for cid, c in cases_of(runs["base"][0]).items()}
+        for r in gated:
+            if size:
+                caught_by_group.setdefault((groups[r.case], size), []).append(r.verdict == "REGRESSED")
+            table.append([spec, f"{size:.0%}", str(used), short_id(r.case), f"{100 * (r.ratio - 1):+.1f}%",
+                          f"{100 * (r.low - 1):+.1f} .. {100 * (r.high - 1):+.1f}", r.verdict])
+        name = "+".join(f.name for f in folders)
+        entry = {"name": name, "folders": [f.name for f in folders], "planted": size, "pairs_used": used,
+                 "flagged": flagged, "missing": missing, "unclear": sorted(r.case for r in open_rows),
+                 "verdicts": {short_id(r.case): [round(100 * (r.ratio - 1), 1), round(100 * (r.low - 1), 1),
+                                                 round(100 * (r.high - 1), 1), r.verdict] for r in gated}}
+        result["comparisons"].append(entry)
+        if fixtures:  # every folder once, all its pairs, compacted; the manifest says which ones a comparison joins
+            for folder in folders:
+                dst = fixtures / folder.name
+                if dst.exists():
+                    shutil.rmtree(dst)
+                dst.mkdir(parents=True)
+                for path in sorted(folder.glob("[0-9][0-9]_*.json")):
+                    (dst / path.name).write_text(json.dumps(compact(json.loads(path.read_text()))))
+    print(format_table(["comparison", "planted", "pairs", "case", "change", "95% interval", "verdict"], table))
+    print(f"\nA/A: {sum(1 for c in result['comparisons'] if not c['planted'])} comparisons, {alarms_aa} alarm(s); "
+          f"inconclusive comparisons (a case still unclear, none flagged): {inconclusive}")
+    limits: dict[str, float | None] = {}
+    for (group, size), flags in sorted(caught_by_group.items()):
+        print(f"  {group:28s} planted {size:4.0%}: flagged {sum(flags)}/{len(flags)}")
+        if all(flags) and (limits.get(group) is None or size < limits[group]):
+            limits[group] = size
+        limits.setdefault(group, None)
+    result["detection_limit"] = limits
+    result["aa_alarms"] = alarms_aa
+    result["inconclusive"] = inconclusive
+    if fixtures:
+        manifest = {"noise": args.noise, "start": args.start, "comparisons": [
+            {k: c[k] for k in ("name", "folders", "planted", "pairs_used", "flagged", "unclear", "verdicts")}
+            for c in result["comparisons"]]}
+        (fixtures / "expected.json").write_text(json.dumps(manifest, indent=1) + "\n")
+        print(f"fixtures written under {fixtures}")
+    if args.json_out:
+        Path(args.json_out).write_text(json.dumps(result, indent=1))
+    return 0
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--noise", required=True, help="noise file (measured on other runs than --aa)")
+    parser.add_argument("--interleaved", action="store_true",
+                        help="--aa and --planted name `pcvr compare` folders (DIR or DIR1+DIR2), not runs")
+    parser.add_argument("--start", type=int, default=4, help="--interleaved: pairs before the first verdict (4)")
     parser.add_argument("--aa", nargs="+", required=True, help="runs of one tree (A/A)")
     parser.add_argument("--planted", nargs="*", default=[], metavar="SIZE=JSON",
                         help="runs with a planted slowdown of SIZE (e.g. 0.10=p10.json)")
@@ -94,14 +214,25 @@ def main(argv: list[str] | None = None) -> int:
     noise = load_noise(Path(args.noise))
     if noise is None:
         parser.error(f"--noise {args.noise}: no such file")
+    if args.interleaved:
+        return validate_interleaved(args, noise)
     aa = {Path(p).stem: load_run(p) for p in args.aa}
     result: dict = {"noise": args.noise, "aa_pairs": [], "planted": []}
 
-    print(f"A/A: {len(aa)} runs, every ordered pair compared with {args.noise}")
+    common = set.intersection(*(set(cases_of(run)) for run in aa.values()))
+    aa = {name: only_cases(run, common) for name, run in aa.items()}
+    print(f"A/A: {len(aa)} runs, the {len(common)} cases all of them ran, every ordered pair compared with "
+          f"{args.noise}; alarms with host time on each run's own host speed (raw) and with the host factor "
+          "taken out (pcvr diff's default)")
     for (na, a), (nb, b) in itertools.permutations(aa.items(), 2):
-        bad = alarms(diff_runs(a, b, noise))
-        result["aa_pairs"].append({"base": na, "new": nb, "alarms": [(r.case, r.metric, r.change) for r in bad]})
-        print(f"  {na} -> {nb}: {len(bad)} alarm(s)" + "".join(
+        raw = alarms(diff_runs(a, b, noise, normalise_host=False))
+        rows = diff_runs(a, b, noise)
+        bad = alarms(rows)
+        shifts = ", ".join(f"{r.case[6:]} {100 * r.change:+.0f}%" for r in rows if r.verdict == "host shift")
+        result["aa_pairs"].append({"base": na, "new": nb, "alarms": [(r.case, r.metric, r.change) for r in bad],
+                                   "alarms_raw_host": [(r.case, r.metric, r.change) for r in raw]})
+        print(f"  {na} -> {nb}: {len(bad)} alarm(s) [{by_metric(bad) or '-'}]; raw host: {len(raw)} "
+              f"[{by_metric(raw) or '-'}]" + (f"; host shift per group: {shifts}" if shifts else "") + "".join(
             f"\n      {r.case.split('::')[-1]} {r.metric} {100 * (r.change or 0):+.1f}% ({r.verdict})" for r in bad))
 
     table = []
