@@ -244,9 +244,9 @@ def main(argv: list[str] | None = None) -> int:
         ids = set(cases_of(planted))
         for name, base in aa.items():
             rows = diff_runs(only_cases(base, ids), planted, noise)
+            base_cases = cases_of(base)  # a planted case the base did not run is no comparison: left out
             gated = {(r.case, r.metric): r for r in rows
-                     if r.metric in ("device", "cpu") and r.verdict != "informational"}
-            base_cases = cases_of(base)
+                     if r.metric in ("device", "cpu") and r.verdict != "informational" and r.case in base_cases}
             for (cid, metric), r in sorted(gated.items()):
                 caught = r.verdict == "REGRESSED"
                 caught_by_group.setdefault((base_cases[cid].group, size), []).append(caught)
