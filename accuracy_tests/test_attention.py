@@ -583,3 +583,25 @@ def test_gpu_dropout_same_mask_as_torch(backend):
                                      backend=name, generator=torch.Generator().manual_seed(11)).float()
     err = float((outs[backend] - outs["torch"]).abs().max())
     assert err < 0.05, f"{backend} dropout differs from torch's with the same seed by {err}"
+
+
+def test_tilelang_fa3_schedule_refuses_dropout():
+    """The fa3 forward schedule gave wrong output with dropout on the H200: it is refused, by name, at build."""
+    pytest.importorskip("tilelang")
+    from pcvr_lib.kernels.attention import tilelang_impl
+
+    with pytest.raises(ValueError, match="'fa3' forward schedule is wrong with dropout"):
+        tilelang_impl.fwd_program(64, "bfloat16", 3, True, True, 128, 128, 256, 2, schedule="fa3")
+    tilelang_impl.fwd_program(64, "bfloat16", 3, True, False, 128, 128, 256, 2, schedule="fa3")  # builds
+
+
+def test_precompile_runs_every_triton_variant_through_run_once():
+    """`precompile --run-triton` calls workload.run_once(backend, *variant) for each Triton variant (an H200 run
+    of session 3 found it deleted: every warm-up failed and the accuracy suite compiled in its tests)."""
+    import inspect
+
+    signature = inspect.signature(workload.run_once)
+    variants = workload.variants("triton")
+    assert variants
+    for variant in variants:
+        signature.bind("triton", *variant)

@@ -104,8 +104,9 @@ def test_event_clock_divides_elapsed_time_by_calls(monkeypatch):
 
 
 class _FakeProfilerEvent:
-    def __init__(self, name, us, device_type):
+    def __init__(self, name, us, device_type, is_user_annotation=False):
         self.name, self.device_time, self.device_type = name, us, device_type
+        self.is_user_annotation = is_user_annotation
 
 
 def test_kernel_seconds_sums_device_kernels_and_leaves_out_the_flush():
@@ -114,6 +115,9 @@ def test_kernel_seconds_sums_device_kernels_and_leaves_out_the_flush():
               _FakeProfilerEvent("rms_fwd", 4.5, cuda), _FakeProfilerEvent("aten::add", 9.0, cpu)]
     assert timing.kernel_seconds(events) == pytest.approx(38.5e-6)
     assert timing.kernel_seconds(events, exclude=frozenset({"fill_kernel"})) == pytest.approx(8.5e-6)
+    # a GPU-side range around kernels (the optimizer's step annotation) is not a kernel
+    annotated = [*events, _FakeProfilerEvent("Optimizer.step#AdamW.step", 400.0, cuda, is_user_annotation=True)]
+    assert timing.kernel_seconds(annotated) == pytest.approx(38.5e-6)
 
 
 def test_host_seconds_is_the_median_per_call_of_many_batches():

@@ -265,12 +265,15 @@ class CudaEventClock:
 
 
 def kernel_seconds(events, exclude: frozenset[str] = frozenset()) -> float:
-    """Sum of the device (CUDA) kernel times of profiler events, leaving out kernels named in `exclude`."""
+    """Sum of the device (CUDA) kernel times of profiler events, leaving out kernels named in `exclude` and
+    GPU-side user annotations (e.g. "Optimizer.step#AdamW.step": a range over kernels already counted, idle
+    gaps included; counted, it added 0.2-4.7 ms to a model's training step on the H200)."""
     import torch
 
     total_us = 0.0
     for evt in events:
-        if evt.device_type == torch.autograd.DeviceType.CUDA and evt.name not in exclude:
+        if (evt.device_type == torch.autograd.DeviceType.CUDA and evt.name not in exclude
+                and not getattr(evt, "is_user_annotation", False)):
             total_us += evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
     return total_us / 1e6
 

@@ -41,7 +41,8 @@ def profile_step(name: str, backend: str, schema, batch, steps: int) -> dict:
         torch.cuda.synchronize()
     kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in prof.events():
-        if event.device_type == torch.autograd.DeviceType.CUDA:
+        # kernels only: a GPU-side user annotation (e.g. "Optimizer.step#AdamW.step") spans kernels counted already
+        if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False):
             entry = kernels[event.name[:90]]
             entry[0] += event.time_range.elapsed_us() / steps  # us per step (kernel durations)
             entry[1] += 1 / steps
@@ -52,6 +53,29 @@ def profile_step(name: str, backend: str, schema, batch, steps: int) -> dict:
                         sorted(kernels.items(), key=lambda kv: -kv[1][0])}}
 
 
+def print_tables(result: dict, top: int) -> None:
+    """Per model: the backends side by side, then the kernels whose device time differs most from the first."""
+    for name, per_backend in result["models"].items():
+        ok = {b: r for b, r in per_backend.items() if "error" not in r}
+        print(f"\n== {name}: " + ", ".join(f"{b} {r['device_us'] / 1e3:.1f} ms device, {r['launches']:.0f} launches"
+                                         for b, r in ok.items()))
+        for b, r in per_backend.items():
+            if "error" in r:
+                print(f"   {b}: {r['error']}")
+        if len(ok) < 2:
+            continue
+        first = next(iter(ok))
+
+        def us(backend, kernel, ok=ok):
+            return ok[backend]["kernels"].get(kernel, [0, 0])
+
+        names = set().union(*(r["kernels"] for r in ok.values()))
+        diff = sorted(names, key=lambda k: -max(abs(us(b, k)[0] - us(first, k)[0]) for b in ok))
+        print("   " + "  ".join(f"{b:>16}" for b in ok) + "  kernel (us per step [launches])")
+        for k in diff[:top]:
+            print("   " + "  ".join(f"{us(b, k)[0]:9.0f} [{us(b, k)[1]:4.0f}]" for b in ok) + f"  {k}")
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="all")
@@ -59,14 +83,20 @@ def main(argv=None) -> int:
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
+    parser.add_argument("--from", dest="from_json", help="print the tables of a saved profile_models.json")
     args = parser.parse_args(argv)
+    if args.from_json:
+        with open(args.from_json) as f:
+            print_tables(json.load(f), args.top)
+        return 0
     if not torch.cuda.is_available():
         parser.error("needs a CUDA device")
     models = model_names() if args.models == "all" else args.models.split(",")
     backends = args.backends.split(",")
     schema = load_schema(DEMO_SCHEMA)
     batch = random_batch(schema, batch=BATCH, seed=3)
-    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "models": {}}
+    result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "models": {},
+              "note": "device_us: the sum of CUDA kernel durations per step (GPU-side annotations excluded)"}
     path = os.path.join(args.out, "profile_models.json")
     for name in models:
         result["models"][name] = {}
@@ -78,23 +108,7 @@ def main(argv=None) -> int:
             with open(path, "w") as f:
                 json.dump(result, f, indent=1)
             print(f"{name} {backend}: done", flush=True)
-    for name, per_backend in result["models"].items():
-        ok = {b: r for b, r in per_backend.items() if "error" not in r}
-        print(f"\n== {name}: " + ", ".join(f"{b} {r['device_us'] / 1e3:.1f} ms device, {r['launches']:.0f} launches"
-                                         for b, r in ok.items()))
-        for b, r in per_backend.items():
-            if "error" in r:
-                print(f"   {b}: {r['error']}")
-        if len(ok) < 2:
-            continue
-        names = set().union(*(r["kernels"] for r in ok.values()))
-        diff = sorted(names, key=lambda k: -max(abs(ok[b]["kernels"].get(k, [0, 0])[0] -
-                                                     ok[backends[0]]["kernels"].get(k, [0, 0])[0]) for b in ok))
-        print("   " + "  ".join(f"{b:>16}" for b in ok) + "  kernel (us per step [launches])")
-        for k in diff[:args.top]:
-            cells = "  ".join(f"{ok[b]['kernels'].get(k, [0, 0])[0]:9.0f} [{ok[b]['kernels'].get(k, [0, 0])[1]:4.0f}]"
-                              for b in ok)
-            print(f"   {cells}  {k}")
+    print_tables(result, args.top)
     return 0
 
 

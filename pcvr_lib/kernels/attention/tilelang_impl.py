@@ -129,6 +129,11 @@ def _fa3_pipeline(dropout):
 def fwd_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages, schedule=""):
     """Forward. `schedule="fa3"` (long buckets): the Hopper example's overlapped pipeline for the key-length
     and causal masks; the window and roles masks (per-tile staging statements) keep the plain pipeline."""
+    if schedule == "fa3" and dropout:
+        # H200, 2026-12-01 (session 3): causal-valid with dropout p=0.3 at S1000 D64 gave a max output error of
+        # 0.402 against a flash-rule bound of 0.085 (test_gpu_tilelang_long_candidates); not yet understood
+        raise ValueError("flash_attention TileLang: the 'fa3' forward schedule is wrong with dropout on the "
+                         "H200 (notes/attention.md); use the default schedule for dropout")
     if schedule == "fa3" and mode in (1, 2, 3):
         return _fwd_fa3_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages)
     B, H, Sq, Skv, NKL, SqP, NR = T.dynamic("B, H, Sq, Skv, NKL, SqP, NR")

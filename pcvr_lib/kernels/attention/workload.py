@@ -74,7 +74,7 @@ TILELANG_CASES = (
 # the long-sequence candidates (tune.TILELANG_FWD_LONG / TILELANG_BWD_LONG, first of each; session 3), run with
 # the bucket's config replaced: (case as above, forward config, backward config)
 TILELANG_LONG_CASES = [
-    ((2, 2, 1000, 1000, 64, "bf16", "causal_valid", 0.3), (128, 128, 256, 2, "fa3"), (64, 128, 256, 2, "fused")),
+    ((2, 2, 1000, 1000, 64, "bf16", "causal_valid", 0.3), (128, 128, 256, 2), (64, 128, 256, 2, "fused")),
     ((2, 2, 1000, 1000, 64, "fp16", "key_lengths", 0.0), (128, 128, 256, 2, "fa3"), (64, 128, 256, 2, "fused")),
     ((2, 1, 600, 1000, 128, "bf16", "causal", 0.0), (128, 128, 256, 2, "fa3"), (64, 128, 256, 2, "fused")),
     ((2, 2, 777, 777, 128, "fp16", "none", 0.0), (128, 128, 256, 2, "fa3"), (64, 128, 256, 2, "fused")),
@@ -239,3 +239,24 @@ def tilelang_variants(tune: bool = False) -> list[tuple]:
                 out.update(("fwd", D, dtype, 1, False, False, c) for c in TILELANG_FWD_LONG[D])
                 out.update(("fused", D, dtype, 1, False, False, c) for c in TILELANG_BWD_LONG[D])
     return sorted(out, key=str)
+
+
+def run_once(backend: str, D: int, dtype: torch.dtype, mode: str, dropout: bool, bucket: int) -> None:
+    """Inference forward, training forward and backward of one variant on tiny CUDA tensors (compiles it)."""
+    from . import flash_attention
+
+    S = {0: 64, 1: 256, 2: 640}[bucket]
+    q, k, v = (torch.randn(1, 1, S, D, device="cuda", dtype=dtype) for _ in range(3))
+    if mode in STRUCTURED:
+        args = structured_mask(mode, 1, S, device="cuda")
+    else:
+        use_kl, causal, causal_valid = MODES[mode]
+        kl = torch.tensor([S - 3], device="cuda", dtype=torch.int32) if use_kl else None
+        args = dict(key_lengths=kl, causal=causal, causal_valid=causal_valid)
+    args.update(dropout_p=0.25 if dropout else 0.0, training=dropout, backend=backend,
+                generator=torch.Generator().manual_seed(0))
+    with torch.no_grad():
+        flash_attention(q, k, v, **args)
+    q.requires_grad_()
+    flash_attention(q, k, v, **args).sum().backward()
+    torch.cuda.synchronize()
