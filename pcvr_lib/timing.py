@@ -97,7 +97,19 @@ _CEILINGS: dict[str, dict] = {}
 _LEAD_SLEEP_CYCLES = 1_000_000  # 0.5 ms at 2 GHz: longer than any host enqueue that follows
 
 
-def _median_event_seconds(fn: Callable[[], None], reps: int, lead_sleep: bool = False) -> float:
+def warm_gpu(fn: Callable[[], object], seconds: float) -> None:
+    """Call `fn` (synchronising) for `seconds`: after compiles the GPU idles at a low clock (345 MHz reported on
+    the H200 host), so the first timings of a sweep would rank candidates by clock ramp, not by speed."""
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < seconds:
+        fn()
+        torch.cuda.synchronize()
+
+
+def median_event_seconds(fn: Callable[[], None], reps: int, lead_sleep: bool = False) -> float:
     """Median event time of `fn`. With `lead_sleep`, the GPU spins first, so the host has enqueued the
     start event, `fn` and the end event before the GPU reaches them: host launch latency stays out."""
     import torch
@@ -122,7 +134,7 @@ def _copy_seconds(device) -> float:
 
     src = torch.empty(1 << 30, dtype=torch.uint8, device=device).random_(0, 255)
     dst = torch.empty_like(src)
-    return _median_event_seconds(lambda: dst.copy_(src), reps=20)
+    return median_event_seconds(lambda: dst.copy_(src), reps=20)
 
 
 def _matmul_seconds(device, n: int) -> float:
@@ -131,7 +143,7 @@ def _matmul_seconds(device, n: int) -> float:
     g = torch.Generator(device=device).manual_seed(0)
     a = torch.randn(n, n, device=device, dtype=torch.bfloat16, generator=g)
     b = torch.randn(n, n, device=device, dtype=torch.bfloat16, generator=g)
-    return _median_event_seconds(lambda: torch.matmul(a, b), reps=20)
+    return median_event_seconds(lambda: torch.matmul(a, b), reps=20)
 
 
 def measure_ceilings(device=None) -> dict:
@@ -268,14 +280,18 @@ def kernel_seconds(events, exclude: frozenset[str] = frozenset()) -> float:
     """Sum of the device (CUDA) kernel times of profiler events, leaving out kernels named in `exclude` and
     GPU-side user annotations (e.g. "Optimizer.step#AdamW.step": a range over kernels already counted, idle
     gaps included; tools/profile_models.py's first version counted them: +0.4-6.8 ms per training step)."""
-    import torch
-
     total_us = 0.0
     for evt in events:
-        if (evt.device_type == torch.autograd.DeviceType.CUDA and evt.name not in exclude
-                and not getattr(evt, "is_user_annotation", False)):
+        if is_kernel_event(evt) and evt.name not in exclude:
             total_us += evt.device_time if hasattr(evt, "device_time") else evt.cuda_time
     return total_us / 1e6
+
+
+def is_kernel_event(evt) -> bool:
+    """A profiler event that is a device kernel (not a CPU op, not a GPU-side user annotation)."""
+    import torch
+
+    return evt.device_type == torch.autograd.DeviceType.CUDA and not getattr(evt, "is_user_annotation", False)
 
 
 class ProfilerClock:
@@ -344,7 +360,7 @@ def _flush_kernel_names() -> frozenset[str]:
 
 def estimate_seconds(fn: Callable[[], object], calls: int = 5) -> float:
     """Rough device seconds per call (back-to-back behind a lead sleep), to size graphs and rounds."""
-    return _median_event_seconds(lambda: [fn() for _ in range(calls)], reps=3, lead_sleep=True) / calls
+    return median_event_seconds(lambda: [fn() for _ in range(calls)], reps=3, lead_sleep=True) / calls
 
 
 def host_seconds(fn: Callable[[], object], calls: int, samples: int = HOST_SAMPLES,
@@ -468,7 +484,7 @@ def bench_gpu(benchmark, fn: Callable[[], object] | Sequence[Callable[[], object
             target = g.replay
             if flush:
                 flushes = _capture(lambda: [flush_l2() for _ in range(n)])
-                offset_s = _median_event_seconds(flushes.replay, reps=10, lead_sleep=True)
+                offset_s = median_event_seconds(flushes.replay, reps=10, lead_sleep=True)
         except Exception:  # noqa: BLE001 - some calls cannot be captured; the profiler measures them
             torch.cuda.synchronize()
             target = None

@@ -43,13 +43,11 @@ from pcvr_lib.kernels.tolerance import ULP, flash_rule, max_abs_error
 from pcvr_lib.models import model_names
 from pcvr_lib.models.step import ModelStep
 from pcvr_lib.schema import load_schema
-from smoke_tests.model_checks import DEMO_SCHEMA, demo_schema, random_batch
+from smoke_tests.model_checks import DEMO_SCHEMA, GPU_BATCH, GPU_TABLE_CAP, demo_schema, random_batch
 
 CUDA = torch.cuda.is_available()
 BACKENDS = ("torch", "triton", "tilelang")
 PHASES = ("train_step", "infer")
-GPU_BATCH = 256
-GPU_TABLE_CAP = 8192
 CPU_CONFIG = {"vocab_cap": 64, "d_model": 48, "num_heads": 2, "num_blocks": 1}
 SEED = 0
 

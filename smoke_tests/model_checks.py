@@ -11,6 +11,10 @@ from pcvr_lib.schema import load_schema
 
 ROOT = Path(__file__).resolve().parent.parent
 DEMO_SCHEMA = ROOT / "fixtures" / "sample_1000_raw.schema.json"
+# the GPU model-level measurements (perf_tests/test_models.py, tools/profile_models.py): batch rows and the
+# cap on table rows per feature (a step touches only the batch's rows; full tables take minutes to build)
+GPU_BATCH = 256
+GPU_TABLE_CAP = 8192
 
 
 def demo_schema(max_len: int = 32):

@@ -43,10 +43,7 @@ def device_seconds(fn, calls: int) -> float:
     """Kernel time per call: warm the clocks for 0.2 s, then the profiler's CUDA kernel sum over `calls`."""
     from torch.profiler import ProfilerActivity, profile
 
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < 0.2:
-        fn()
-        torch.cuda.synchronize()
+    timing.warm_gpu(fn, 0.2)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             fn()

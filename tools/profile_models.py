@@ -25,13 +25,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pcvr_lib.models import model_names  # noqa: E402
 from pcvr_lib.models.step import ModelStep  # noqa: E402
 from pcvr_lib.schema import load_schema  # noqa: E402
-from smoke_tests.model_checks import DEMO_SCHEMA, random_batch  # noqa: E402
-
-BATCH, TABLE_CAP = 256, 8192  # as perf_tests/test_models.py
+from pcvr_lib.timing import is_kernel_event  # noqa: E402
+from smoke_tests.model_checks import DEMO_SCHEMA, GPU_BATCH, GPU_TABLE_CAP, random_batch  # noqa: E402
 
 
 def profile_step(name: str, backend: str, schema, batch, steps: int) -> dict:
-    step = ModelStep(name, schema, batch, backend, config={"vocab_cap": TABLE_CAP}, seed=0, device="cuda")
+    step = ModelStep(name, schema, batch, backend, config={"vocab_cap": GPU_TABLE_CAP}, seed=0, device="cuda")
     for _ in range(2):
         step.train_step()
     torch.cuda.synchronize()
@@ -41,8 +40,7 @@ def profile_step(name: str, backend: str, schema, batch, steps: int) -> dict:
         torch.cuda.synchronize()
     kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in prof.events():
-        # kernels only: a GPU-side user annotation (e.g. "Optimizer.step#AdamW.step") spans kernels counted already
-        if event.device_type == torch.autograd.DeviceType.CUDA and not getattr(event, "is_user_annotation", False):
+        if is_kernel_event(event):
             entry = kernels[event.name[:90]]
             entry[0] += event.time_range.elapsed_us() / steps  # us per step (kernel durations)
             entry[1] += 1 / steps
@@ -94,7 +92,7 @@ def main(argv=None) -> int:
     models = model_names() if args.models == "all" else args.models.split(",")
     backends = args.backends.split(",")
     schema = load_schema(DEMO_SCHEMA)
-    batch = random_batch(schema, batch=BATCH, seed=3)
+    batch = random_batch(schema, batch=GPU_BATCH, seed=3)
     result = {"device": torch.cuda.get_device_name(), "torch": torch.__version__, "models": {},
               "note": "device_us: the sum of CUDA kernel durations per step (GPU-side annotations excluded)"}
     path = os.path.join(args.out, "profile_models.json")

@@ -18,6 +18,7 @@ import time
 
 import torch
 
+from ... import timing
 from .. import _tilelang, precompile
 from . import tilelang_impl as ti
 from . import triton_impl as tr
@@ -48,14 +49,9 @@ TILELANG_BWD_LONG = {64: [(64, 128, 256, 2, "fused"), (128, 128, 256, 2, "fused"
 
 
 def _time(fn, reps=20, warm_s=0.1) -> float:
-    # Keep the GPU busy for warm_s first: after the compile phase it idles at a low clock (345 MHz reported on
-    # the H200 host). Without it, the first 2026-12-01 sweep timed the S1024 forward default at 164 us, the
-    # warmed second sweep at 137 us, and ranked the candidates differently.
-    torch.cuda.synchronize()
-    t0 = time.perf_counter()
-    while time.perf_counter() - t0 < warm_s:
-        fn()
-        torch.cuda.synchronize()
+    # Warm the clocks first: without it, the first 2026-12-01 sweep timed the S1024 forward default at 164 us,
+    # the warmed second sweep at 137 us, and ranked the candidates differently.
+    timing.warm_gpu(fn, warm_s)
     times = []
     for _ in range(reps):
         a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)

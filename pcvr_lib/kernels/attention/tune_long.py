@@ -128,11 +128,8 @@ def _device_seconds(fn, reps: int, device) -> float:
         return time.perf_counter() - t0
     from pcvr_lib import timing
 
-    t0 = time.perf_counter()  # after compiles the GPU idles at a low clock: keep it busy first
-    while time.perf_counter() - t0 < 0.1:
-        fn()
-        torch.cuda.synchronize()
-    return timing._median_event_seconds(fn, reps, lead_sleep=True)
+    timing.warm_gpu(fn, 0.1)
+    return timing.median_event_seconds(fn, reps, lead_sleep=True)
 
 
 def _flash_check(ours, ref, base_err, dtype, what):
