@@ -192,7 +192,7 @@ def test_model(benchmark, name, backend, phase):
     info = {"batch": step.batch.batch_size, "parameters": step.model.parameter_counts(),
             "loss_after_step": step.loss_after_step, "torch_loss_after_step": _REFERENCE[name]["loss"]}
     if backend != "torch":
-        info["checked"] = "logits at init and loss after one step vs torch (bf16 tolerance)"
+        info["checked"] = "logits at init and loss after one step vs torch (flash-attention rule at bf16)"
     call = step.train_step if phase == "train_step" else step.infer
     benchmark.extra_info.update(info)
     if not CUDA:

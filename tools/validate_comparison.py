@@ -176,13 +176,9 @@ def validate_interleaved(args, noise: dict | None) -> int:
     print(format_table(["comparison", "planted", "pairs", "case", "change", "95% interval", "verdict"], table))
     print(f"\nA/A: {sum(1 for c in result['comparisons'] if not c['planted'])} comparisons, {alarms_aa} alarm(s); "
           f"inconclusive comparisons (a case still unclear, none flagged): {inconclusive}")
-    limits: dict[str, float | None] = {}
     for (group, size), flags in sorted(caught_by_group.items()):
         print(f"  {group:28s} planted {size:4.0%}: flagged {sum(flags)}/{len(flags)}")
-        if all(flags) and (limits.get(group) is None or size < limits[group]):
-            limits[group] = size
-        limits.setdefault(group, None)
-    result["detection_limit"] = limits
+    result["detection_limit"] = detection_limits(caught_by_group)
     result["aa_alarms"] = alarms_aa
     result["inconclusive"] = inconclusive
     if fixtures:
@@ -194,6 +190,16 @@ def validate_interleaved(args, noise: dict | None) -> int:
     if args.json_out:
         Path(args.json_out).write_text(json.dumps(result, indent=1))
     return 0
+
+
+def detection_limits(caught_by_group: dict[tuple[str, float], list[bool]]) -> dict[str, float | None]:
+    """Per group, the smallest planted size flagged in every comparison (None: no size always flagged)."""
+    limits: dict[str, float | None] = {}
+    for (group, size), flags in sorted(caught_by_group.items()):
+        limits.setdefault(group, None)
+        if all(flags) and (limits[group] is None or size < limits[group]):
+            limits[group] = size
+    return limits
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -258,13 +264,9 @@ def main(argv: list[str] | None = None) -> int:
     if table:
         print(format_table(["planted", "base", "case", "metric", "change", "threshold", "verdict"], table))
         print("\ndetection per group (flagged / compared):")
-        limits: dict[str, float | None] = {}
         for (group, size), flags in sorted(caught_by_group.items()):
             print(f"  {group:28s} {size:5.0%}: {sum(flags)}/{len(flags)}")
-            if all(flags) and (limits.get(group) is None or size < limits[group]):
-                limits[group] = size
-            limits.setdefault(group, None)
-        result["detection_limit"] = limits
+        limits = result["detection_limit"] = detection_limits(caught_by_group)
         print("detection limit (smallest planted size flagged every time): " + ", ".join(
             f"{g} {'-' if s is None else f'{s:.0%}'}" for g, s in limits.items()))
 
