@@ -43,11 +43,10 @@ TRITON_BWD_KV_CONFIGS = {
 # beat the old kernel (S1024 D64 91.0 vs 95.9 us, S4096 D128 1153 vs 1194); TMA (1122) and TMA + warp
 # specialisation (1117) were within 3% at D128 and warp specialisation fails to compile at D64 under
 # triton 3.6, so the defaults stay on pointer loads. The one-kernel backward was slower than the two-kernel
-# one at every swept shape (best: S1024 481 vs 451 us, S4096 5195 vs 4983, causal 3185 vs 2742), so no head
-# dim routes to it (TRITON_LONG_BWD_ROUTED); its configs stay for the sweep and explicit calls.
+# one at every swept shape (best: S1024 481 vs 451 us, S4096 5195 vs 4983, causal 3185 vs 2742), so
+# triton_impl.backward keeps the two-kernel backward; these configs serve the sweep and explicit calls.
 TRITON_LONG_FWD_CONFIGS = {64: (128, 64, 8, 3, False, False), 128: (128, 64, 8, 3, False, False)}
 TRITON_LONG_BWD_CONFIGS = {64: (64, 64, 4, 2, False), 128: (64, 128, 8, 2, False)}
-TRITON_LONG_BWD_ROUTED: frozenset[int] = frozenset()  # head dims whose default backward is triton_long's
 
 # (block_M, block_N, threads, num_stages) per (head dim, bucket of Sq)
 TILELANG_FWD_CONFIGS = {

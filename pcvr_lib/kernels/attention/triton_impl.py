@@ -1,6 +1,6 @@
 """Flash attention in Triton: one forward kernel, two backward kernels (dQ with delta, then dK/dV).
-Sq > 512 with the masks none / key lengths / causal / causal-valid goes to triton_long.py (its config tables
-in config.py decide per head dim); everything else runs here.
+The forward at Sq > 512 with the masks none / key lengths / causal / causal-valid goes to triton_long.py (its
+config table in config.py decides per head dim); everything else runs here, every backward included.
 
 Layout (B, H, S, D), last dim contiguous. Scores are kept in base 2 (`qk_scale = scale * log2(e)`); the
 forward saves the per-row log-sum-exp in that base (+inf for rows without any key, so that the backward's
@@ -31,7 +31,6 @@ from .config import (
     TRITON_BWD_DQ_CONFIGS,
     TRITON_BWD_KV_CONFIGS,
     TRITON_FWD_CONFIGS,
-    TRITON_LONG_BWD_ROUTED,
     TRITON_LONG_FWD_CONFIGS,
 )
 from .masks import MODE_CODE, length_bucket
@@ -542,9 +541,6 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
              dq_config=None, kv_config=None, extra=None):
     """(dQ, dK, dV): two launches, dQ (which also writes delta = rowsum(dO*O)) then dK/dV."""
     B, H, Sq, D = q.shape
-    if (dq_config is None and kv_config is None and D in TRITON_LONG_BWD_ROUTED
-            and triton_long.applies(mode, Sq, scale, extra)):
-        return triton_long.backward(do, q, k, v, o, lse, key_lengths, mode, scale, seed, dropout_p)
     Skv = k.shape[2]
     if do.stride(-1) != 1:
         do = do.contiguous()

@@ -1,8 +1,10 @@
 """Flash attention in Triton for the long bucket (Sq > 512) on Hopper: forward and an FA2-style backward.
 
-Used by triton_impl.forward/backward for the masks none, key_lengths, causal and causal_valid (with or
-without dropout) when config.TRITON_LONG_FWD_CONFIGS / TRITON_LONG_BWD_CONFIGS hold an entry for the head
-dim; the window and roles masks and every shorter sequence keep triton_impl's kernels.
+The forward is used by triton_impl.forward for the masks none, key_lengths, causal and causal_valid (with or
+without dropout) when config.TRITON_LONG_FWD_CONFIGS holds an entry for the head dim; the window and roles
+masks and every shorter sequence keep triton_impl's kernels. The backward is not routed: the H200 sweep
+measured it slower than triton_impl's two-kernel backward (config.py); `backward` serves the sweep
+(tune_long) and explicit calls.
 
 Forward (`_fwd_long`): the same mask contract and tile walk as triton_impl._attn_fwd (unmasked key tiles
 first, then the diagonal / key-length edge tiles), with:
