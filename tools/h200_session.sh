@@ -24,6 +24,7 @@
 #   TILELANG_CACHE_DIR=$PWD/.cache/tilelang python3 -m pcvr_lib.kernels.precompile --arch sm_90a --tune --workers 2
 #   mkdir -p .cache/tlpack && tar -C .cache -cJf .cache/tlpack/tl.tar.xz tilelang
 # REP_FROM numbers the noise repetitions from there (a second call in one lease: REP_FROM=3).
+# ACC_PATHS / ACC_S: the accuracy_parallel step's test paths and time limit (default: all, 300 s).
 # NOISE_K narrows the noise repetitions to a subset (e.g. NOISE_K=bf16) when the whole suite does not fit.
 # host_ab: tools/launch_host_ab.py between the tree in .trees/base (carry it) and this one.
 set -u
@@ -66,9 +67,9 @@ for s in "$@"; do
         --benchmark-json="$OUT/norm_sweep.json" ;;
     accuracy)
       step accuracy 330 $PYTEST accuracy_tests --durations=15 ;;
-    accuracy_parallel)  # the whole suite in 8 pytest-xdist workers, then its failures again serially
-      step accuracy 300 python3 -m pytest -q --tb=short -n 8 accuracy_tests
-      step accuracy_rerun 120 python3 -m pytest -q --tb=short --lf --lfnf=none accuracy_tests ;;
+    accuracy_parallel)  # the whole suite (or ACC_PATHS) in 8 pytest-xdist workers, then its failures serially
+      step accuracy "${ACC_S:-300}" python3 -m pytest -q --tb=short -n 8 ${ACC_PATHS:-accuracy_tests}
+      step accuracy_rerun 120 python3 -m pytest -q --tb=short --lf --lfnf=none ${ACC_PATHS:-accuracy_tests} ;;
     accuracy_norms)
       step accuracy 120 $PYTEST accuracy_tests/test_norms.py ;;
     accuracy_attention)
