@@ -1,7 +1,8 @@
 """Tile configurations of the attention kernels per (head dim, bucket of Sq) (masks.length_bucket: Sq <= 128,
 <= 512, longer). Triton: (BLOCK_M, BLOCK_N, num_warps, num_stages); TileLang: (block_M, block_N, threads,
 num_stages). `python -m pcvr_lib.kernels.attention.tune` sweeps candidates; winners are copied here.
-Head dim 16 (the models' d 64 / 4 heads) has untuned 64 x 64 tiles; head dim 48 runs padded to 64.
+Head dim 16 (the models' d 64 / 4 heads): 64 x 64 tiles except the tuned dK/dV tile of bucket 1; head dim 48
+runs padded to 64.
 """
 
 # (BLOCK_M, BLOCK_N, num_warps, num_stages) per (head dim, bucket of Sq). Buckets 1 and 2: the winners of
@@ -26,8 +27,11 @@ TRITON_BWD_DQ_CONFIGS = {
     (32, 1): (64, 64, 4, 2), (64, 1): (64, 64, 4, 2), (128, 1): (64, 64, 4, 2),
     (32, 2): (64, 64, 4, 2), (64, 2): (64, 64, 4, 2), (128, 2): (64, 64, 4, 2),
 }
+# Head dim 16, bucket 1: `tune --shapes 256x4x256x16,256x4x512x16 --skip-tilelang` on the H200 (session 4, bf16,
+# unmasked, device time; notes/attention.md): dK/dV (128, 128, 4, 2) 141.9 / 389.3 us for the whole backward
+# against 201.1 / 574.4 with (64, 64, 4, 2); the forward's and dQ's 64 x 64 tiles stayed best (within 1%).
 TRITON_BWD_KV_CONFIGS = {
-    (16, 0): (64, 64, 4, 2), (16, 1): (64, 64, 4, 2), (16, 2): (64, 64, 4, 2),
+    (16, 0): (64, 64, 4, 2), (16, 1): (128, 128, 4, 2), (16, 2): (64, 64, 4, 2),
     (32, 0): (64, 64, 4, 2), (64, 0): (64, 64, 4, 2), (128, 0): (32, 64, 4, 2),
     (32, 1): (32, 64, 4, 3), (64, 1): (32, 64, 4, 3), (128, 1): (64, 128, 8, 2),
     (32, 2): (32, 64, 4, 3), (64, 2): (32, 64, 4, 3), (128, 2): (64, 128, 8, 2),
@@ -59,11 +63,11 @@ TILELANG_BWD_CONFIGS = {  # shared by the dQ kernel (rows x keys) and the dK/dV 
     (16, 0): (64, 64, 128, 1), (16, 1): (64, 64, 128, 2), (16, 2): (64, 64, 128, 2),
     (32, 0): (64, 64, 128, 1), (64, 0): (64, 64, 128, 1), (128, 0): (64, 64, 128, 1),
     (32, 1): (64, 64, 128, 2), (64, 1): (64, 64, 128, 2), (128, 1): (64, 64, 128, 2),
-    (32, 2): (64, 64, 128, 2), (64, 2): (64, 64, 128, 2), (128, 2): (64, 64, 128, 2),
+    (32, 2): (64, 64, 128, 2), (64, 2): (128, 128, 256, 2, "fused"), (128, 2): (64, 128, 256, 2, "fused"),
 }
-# The fused backward (dK/dV per key block, dQ by atomics; config (bm, bn, threads, stages, "fused")) is faster in
-# the long bucket (H200 sweep of 2026-12-01, session 3, bf16, `.benchmarks/h200/attention_long_tl.json`: fwd+bwd
-# S1024 D64 639 us with (128, 128, 256, 2, "fused") against 909; S4096 D128 5541 with (64, 128, 256, 2, "fused")
-# against 7616) and passed the sweep's check (unmasked), but its masked and dropout variants have not all
-# passed the H200 accuracy suite yet (the session's last run was cut with 3 cases unreported): it becomes the
-# default of (64, 2) and (128, 2) once `test_gpu_tilelang_long_candidates` passes there.
+# The long bucket at D64 and D128 takes the fused backward (dK/dV per key block, dQ by atomics; config (bm, bn,
+# threads, stages, "fused")): H200 sweep of 2026-12-01 (session 3, bf16, `.benchmarks/h200/attention_long_tl.json`),
+# fwd+bwd S1024 D64 639 us with (128, 128, 256, 2, "fused") against 909 for the two-kernel backward; S4096 D128
+# 5541 with (64, 128, 256, 2, "fused") against 7616. With (64, 128, 256, 2, "fused") its masked and dropout
+# variants passed the H200 accuracy suite (session 4, tree 53c23c8, `test_gpu_tilelang_long_candidates`); the
+# D64 default's are in that test's cases since (notes/attention.md).

@@ -52,6 +52,9 @@ GPU_CASES = (
        (5, 1, 130, 130, 16, "fp16", "window_g3", 0.0), (5, 2, 130, 130, 48, "bf16", "key_lengths", 0.0),
        (3, 2, 600, 600, 16, "bf16", "window", 0.0), (3, 2, 300, 300, 64, "bf16", "roles", 0.0)]
     + [(5, 2, 45, 45, 16, "bf16", mode, 0.3) for mode in ("window", "roles")]
+    # head dim 16 in bucket 1 (its own dK/dV tile, 128 x 128) in every mode, a tail tile and dropout
+    + [(3, 2, 200, 200, 16, "bf16", mode, 0.0) for mode in MODES]
+    + [(3, 2, 257, 300, 16, "fp16", "key_lengths", 0.2), (3, 2, 300, 257, 16, "bf16", "causal_valid", 0.2)]
     # issue 12, long sequences: triton_long's kernels (Sq > 512), every mask they take, Sq != Skv, dropout,
     # a tail tile (Sq, Skv not multiples of 128), and several key tiles' dQ atomics onto one row block
     + [(3, 2, 700, 700, d, dt, mode, 0.0) for d in (64, 128) for dt in ("fp16", "bf16") for mode in MODES]
@@ -74,8 +77,9 @@ TILELANG_CASES = (
 # the long-sequence candidates (tune.TILELANG_FWD_LONG / TILELANG_BWD_LONG, first of each; session 3), run with
 # the bucket's config replaced: (case as above, forward config, backward config)
 TILELANG_LONG_CASES = [
-    ((2, 2, 1000, 1000, 64, "bf16", "causal_valid", 0.3), (128, 128, 256, 2), (64, 128, 256, 2, "fused")),
-    ((2, 2, 1000, 1000, 64, "fp16", "key_lengths", 0.0), (128, 128, 256, 2, "fa3"), (64, 128, 256, 2, "fused")),
+    ((2, 2, 1000, 1000, 64, "bf16", "causal_valid", 0.3), (128, 128, 256, 2), (128, 128, 256, 2, "fused")),
+    ((2, 2, 1000, 1000, 64, "fp16", "key_lengths", 0.0), (128, 128, 256, 2, "fa3"), (128, 128, 256, 2, "fused")),
+    ((2, 2, 1000, 1000, 64, "bf16", "causal", 0.0), (128, 128, 256, 2), (64, 128, 256, 2, "fused")),
     ((2, 1, 600, 1000, 128, "bf16", "causal", 0.0), (128, 128, 256, 2, "fa3"), (64, 128, 256, 2, "fused")),
     ((2, 2, 777, 777, 128, "fp16", "none", 0.0), (128, 128, 256, 2, "fa3"), (64, 128, 256, 2, "fused")),
 ]
