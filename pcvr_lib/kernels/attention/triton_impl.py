@@ -1,4 +1,5 @@
-"""Flash attention in Triton: one forward kernel, two backward kernels (dQ with delta, then dK/dV).
+"""Flash attention in Triton: one forward kernel, two backward kernels (dQ with delta, then dK/dV), and a
+one-launch backward for a (b, h) whose Sq and Skv fit one tile (config.TRITON_BWD_ONE_TILE_CONFIGS).
 The forward at Sq > 512 with the masks none / key lengths / causal / causal-valid goes to triton_long.py (its
 config table in config.py decides per head dim); everything else runs here, every backward included.
 
@@ -30,6 +31,7 @@ from . import triton_long
 from .config import (
     TRITON_BWD_DQ_CONFIGS,
     TRITON_BWD_KV_CONFIGS,
+    TRITON_BWD_ONE_TILE_CONFIGS,
     TRITON_FWD_CONFIGS,
     TRITON_LONG_FWD_CONFIGS,
 )
@@ -487,6 +489,107 @@ def _attn_bwd_dkdv(
     tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
 
 
+@kernel(do_not_specialize=_RUNTIME_INTS)
+def _attn_bwd_one_tile(
+    Q, K, V, O, DO, DQ, DK, DV, LSE, KL, ROLE, VIS,
+    sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som, sdob, sdoh, sdom,
+    H, Sq, Skv, qk_scale, sm_scale, seed, drop_threshold, drop_scale, W, G,
+    MODE: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr,
+    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+):
+    """The whole backward of one (b, h) whose Sq and Skv fit one BLOCK: P recomputed once from the LSE, then
+    dV = P^T dO, dP = dO V^T, dS = P (dP - delta), dQ = dS K, dK = dS^T Q (5 matmuls, no delta buffer).
+    Ordered for register pressure (a 128 x 128 fp32 tile is 64 registers a thread at 8 warps): the mask is
+    built after the first matmul, dV and dQ are stored as soon as they are done, and the dropout hash is
+    computed twice instead of keeping the keep mask live across a matmul."""
+    bh = tl.program_id(0)
+    b = bh // H
+    h = bh % H
+    offs_m = tl.arange(0, BLOCK)
+    offs_n = tl.arange(0, BLOCK)
+    offs_d = tl.arange(0, HEAD_DIM)
+    row_ok = offs_m < Sq
+    col_ok = offs_n < Skv
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    qlen = Skv  # the valid length L of masks.py: Skv without key lengths
+    kv_len = Skv
+    if HAS_KL:
+        qlen = tl.maximum(tl.load(KL + b), 0)
+        kv_len = tl.minimum(qlen, Skv)
+    if DROPOUT:  # per-(b, h) stream key, as in the forward
+        hk = seed.to(tl.uint32) + bh.to(tl.uint32) * 0x61C88647
+        hk ^= hk >> 16
+        hk *= 0x21F0AAAD
+        hk ^= hk >> 15
+        hk *= 0x735A2D97
+        hk ^= hk >> 15
+
+    do = tl.load(DO + b64 * sdob + h64 * sdoh + offs_m[:, None] * sdom + offs_d[None, :],
+                 mask=row_ok[:, None], other=0.0)
+    o = tl.load(O + b64 * sob + h64 * soh + offs_m[:, None] * som + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
+    lse = tl.load(LSE + bh.to(tl.int64) * Sq + offs_m, mask=row_ok, other=float("inf"))
+    q = tl.load(Q + b64 * sqb + h64 * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    k = tl.load(K + b64 * skb + h64 * skh + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])  # a row without keys: lse = +inf, p = 0
+
+    # the element mask of the whole (Sq, Skv) block (the masked-loop formulas of the two-kernel path)
+    if MODE <= 1:
+        allowed = (offs_n < kv_len)[None, :] & row_ok[:, None]
+    elif MODE == 2:
+        allowed = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < kv_len)[None, :] & row_ok[:, None]
+    elif MODE == 3:
+        allowed = ((offs_n[None, :] <= offs_m[:, None]) & (offs_m < qlen)[:, None]) | (
+            offs_n[None, :] == offs_m[:, None]
+        )
+        allowed = allowed & col_ok[None, :] & row_ok[:, None]
+    elif MODE == 4:
+        glob_row = (offs_m < qlen) & (offs_m >= qlen - G)
+        allowed = ((offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] > offs_m[:, None] - W)
+                   & (offs_m < qlen)[:, None]) | (glob_row[:, None] & (offs_n < kv_len)[None, :]) | (
+            offs_n[None, :] == offs_m[:, None])
+        allowed = allowed & col_ok[None, :] & row_ok[:, None]
+    else:
+        q_vis = tl.load(VIS + (tl.load(ROLE + b64 * Sq + offs_m, mask=row_ok, other=0) & 31))
+        k_role = tl.load(ROLE + b64 * Skv + offs_n, mask=col_ok, other=32)
+        allowed = (((q_vis[:, None] >> (k_role[None, :] & 31)) & 1) != 0) & (k_role < 32)[None, :]
+        allowed = (allowed | (offs_n[None, :] == offs_m[:, None])) & col_ok[None, :] & row_ok[:, None]
+    p = tl.where(allowed, p, 0.0)
+
+    kv_off = bh.to(tl.int64) * Skv * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+    if DROPOUT:
+        x = (offs_m[:, None] * Skv + offs_n[None, :]).to(tl.uint32) ^ hk
+        x ^= x >> 16
+        x *= 0x21F0AAAD
+        x ^= x >> 15
+        x *= 0x735A2D97
+        x ^= x >> 15
+        p_used = tl.where((x >> 8) >= drop_threshold, p * drop_scale, 0.0)  # the weights the forward applied
+        dv = tl.dot(tl.trans(p_used.to(do.dtype)), do)
+    else:
+        dv = tl.dot(tl.trans(p.to(do.dtype)), do)
+    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+
+    v = tl.load(V + b64 * svb + h64 * svh + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    dp = tl.dot(do, tl.trans(v))
+    if DROPOUT:
+        x = (offs_m[:, None] * Skv + offs_n[None, :]).to(tl.uint32) ^ hk
+        x ^= x >> 16
+        x *= 0x21F0AAAD
+        x ^= x >> 15
+        x *= 0x735A2D97
+        x ^= x >> 15
+        dp = tl.where((x >> 8) >= drop_threshold, dp * drop_scale, 0.0)
+    ds = (p * (dp - delta[:, None])).to(q.dtype)
+
+    dq = tl.dot(ds, k) * sm_scale
+    q_off = bh.to(tl.int64) * Sq * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
+    tl.store(DQ + q_off, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
+    dk = tl.dot(tl.trans(ds), q) * sm_scale
+    tl.store(DK + kv_off, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+
+
 # ---------------------------------------------------------------------------------------------------------
 # launch wrappers
 
@@ -496,6 +599,7 @@ def _attn_bwd_dkdv(
 _launch_fwd = Launcher(_attn_fwd, "flash_attention.fwd")
 _launch_dq = Launcher(_attn_bwd_dq, "flash_attention.bwd_dq")
 _launch_dkdv = Launcher(_attn_bwd_dkdv, "flash_attention.bwd_dkdv")
+_launch_one_tile = Launcher(_attn_bwd_one_tile, "flash_attention.bwd_one_tile")
 
 
 def _fast_ok(tensors, strides) -> bool:
@@ -539,11 +643,16 @@ def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p:
 
 def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: int, dropout_p: float,
              dq_config=None, kv_config=None, extra=None):
-    """(dQ, dK, dV): two launches, dQ (which also writes delta = rowsum(dO*O)) then dK/dV."""
+    """(dQ, dK, dV). Where Sq and Skv fit the head dim's one-tile BLOCK (TRITON_BWD_ONE_TILE_CONFIGS) and no
+    config is given: one launch of the one-tile kernel. Elsewhere two launches, dQ (which also writes
+    delta = rowsum(dO*O)) then dK/dV."""
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     if do.stride(-1) != 1:
         do = do.contiguous()
+    one_tile = TRITON_BWD_ONE_TILE_CONFIGS.get(D)
+    if one_tile is not None and Sq <= one_tile[0] and Skv <= one_tile[0] and dq_config is None and kv_config is None:
+        return _backward_one_tile(do, q, k, v, o, lse, key_lengths, mode, scale, seed, dropout_p, extra, one_tile)
     dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
     dk = torch.empty((B, H, Skv, D), dtype=k.dtype, device=q.device)
     dv = torch.empty((B, H, Skv, D), dtype=v.dtype, device=q.device)
@@ -582,6 +691,36 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
     return dq, dk, dv
 
 
+def _backward_one_tile(do, q, k, v, o, lse, key_lengths, mode, scale, seed, dropout_p, extra, config):
+    """One launch, one program per (b, h): the one-tile kernel (no delta buffer, no atomics, no memset)."""
+    B, H, Sq, D = q.shape
+    Skv = k.shape[2]
+    block, warps, stages = config
+    dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
+    dk = torch.empty((B, H, Skv, D), dtype=k.dtype, device=q.device)
+    dv = torch.empty((B, H, Skv, D), dtype=v.dtype, device=q.device)
+    has_kl = key_lengths is not None
+    kl = key_lengths if has_kl else lse
+    dropout = dropout_p > 0.0
+    code = MODE_CODE[mode]
+    W, G, roles, vis = extra or _NO_EXTRA
+    roles = lse if roles is None else roles
+    vis = lse if vis is None else vis
+    qs, ks, vs, dos = q.stride(), k.stride(), v.stride(), do.stride()
+    strides = (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], H * Sq * D, Sq * D, D,
+               dos[0], dos[1], dos[2])
+    args = (q, k, v, o, do, dq, dk, dv, lse, kl, roles, vis, *strides,
+            H, Sq, Skv, scale * 1.4426950408889634, scale, seed, _threshold(dropout_p), 1.0 / (1.0 - dropout_p),
+            W, G, code, has_kl, dropout, block, D)
+    grid = (B * H, 1, 1)
+    if _fast_ok((q, k, v, do, kl, roles), strides):
+        key = (q.get_device(), q.dtype, code, has_kl, dropout, block, D, warps, stages)
+        _launch_one_tile(key, grid, args, warps, stages)
+    else:
+        _launch_one_tile.jit(grid, args, warps, stages)
+    return dq, dk, dv
+
+
 _NO_EXTRA = (0, 0, None, None)
 
 
@@ -591,16 +730,20 @@ def _threshold(p: float) -> int:
 
 def compile_for(arch: int, which: str, D: int, dtype: str = "bf16", mode: str = "causal_valid", has_kl: bool = True,
                 dropout: bool = True, store_lse: bool = True, config=None):
-    """Compile one kernel ("fwd", "dq", "dkdv") ahead of time for CUDA compute capability `arch` (e.g. 90)
+    """Compile one kernel ("fwd", "dq", "dkdv", "one_tile") ahead of time for CUDA compute capability `arch` (e.g. 90)
     without a GPU; returns triton's CompiledKernel (its .asm holds the PTX and cubin)."""
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    fn = {"fwd": _attn_fwd, "dq": _attn_bwd_dq, "dkdv": _attn_bwd_dkdv}[which].compiled
-    tables = {"fwd": TRITON_FWD_CONFIGS, "dq": TRITON_BWD_DQ_CONFIGS, "dkdv": TRITON_BWD_KV_CONFIGS}
-    bm, bn, warps, stages = config or tables[which][(D, 0)]
-    constexprs = {"MODE": MODE_CODE[mode], "HAS_KL": has_kl, "DROPOUT": dropout, "BLOCK_M": bm, "BLOCK_N": bn,
-                  "HEAD_DIM": D}
+    fn = {"fwd": _attn_fwd, "dq": _attn_bwd_dq, "dkdv": _attn_bwd_dkdv, "one_tile": _attn_bwd_one_tile}[which].compiled
+    constexprs = {"MODE": MODE_CODE[mode], "HAS_KL": has_kl, "DROPOUT": dropout, "HEAD_DIM": D}
+    if which == "one_tile":
+        block, warps, stages = config or TRITON_BWD_ONE_TILE_CONFIGS[D]
+        constexprs["BLOCK"] = block
+    else:
+        tables = {"fwd": TRITON_FWD_CONFIGS, "dq": TRITON_BWD_DQ_CONFIGS, "dkdv": TRITON_BWD_KV_CONFIGS}
+        bm, bn, warps, stages = config or tables[which][(D, 0)]
+        constexprs.update(BLOCK_M=bm, BLOCK_N=bn)
     if which == "fwd":
         constexprs["STORE_LSE"] = store_lse
     signature = {}
