@@ -301,6 +301,68 @@ def test_triton_interpreter_odd_shapes(B, H, S, D, mode, seed, monkeypatch):
     check_case("triton", B, H, S, S, D, torch.float16, mode, device="cpu", seed=seed)
 
 
+# The one-tile backward (config.TRITON_BWD_ONE_TILE_CONFIGS) takes most of the small cases above; these run
+# the two-kernel backward (dQ + delta, then dK/dV) at the same small shapes with the one-tile table emptied,
+# every mask, dropout, Sq != Skv where the mask allows it.
+TWO_KERNEL_CASES = (
+    [(3, 2, 33, 47, 32, mode, p) for mode in MODES for p in (0.0, 0.3)]
+    + [(3, 2, 45, 45, 16, mode, p) for mode in workload.STRUCTURED for p in (0.0, 0.3)]
+)
+
+
+@pytest.mark.parametrize("case", TWO_KERNEL_CASES, ids=lambda c: "B{}xH{}xSq{}xSkv{}xD{}-{}-p{}".format(*c))
+def test_triton_interpreter_two_kernel_backward(case, monkeypatch):
+    _interpret(monkeypatch)
+    from pcvr_lib.kernels.attention import triton_impl
+
+    monkeypatch.setattr(triton_impl, "TRITON_BWD_ONE_TILE_CONFIGS", {})
+    B, H, Sq, Skv, D, mode, p = case
+    check_case("triton", B, H, Sq, Skv, D, torch.float16, mode, p=p, device="cpu")
+
+
+@pytest.mark.parametrize("Sq,Skv,D,expected", [
+    (100, 100, 32, ["fwd", "bwd_one_tile"]), (128, 128, 64, ["fwd", "bwd_one_tile"]),
+    (64, 64, 128, ["fwd", "bwd_one_tile"]), (1, 17, 16, ["fwd", "bwd_one_tile"]),
+    (100, 129, 32, ["fwd", "bwd_dq", "bwd_dkdv"]), (129, 100, 64, ["fwd", "bwd_dq", "bwd_dkdv"]),
+    (65, 65, 128, ["fwd", "bwd_dq", "bwd_dkdv"]),
+])
+def test_triton_backward_routing(Sq, Skv, D, expected, monkeypatch):
+    """Which kernels one forward + backward launches: the one-tile backward where Sq and Skv fit the head dim's
+    BLOCK (128; 64 at D128), the two-kernel one past it."""
+    _interpret(monkeypatch)
+    from pcvr_lib.kernels import _triton
+    from pcvr_lib.kernels.attention.config import TRITON_BWD_ONE_TILE_CONFIGS
+
+    block = TRITON_BWD_ONE_TILE_CONFIGS[D][0]
+    assert (expected[1] == "bwd_one_tile") == (Sq <= block and Skv <= block), "the case list disagrees with config"
+    launched = []
+    jit = _triton.Launcher.jit
+
+    def record(self, *args, **kwargs):
+        launched.append(self.name.removeprefix("flash_attention."))
+        return jit(self, *args, **kwargs)
+
+    monkeypatch.setattr(_triton.Launcher, "jit", record)
+    q, k, v, do = _inputs(1, 1, Sq, Skv, D, torch.float16, seed=5)
+    q.requires_grad_()
+    flash_attention(q, k, v, key_lengths=torch.tensor([Skv - 1], dtype=torch.int32), backend="triton").backward(do)
+    assert launched == expected
+
+
+@pytest.mark.parametrize("D,mode,has_kl,dropout", [(16, "window", True, True), (32, "roles", False, True),
+                                                  (64, "key_lengths", True, False), (128, "causal_valid", True, True)])
+def test_triton_one_tile_backward_compiles_for_sm90(D, mode, has_kl, dropout):
+    """The one-tile backward builds for sm_90 at every head size with the models' masks and uses wgmma."""
+    problem = registry.package_problem("triton")
+    if problem:
+        pytest.skip(f"triton: {problem}")
+    from pcvr_lib.kernels.attention import triton_impl
+
+    kernel = triton_impl.compile_for(90, "one_tile", D, "bf16", mode, has_kl=has_kl, dropout=dropout)
+    assert len(kernel.asm["cubin"]) > 0
+    assert "wgmma.mma_async" in kernel.asm["ptx"], f"one_tile {mode} D{D}: no Hopper wgmma in the PTX"
+
+
 # the long bucket (Sq > 512): triton_long's forward and one-kernel-per-key-tile backward (dQ by atomics)
 LONG_CASES = [(2, 1, 600, 600, 64, "causal_valid", 0.0), (2, 1, 520, 530, 64, "none", 0.0),
               (2, 1, 530, 515, 64, "causal", 0.3), (1, 2, 513, 700, 128, "key_lengths", 0.0),

@@ -60,6 +60,14 @@ GPU_CASES = (
     + [(3, 2, 700, 700, d, dt, mode, 0.0) for d in (64, 128) for dt in ("fp16", "bf16") for mode in MODES]
     + [(2, 2, 600, 1030, 64, "bf16", "key_lengths", 0.0), (2, 2, 1030, 600, 128, "fp16", "causal", 0.0),
        (2, 2, 777, 777, 64, "bf16", "causal_valid", 0.2), (2, 2, 777, 900, 128, "fp16", "none", 0.2)]
+    # the one-tile backward (Sq, Skv <= config.TRITON_BWD_ONE_TILE_CONFIGS' BLOCK: 128, 64 at D128): the PCVR
+    # shape's S128 D64 key lengths, symbiosis' roles at S110 D32, D16 and D128 at their tile's edge, dropout
+    # (the (17, 17) cases above run it in every mask too; (127, 129) and D128 at S65 keep the two-kernel one)
+    + [(8, 2, 128, 128, 64, dt, "key_lengths", 0.0) for dt in ("fp16", "bf16")]
+    + [(4, 2, 128, 128, 16, "bf16", mode, 0.0) for mode in ("window", "causal_valid")]
+    + [(4, 2, 64, 64, 128, dt, mode, 0.0) for dt, mode in (("bf16", "causal_valid"), ("fp16", "key_lengths"))]
+    + [(8, 2, 128, 128, 64, "bf16", "key_lengths", 0.2), (3, 2, 110, 110, 32, "bf16", "roles", 0.2),
+       (4, 2, 100, 100, 16, "fp16", "window", 0.3), (4, 2, 61, 64, 128, "bf16", "causal", 0.3)]
 )
 # TileLang compiles each variant (head dim, dtype, mask mode, dropout, tile config) for seconds, so its GPU
 # matrix covers every mode, head dim, bucket, odd length and dropout once, not every combination.
@@ -246,21 +254,26 @@ def tilelang_variants(tune: bool = False) -> list[tuple]:
 
 
 def run_once(backend: str, D: int, dtype: torch.dtype, mode: str, dropout: bool, bucket: int) -> None:
-    """Inference forward, training forward and backward of one variant on tiny CUDA tensors (compiles it)."""
+    """Inference forward, training forward and backward of one variant on tiny CUDA tensors (compiles it; Triton's
+    bucket 0 twice: its backward is the one-tile kernel or the two-kernel pair depending on Sq, Skv)."""
     from . import flash_attention
 
-    S = {0: 64, 1: 256, 2: 640}[bucket]
-    q, k, v = (torch.randn(1, 1, S, D, device="cuda", dtype=dtype) for _ in range(3))
-    if mode in STRUCTURED:
-        args = structured_mask(mode, 1, S, device="cuda")
-    else:
-        use_kl, causal, causal_valid = MODES[mode]
-        kl = torch.tensor([S - 3], device="cuda", dtype=torch.int32) if use_kl else None
-        args = dict(key_lengths=kl, causal=causal, causal_valid=causal_valid)
-    args.update(dropout_p=0.25 if dropout else 0.0, training=dropout, backend=backend,
-                generator=torch.Generator().manual_seed(0))
-    with torch.no_grad():
-        flash_attention(q, k, v, **args)
-    q.requires_grad_()
-    flash_attention(q, k, v, **args).sum().backward()
+    shapes = [{0: (64, 64), 1: (256, 256), 2: (640, 640)}[bucket]]
+    if backend == "triton" and bucket == 0:  # bucket 0's two backwards: the one-tile one and the two-kernel one
+        shapes.append((128, 128) if mode in STRUCTURED else (64, 160))  # (past D128's tile, past every tile)
+    for Sq, Skv in shapes:
+        q = torch.randn(1, 1, Sq, D, device="cuda", dtype=dtype)
+        k, v = (torch.randn(1, 1, Skv, D, device="cuda", dtype=dtype) for _ in range(2))
+        if mode in STRUCTURED:
+            args = structured_mask(mode, 1, Sq, device="cuda")
+        else:
+            use_kl, causal, causal_valid = MODES[mode]
+            kl = torch.tensor([Skv - 3], device="cuda", dtype=torch.int32) if use_kl else None
+            args = dict(key_lengths=kl, causal=causal, causal_valid=causal_valid)
+        args.update(dropout_p=0.25 if dropout else 0.0, training=dropout, backend=backend,
+                    generator=torch.Generator().manual_seed(0))
+        with torch.no_grad():
+            flash_attention(q, k, v, **args)
+        q.requires_grad_()
+        flash_attention(q, k, v, **args).sum().backward()
     torch.cuda.synchronize()
