@@ -322,13 +322,13 @@ def test_triton_interpreter_two_kernel_backward(case, monkeypatch):
 
 @pytest.mark.parametrize("Sq,Skv,D,expected", [
     (100, 100, 32, ["fwd", "bwd_one_tile"]), (128, 128, 64, ["fwd", "bwd_one_tile"]),
-    (64, 64, 128, ["fwd", "bwd_one_tile"]), (1, 17, 16, ["fwd", "bwd_one_tile"]),
+    (70, 128, 128, ["fwd", "bwd_one_tile"]), (1, 17, 16, ["fwd", "bwd_one_tile"]),
     (100, 129, 32, ["fwd", "bwd_dq", "bwd_dkdv"]), (129, 100, 64, ["fwd", "bwd_dq", "bwd_dkdv"]),
-    (65, 65, 128, ["fwd", "bwd_dq", "bwd_dkdv"]),
+    (129, 129, 128, ["fwd", "bwd_dq", "bwd_dkdv"]),
 ])
 def test_triton_backward_routing(Sq, Skv, D, expected, monkeypatch):
     """Which kernels one forward + backward launches: the one-tile backward where Sq and Skv fit the head dim's
-    BLOCK (128; 64 at D128), the two-kernel one past it."""
+    BLOCK_M (128), the two-kernel one past it."""
     _interpret(monkeypatch)
     from pcvr_lib.kernels import _triton
     from pcvr_lib.kernels.attention.config import TRITON_BWD_ONE_TILE_CONFIGS

@@ -37,13 +37,13 @@ TRITON_BWD_KV_CONFIGS = {
     (32, 2): (32, 64, 4, 3), (64, 2): (32, 64, 4, 3), (128, 2): (64, 128, 8, 2),
 }
 
-# The one-tile backward (triton_impl._attn_bwd_one_tile): (BLOCK, num_warps, num_stages) per head dim. It runs
-# where Sq <= BLOCK and Skv <= BLOCK (one program per (b, h), 5 matmuls instead of the two-kernel path's 7, one
-# launch instead of two). One BLOCK per head dim, not timed (no GPU when it was written; a 64 tile for S <= 64
-# may be faster at D <= 64): the largest tile ptxas (triton 3.9, sm_90a) builds without spills, 8 warps (4 spill
-# at 128 x 128); D64 keeps 128 for the PCVR shape (S128) at 44-88 bytes of spill; D128 takes 64 (128 spills
-# 96-272 bytes), so its S 65-128 stays on the two-kernel path. Spill table: notes/attention.md "One-tile backward".
-TRITON_BWD_ONE_TILE_CONFIGS = {16: (128, 8, 1), 32: (128, 8, 1), 64: (128, 8, 1), 128: (64, 8, 1)}
+# The one-tile backward (triton_impl._attn_bwd_one_tile): (BLOCK_M, BLOCK_N, num_warps, num_stages) per head
+# dim. It runs where Sq <= BLOCK_M and Skv <= BLOCK_M: one program per (b, h) holds every query row and walks
+# the key tiles of BLOCK_N (5 matmuls per tile pair instead of the two-kernel path's 7, one launch instead of
+# two). Not timed (no GPU when it was written): BLOCK_M 128 everywhere (all of bucket 0 with Skv <= 128), and
+# per head dim the widest key tile that ptxas (triton 3.9, sm_90a) builds without spills at 8 warps (masks
+# key lengths, causal-valid, window, roles, with and without dropout; notes/attention.md "One-tile backward").
+TRITON_BWD_ONE_TILE_CONFIGS = {16: (128, 64, 8, 1), 32: (128, 64, 8, 1), 64: (128, 32, 8, 1), 128: (128, 32, 8, 1)}
 
 # The long bucket (Sq > 512) on Hopper, masks none / key lengths / causal / causal-valid (triton_long.py):
 # forward (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA descriptors, warp-specialised loop) and backward

@@ -495,21 +495,20 @@ def _attn_bwd_one_tile(
     sqb, sqh, sqm, skb, skh, skn, svb, svh, svn, sob, soh, som, sdob, sdoh, sdom,
     H, Sq, Skv, qk_scale, sm_scale, seed, drop_threshold, drop_scale, W, G,
     MODE: tl.constexpr, HAS_KL: tl.constexpr, DROPOUT: tl.constexpr,
-    BLOCK: tl.constexpr, HEAD_DIM: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
-    """The whole backward of one (b, h) whose Sq and Skv fit one BLOCK: P recomputed once from the LSE, then
-    dV = P^T dO, dP = dO V^T, dS = P (dP - delta), dQ = dS K, dK = dS^T Q (5 matmuls, no delta buffer).
-    Ordered for register pressure (a 128 x 128 fp32 tile is 64 registers a thread at 8 warps): the mask is
-    built after the first matmul, dV and dQ are stored as soon as they are done, and the dropout hash is
-    computed twice instead of keeping the keep mask live across a matmul."""
+    """The whole backward of one (b, h) whose Sq rows fit one BLOCK_M tile: every query is in this program, so
+    each key tile's dK and dV are complete after one visit (stored at once) and dQ sums over the key tiles in
+    registers. Per key tile P is recomputed once from the LSE: dV = P^T dO, dP = dO V^T, dS = P (dP - delta),
+    dQ += dS K, dK = dS^T Q (5 matmuls; delta = rowsum(dO * O) here, no delta buffer, no atomics).
+    Key tiles no row can see get zero dK/dV without their matmuls."""
     bh = tl.program_id(0)
     b = bh // H
     h = bh % H
-    offs_m = tl.arange(0, BLOCK)
-    offs_n = tl.arange(0, BLOCK)
+    offs_m = tl.arange(0, BLOCK_M)
+    offs_n0 = tl.arange(0, BLOCK_N)
     offs_d = tl.arange(0, HEAD_DIM)
     row_ok = offs_m < Sq
-    col_ok = offs_n < Skv
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
     qlen = Skv  # the valid length L of masks.py: Skv without key lengths
@@ -517,6 +516,15 @@ def _attn_bwd_one_tile(
     if HAS_KL:
         qlen = tl.maximum(tl.load(KL + b), 0)
         kv_len = tl.minimum(qlen, Skv)
+    # keys from kv_hi on are seen by no row (every visible j < kv_hi)
+    if MODE <= 1:
+        kv_hi = kv_len
+    elif MODE == 2:
+        kv_hi = tl.minimum(kv_len, Sq)
+    elif MODE == 3:
+        kv_hi = tl.minimum(Skv, Sq)  # j <= i or j == i, i < Sq
+    else:
+        kv_hi = Skv
     if DROPOUT:  # per-(b, h) stream key, as in the forward
         hk = seed.to(tl.uint32) + bh.to(tl.uint32) * 0x61C88647
         hk ^= hk >> 16
@@ -525,69 +533,76 @@ def _attn_bwd_one_tile(
         hk *= 0x735A2D97
         hk ^= hk >> 15
 
+    q = tl.load(Q + b64 * sqb + h64 * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     do = tl.load(DO + b64 * sdob + h64 * sdoh + offs_m[:, None] * sdom + offs_d[None, :],
                  mask=row_ok[:, None], other=0.0)
     o = tl.load(O + b64 * sob + h64 * soh + offs_m[:, None] * som + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
-    lse = tl.load(LSE + bh.to(tl.int64) * Sq + offs_m, mask=row_ok, other=float("inf"))
-    q = tl.load(Q + b64 * sqb + h64 * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    k = tl.load(K + b64 * skb + h64 * skh + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-    p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])  # a row without keys: lse = +inf, p = 0
-
-    # the element mask of the whole (Sq, Skv) block (the masked-loop formulas of the two-kernel path)
-    if MODE <= 1:
-        allowed = (offs_n < kv_len)[None, :] & row_ok[:, None]
-    elif MODE == 2:
-        allowed = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < kv_len)[None, :] & row_ok[:, None]
-    elif MODE == 3:
-        allowed = ((offs_n[None, :] <= offs_m[:, None]) & (offs_m < qlen)[:, None]) | (
-            offs_n[None, :] == offs_m[:, None]
-        )
-        allowed = allowed & col_ok[None, :] & row_ok[:, None]
-    elif MODE == 4:
-        glob_row = (offs_m < qlen) & (offs_m >= qlen - G)
-        allowed = ((offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] > offs_m[:, None] - W)
-                   & (offs_m < qlen)[:, None]) | (glob_row[:, None] & (offs_n < kv_len)[None, :]) | (
-            offs_n[None, :] == offs_m[:, None])
-        allowed = allowed & col_ok[None, :] & row_ok[:, None]
-    else:
+    lse = tl.load(LSE + bh.to(tl.int64) * Sq + offs_m, mask=row_ok, other=float("inf"))  # no keys: +inf, p = 0
+    if MODE == 5:
         q_vis = tl.load(VIS + (tl.load(ROLE + b64 * Sq + offs_m, mask=row_ok, other=0) & 31))
-        k_role = tl.load(ROLE + b64 * Skv + offs_n, mask=col_ok, other=32)
-        allowed = (((q_vis[:, None] >> (k_role[None, :] & 31)) & 1) != 0) & (k_role < 32)[None, :]
-        allowed = (allowed | (offs_n[None, :] == offs_m[:, None])) & col_ok[None, :] & row_ok[:, None]
-    p = tl.where(allowed, p, 0.0)
+    if MODE == 4:
+        glob_row = (offs_m < qlen) & (offs_m >= qlen - G)
+    k_base = K + b64 * skb + h64 * skh
+    v_base = V + b64 * svb + h64 * svh
+    out_base = bh.to(tl.int64) * Skv * HEAD_DIM
 
-    kv_off = bh.to(tl.int64) * Skv * HEAD_DIM + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
-    if DROPOUT:
-        x = (offs_m[:, None] * Skv + offs_n[None, :]).to(tl.uint32) ^ hk
-        x ^= x >> 16
-        x *= 0x21F0AAAD
-        x ^= x >> 15
-        x *= 0x735A2D97
-        x ^= x >> 15
-        p_used = tl.where((x >> 8) >= drop_threshold, p * drop_scale, 0.0)  # the weights the forward applied
-        dv = tl.dot(tl.trans(p_used.to(do.dtype)), do)
-    else:
-        dv = tl.dot(tl.trans(p.to(do.dtype)), do)
-    tl.store(DV + kv_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
-
-    v = tl.load(V + b64 * svb + h64 * svh + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-    dp = tl.dot(do, tl.trans(v))
-    if DROPOUT:
-        x = (offs_m[:, None] * Skv + offs_n[None, :]).to(tl.uint32) ^ hk
-        x ^= x >> 16
-        x *= 0x21F0AAAD
-        x ^= x >> 15
-        x *= 0x735A2D97
-        x ^= x >> 15
-        dp = tl.where((x >> 8) >= drop_threshold, dp * drop_scale, 0.0)
-    ds = (p * (dp - delta[:, None])).to(q.dtype)
-
-    dq = tl.dot(ds, k) * sm_scale
+    dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
+    for n_start in range(0, kv_hi, BLOCK_N):
+        offs_n = n_start + offs_n0
+        col_ok = offs_n < Skv
+        # the element mask (the masked-loop formulas of the two-kernel path)
+        if MODE <= 1:
+            allowed = (offs_n < kv_len)[None, :] & row_ok[:, None]
+        elif MODE == 2:
+            allowed = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < kv_len)[None, :] & row_ok[:, None]
+        elif MODE == 3:
+            allowed = ((offs_n[None, :] <= offs_m[:, None]) & (offs_m < qlen)[:, None]) | (
+                offs_n[None, :] == offs_m[:, None]
+            )
+            allowed = allowed & col_ok[None, :] & row_ok[:, None]
+        elif MODE == 4:
+            allowed = ((offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] > offs_m[:, None] - W)
+                       & (offs_m < qlen)[:, None]) | (glob_row[:, None] & (offs_n < kv_len)[None, :]) | (
+                offs_n[None, :] == offs_m[:, None])
+            allowed = allowed & col_ok[None, :] & row_ok[:, None]
+        else:
+            k_role = tl.load(ROLE + b64 * Skv + offs_n, mask=col_ok, other=32)
+            allowed = (((q_vis[:, None] >> (k_role[None, :] & 31)) & 1) != 0) & (k_role < 32)[None, :]
+            allowed = (allowed | (offs_n[None, :] == offs_m[:, None])) & col_ok[None, :] & row_ok[:, None]
+        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+        p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+        p = tl.where(allowed, p, 0.0)
+        dp = tl.dot(do, tl.trans(v))
+        if DROPOUT:
+            x = (offs_m[:, None] * Skv + offs_n[None, :]).to(tl.uint32) ^ hk
+            x ^= x >> 16
+            x *= 0x21F0AAAD
+            x ^= x >> 15
+            x *= 0x735A2D97
+            x ^= x >> 15
+            keep = (x >> 8) >= drop_threshold
+            dv = tl.dot(tl.trans(tl.where(keep, p * drop_scale, 0.0).to(do.dtype)), do)
+            dp = tl.where(keep, dp * drop_scale, 0.0)
+        else:
+            dv = tl.dot(tl.trans(p.to(do.dtype)), do)
+        ds = (p * (dp - delta[:, None])).to(q.dtype)
+        dq += tl.dot(ds, k)
+        dk = tl.dot(tl.trans(ds), q) * sm_scale
+        out_off = out_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(DK + out_off, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
+        tl.store(DV + out_off, dv.to(DV.dtype.element_ty), mask=col_ok[:, None])
+    # keys no row sees: zero gradients (the outputs are not cleared beforehand)
+    zeros = tl.zeros([BLOCK_N, HEAD_DIM], dtype=DK.dtype.element_ty)
+    for n_start in range(tl.cdiv(kv_hi, BLOCK_N) * BLOCK_N, Skv, BLOCK_N):
+        offs_n = n_start + offs_n0
+        out_off = out_base + offs_n[:, None] * HEAD_DIM + offs_d[None, :]
+        tl.store(DK + out_off, zeros, mask=(offs_n < Skv)[:, None])
+        tl.store(DV + out_off, zeros, mask=(offs_n < Skv)[:, None])
+    dq = dq * sm_scale
     q_off = bh.to(tl.int64) * Sq * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :]
     tl.store(DQ + q_off, dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
-    dk = tl.dot(tl.trans(ds), q) * sm_scale
-    tl.store(DK + kv_off, dk.to(DK.dtype.element_ty), mask=col_ok[:, None])
 
 
 # ---------------------------------------------------------------------------------------------------------
@@ -695,7 +710,7 @@ def _backward_one_tile(do, q, k, v, o, lse, key_lengths, mode, scale, seed, drop
     """One launch, one program per (b, h): the one-tile kernel (no delta buffer, no atomics, no memset)."""
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
-    block, warps, stages = config
+    bm, bn, warps, stages = config
     dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
     dk = torch.empty((B, H, Skv, D), dtype=k.dtype, device=q.device)
     dv = torch.empty((B, H, Skv, D), dtype=v.dtype, device=q.device)
@@ -711,10 +726,10 @@ def _backward_one_tile(do, q, k, v, o, lse, key_lengths, mode, scale, seed, drop
                dos[0], dos[1], dos[2])
     args = (q, k, v, o, do, dq, dk, dv, lse, kl, roles, vis, *strides,
             H, Sq, Skv, scale * 1.4426950408889634, scale, seed, _threshold(dropout_p), 1.0 / (1.0 - dropout_p),
-            W, G, code, has_kl, dropout, block, D)
+            W, G, code, has_kl, dropout, bm, bn, D)
     grid = (B * H, 1, 1)
     if _fast_ok((q, k, v, do, kl, roles), strides):
-        key = (q.get_device(), q.dtype, code, has_kl, dropout, block, D, warps, stages)
+        key = (q.get_device(), q.dtype, code, has_kl, dropout, bm, bn, D, warps, stages)
         _launch_one_tile(key, grid, args, warps, stages)
     else:
         _launch_one_tile.jit(grid, args, warps, stages)
@@ -738,12 +753,11 @@ def compile_for(arch: int, which: str, D: int, dtype: str = "bf16", mode: str = 
     fn = {"fwd": _attn_fwd, "dq": _attn_bwd_dq, "dkdv": _attn_bwd_dkdv, "one_tile": _attn_bwd_one_tile}[which].compiled
     constexprs = {"MODE": MODE_CODE[mode], "HAS_KL": has_kl, "DROPOUT": dropout, "HEAD_DIM": D}
     if which == "one_tile":
-        block, warps, stages = config or TRITON_BWD_ONE_TILE_CONFIGS[D]
-        constexprs["BLOCK"] = block
+        bm, bn, warps, stages = config or TRITON_BWD_ONE_TILE_CONFIGS[D]
     else:
         tables = {"fwd": TRITON_FWD_CONFIGS, "dq": TRITON_BWD_DQ_CONFIGS, "dkdv": TRITON_BWD_KV_CONFIGS}
         bm, bn, warps, stages = config or tables[which][(D, 0)]
-        constexprs.update(BLOCK_M=bm, BLOCK_N=bn)
+    constexprs.update(BLOCK_M=bm, BLOCK_N=bn)
     if which == "fwd":
         constexprs["STORE_LSE"] = store_lse
     signature = {}

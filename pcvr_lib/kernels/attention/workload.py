@@ -60,14 +60,14 @@ GPU_CASES = (
     + [(3, 2, 700, 700, d, dt, mode, 0.0) for d in (64, 128) for dt in ("fp16", "bf16") for mode in MODES]
     + [(2, 2, 600, 1030, 64, "bf16", "key_lengths", 0.0), (2, 2, 1030, 600, 128, "fp16", "causal", 0.0),
        (2, 2, 777, 777, 64, "bf16", "causal_valid", 0.2), (2, 2, 777, 900, 128, "fp16", "none", 0.2)]
-    # the one-tile backward (Sq, Skv <= config.TRITON_BWD_ONE_TILE_CONFIGS' BLOCK: 128, 64 at D128): the PCVR
-    # shape's S128 D64 key lengths, symbiosis' roles at S110 D32, D16 and D128 at their tile's edge, dropout
-    # (the (17, 17) cases above run it in every mask too; (127, 129) and D128 at S65 keep the two-kernel one)
+    # the one-tile backward (Sq, Skv <= config.TRITON_BWD_ONE_TILE_CONFIGS' BLOCK_M, 128): the PCVR shape's
+    # S128 D64 key lengths, symbiosis' roles at S110 D32, D16 and D128 at the tile's edge, dropout (the (17, 17)
+    # cases above run it in every mask too; (127, 129) and (129, 127) keep the two-kernel backward)
     + [(8, 2, 128, 128, 64, dt, "key_lengths", 0.0) for dt in ("fp16", "bf16")]
     + [(4, 2, 128, 128, 16, "bf16", mode, 0.0) for mode in ("window", "causal_valid")]
-    + [(4, 2, 64, 64, 128, dt, mode, 0.0) for dt, mode in (("bf16", "causal_valid"), ("fp16", "key_lengths"))]
+    + [(4, 2, 128, 128, 128, dt, mode, 0.0) for dt, mode in (("bf16", "causal_valid"), ("fp16", "key_lengths"))]
     + [(8, 2, 128, 128, 64, "bf16", "key_lengths", 0.2), (3, 2, 110, 110, 32, "bf16", "roles", 0.2),
-       (4, 2, 100, 100, 16, "fp16", "window", 0.3), (4, 2, 61, 64, 128, "bf16", "causal", 0.3)]
+       (4, 2, 100, 100, 16, "fp16", "window", 0.3), (4, 2, 101, 128, 128, "bf16", "causal", 0.3)]
 )
 # TileLang compiles each variant (head dim, dtype, mask mode, dropout, tile config) for seconds, so its GPU
 # matrix covers every mode, head dim, bucket, odd length and dropout once, not every combination.
@@ -255,12 +255,12 @@ def tilelang_variants(tune: bool = False) -> list[tuple]:
 
 def run_once(backend: str, D: int, dtype: torch.dtype, mode: str, dropout: bool, bucket: int) -> None:
     """Inference forward, training forward and backward of one variant on tiny CUDA tensors (compiles it; Triton's
-    bucket 0 twice: its backward is the one-tile kernel or the two-kernel pair depending on Sq, Skv)."""
+    bucket 0 twice where the mask allows Sq != Skv: the one-tile backward at Skv <= 128, the two-kernel one past)."""
     from . import flash_attention
 
     shapes = [{0: (64, 64), 1: (256, 256), 2: (640, 640)}[bucket]]
-    if backend == "triton" and bucket == 0:  # bucket 0's two backwards: the one-tile one and the two-kernel one
-        shapes.append((128, 128) if mode in STRUCTURED else (64, 160))  # (past D128's tile, past every tile)
+    if backend == "triton" and bucket == 0 and mode not in STRUCTURED:
+        shapes.append((64, 160))  # Skv past the one-tile backward's 128: bucket 0's two-kernel backward
     for Sq, Skv in shapes:
         q = torch.randn(1, 1, Sq, D, device="cuda", dtype=dtype)
         k, v = (torch.randn(1, 1, Skv, D, device="cuda", dtype=dtype) for _ in range(2))
