@@ -344,9 +344,14 @@ def test_triton_backward_routing(Sq, Skv, D, expected, monkeypatch):
 
     monkeypatch.setattr(_triton.Launcher, "jit", record)
     q, k, v, do = _inputs(1, 1, Sq, Skv, D, torch.float16, seed=5)
-    q.requires_grad_()
-    flash_attention(q, k, v, key_lengths=torch.tensor([Skv - 1], dtype=torch.int32), backend="triton").backward(do)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    length = min(Skv, 20)  # keys from 20 on are padding: whole key tiles nobody sees (zero dK/dV, never computed)
+    with poisoned_outputs("cpu"):  # new tensors start as NaN: an unwritten gradient shows
+        out = flash_attention(q, k, v, key_lengths=torch.tensor([length], dtype=torch.int32), backend="triton")
+        out.backward(do)
     assert launched == expected
+    assert all(torch.isfinite(t.grad).all() for t in (q, k, v)), "a gradient was left unwritten"
+    assert not k.grad[:, :, length:].any() and not v.grad[:, :, length:].any(), "padding keys got gradients"
 
 
 @pytest.mark.parametrize("D,mode,has_kl,dropout", [(16, "window", True, True), (32, "roles", False, True),
