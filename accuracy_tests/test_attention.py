@@ -354,6 +354,26 @@ def test_triton_backward_routing(Sq, Skv, D, expected, monkeypatch):
     assert not k.grad[:, :, length:].any() and not v.grad[:, :, length:].any(), "padding keys got gradients"
 
 
+@pytest.mark.parametrize("D", [32, 128])
+def test_triton_one_tile_sweep_configs_interpreter(D, monkeypatch):
+    """The sweep's one-tile candidates (tune.TRITON_ONE_TILE) give the default config's gradients (dropout and key
+    lengths, S 60 so that the BLOCK_M 64 candidates run too); a config the shape does not fit is refused."""
+    _interpret(monkeypatch)
+    from pcvr_lib.kernels.attention import triton_impl, tune
+
+    q, k, v, do = _inputs(2, 2, 60, 60, D, torch.float16, seed=8)
+    kl = torch.tensor([60, 23], dtype=torch.int32)
+    scale = D ** -0.5
+    o, lse = triton_impl.forward(q, k, v, kl, "causal_valid", scale, 77, 0.2, True)
+    ref = triton_impl.backward(do, q, k, v, o, lse, kl, "causal_valid", scale, 77, 0.2)
+    for cfg in tune.TRITON_ONE_TILE[D]:
+        got = triton_impl.backward(do, q, k, v, o, lse, kl, "causal_valid", scale, 77, 0.2, one_tile_config=cfg)
+        for name, a, b in zip(("dq", "dk", "dv"), got, ref, strict=True):
+            assert torch.allclose(a.float(), b.float(), rtol=0, atol=2e-3), f"{cfg}: {name} differs from the default's"
+    with pytest.raises(ValueError, match="one_tile_config"):
+        triton_impl.backward(do, q, k, v, o, lse, kl, "causal_valid", scale, 77, 0.2, one_tile_config=(32, 32, 4, 1))
+
+
 @pytest.mark.parametrize("D,mode,has_kl,dropout", [(16, "window", True, True), (32, "roles", False, True),
                                                   (64, "key_lengths", True, False), (128, "causal_valid", True, True)])
 def test_triton_one_tile_backward_compiles_for_sm90(D, mode, has_kl, dropout):

@@ -657,15 +657,18 @@ def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p:
 
 
 def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: int, dropout_p: float,
-             dq_config=None, kv_config=None, extra=None):
-    """(dQ, dK, dV). Where Sq and Skv fit the head dim's one-tile BLOCK (TRITON_BWD_ONE_TILE_CONFIGS) and no
-    config is given: one launch of the one-tile kernel. Elsewhere two launches, dQ (which also writes
-    delta = rowsum(dO*O)) then dK/dV."""
+             dq_config=None, kv_config=None, extra=None, one_tile_config=None):
+    """(dQ, dK, dV). Where Sq and Skv fit the head dim's BLOCK_M (TRITON_BWD_ONE_TILE_CONFIGS) and no
+    two-kernel config is given: one launch of the one-tile kernel (`one_tile_config` replaces the table's).
+    Elsewhere two launches, dQ (which also writes delta = rowsum(dO*O)) then dK/dV."""
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     if do.stride(-1) != 1:
         do = do.contiguous()
-    one_tile = TRITON_BWD_ONE_TILE_CONFIGS.get(D)
+    if one_tile_config is not None and not (Sq <= one_tile_config[0] and Skv <= one_tile_config[0]):
+        raise ValueError(f"flash_attention: one_tile_config {one_tile_config} needs Sq and Skv <= its BLOCK_M "
+                         f"{one_tile_config[0]}, got Sq {Sq}, Skv {Skv}")
+    one_tile = one_tile_config or TRITON_BWD_ONE_TILE_CONFIGS.get(D)
     if one_tile is not None and Sq <= one_tile[0] and Skv <= one_tile[0] and dq_config is None and kv_config is None:
         return _backward_one_tile(do, q, k, v, o, lse, key_lengths, mode, scale, seed, dropout_p, extra, one_tile)
     dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)

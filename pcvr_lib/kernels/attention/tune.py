@@ -2,6 +2,9 @@
 """Tile-config sweep for the long-sequence buckets (run on the GPU; prints one table, best first).
 
     python -m pcvr_lib.kernels.attention.tune --shapes 16x8x1024x64,4x16x4096x128 --dtype bf16
+    python -m pcvr_lib.kernels.attention.tune --skip-tilelang --shapes 8x8x128x64,256x8x110x32,256x4x128x16,64x8x128x128
+
+At S <= 128 it also times the one-tile backward's candidates (TRITON_ONE_TILE) against the two-kernel backward.
 
 Times device time (CUDA events, median, no L2 flush, after 0.1 s of warm-up calls) of each candidate for
 the forward kernel and each backward kernel of both backends, after checking the candidate's output against
@@ -22,6 +25,10 @@ from ... import timing
 from .. import _tilelang, precompile
 from . import tilelang_impl as ti
 from . import triton_impl as tr
+from .config import TRITON_BWD_DQ_CONFIGS, TRITON_BWD_KV_CONFIGS
+
+TRITON_DQ_DEFAULT = {D: TRITON_BWD_DQ_CONFIGS[(D, 0)] for D in (16, 32, 64, 128)}
+TRITON_KV_DEFAULT = {D: TRITON_BWD_KV_CONFIGS[(D, 0)] for D in (16, 32, 64, 128)}
 
 # the models' head sizes (16, 32; issue 12), Triton only for now: `--skip-tilelang --shapes 256x4x512x16,...`
 _SMALL_D = [(64, 64, 4, 2), (128, 64, 4, 2), (128, 128, 4, 2), (64, 128, 4, 2), (128, 64, 8, 3), (32, 64, 4, 2)]
@@ -35,6 +42,13 @@ TRITON_DQ = {16: _SMALL_D, 32: _SMALL_D,
 TRITON_KV = {16: _SMALL_D, 32: _SMALL_D,
              64: [(64, 128, 8, 2), (32, 128, 4, 2), (64, 64, 4, 2), (128, 128, 8, 2), (32, 64, 4, 3)],
              128: [(64, 64, 4, 2), (32, 64, 4, 2), (64, 128, 8, 2), (32, 128, 8, 2)]}
+# the one-tile backward (Sq, Skv <= BLOCK_M; config.TRITON_BWD_ONE_TILE_CONFIGS, untimed when written): timed
+# at shapes with S <= 128 against the two-kernel backward's bucket-0 configs (first: the table's default;
+# BLOCK_M 64 runs only at S <= 64; the 8-warp 128 x 64 tiles at D64/D128 spill in ptxas, timed anyway)
+TRITON_ONE_TILE = {16: [(128, 64, 8, 1), (128, 128, 8, 1), (128, 32, 4, 1), (128, 64, 4, 2), (64, 64, 4, 1)],
+                   32: [(128, 64, 8, 1), (128, 32, 8, 1), (128, 128, 8, 1), (128, 64, 4, 2), (64, 64, 4, 1)],
+                   64: [(128, 32, 8, 1), (128, 64, 8, 1), (128, 32, 8, 2), (128, 32, 4, 2), (64, 32, 4, 1)],
+                   128: [(128, 32, 8, 1), (128, 32, 8, 2), (128, 64, 8, 1), (64, 32, 4, 1)]}
 TILELANG_FWD = {64: [(128, 128, 256, 2), (128, 64, 256, 2), (64, 64, 128, 2)],
                 128: [(128, 128, 256, 2), (128, 64, 256, 2), (64, 64, 128, 2)]}
 TILELANG_BWD = {64: [(64, 64, 128, 2), (128, 64, 256, 2), (64, 128, 256, 2)],
@@ -127,6 +141,15 @@ def main(argv=None) -> int:
             record("triton bwd dq+dkdv", cfg, lambda c=cfg: tr.backward(do, q, k, v, ref_o, ref_lse, None, "none",
                                                                         scale, 0, 0.0, kv_config=c),
                    lambda out: max(err_of(out[1], ref_g[1]), err_of(out[2], ref_g[2])), 2.5 * flops)
+        if S <= 128:  # the one-tile backward against the two-kernel one at bucket 0's configs
+            two = (TRITON_DQ_DEFAULT[D], TRITON_KV_DEFAULT[D])
+            record("triton bwd two-kernel", two, lambda: tr.backward(do, q, k, v, ref_o, ref_lse, None, "none", scale,
+                                                                     0, 0.0, dq_config=two[0], kv_config=two[1]),
+                   lambda out: max(err_of(a, b) for a, b in zip(out, ref_g, strict=True)), 2.5 * flops)
+            for cfg in [c for c in TRITON_ONE_TILE[D] if S <= c[0]]:
+                record("triton bwd one-tile", cfg, lambda c=cfg: tr.backward(do, q, k, v, ref_o, ref_lse, None, "none",
+                                                                             scale, 0, 0.0, one_tile_config=c),
+                       lambda out: max(err_of(a, b) for a, b in zip(out, ref_g, strict=True)), 2.5 * flops)
         if args.skip_tilelang:
             continue
         for cfg in TILELANG_FWD.get(D, []):
