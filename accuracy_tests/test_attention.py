@@ -696,3 +696,25 @@ def test_precompile_runs_every_triton_variant_through_run_once():
     assert variants
     for variant in variants:
         signature.bind("triton", *variant)
+
+
+@pytest.mark.parametrize("mode,expected", [
+    ("key_lengths", ["fwd", "fwd", "bwd_one_tile", "fwd", "fwd", "bwd_dq", "bwd_dkdv"]),
+    ("roles", ["fwd", "fwd", "bwd_one_tile"]),
+])
+def test_precompile_warms_both_bucket0_backwards(mode, expected, monkeypatch):
+    """`precompile --run-triton`'s warm-up of a bucket-0 variant (workload.run_once, under the interpreter here)
+    launches the one-tile backward and, where the mask allows Skv past its tile, the two-kernel one too."""
+    _interpret(monkeypatch)
+    from pcvr_lib.kernels import _triton
+
+    launched = []
+    jit = _triton.Launcher.jit
+
+    def record(self, *args, **kwargs):
+        launched.append(self.name.removeprefix("flash_attention."))
+        return jit(self, *args, **kwargs)
+
+    monkeypatch.setattr(_triton.Launcher, "jit", record)
+    workload.run_once("triton", 32, torch.float16, mode, True, 0, device="cpu")
+    assert launched == expected

@@ -253,22 +253,23 @@ def tilelang_variants(tune: bool = False) -> list[tuple]:
     return sorted(out, key=str)
 
 
-def run_once(backend: str, D: int, dtype: torch.dtype, mode: str, dropout: bool, bucket: int) -> None:
+def run_once(backend: str, D: int, dtype: torch.dtype, mode: str, dropout: bool, bucket: int, device="cuda") -> None:
     """Inference forward, training forward and backward of one variant on tiny CUDA tensors (compiles it; Triton's
-    bucket 0 twice where the mask allows Sq != Skv: the one-tile backward at Skv <= 128, the two-kernel one past)."""
+    bucket 0 twice where the mask allows Sq != Skv: the one-tile backward at Skv <= 128, the two-kernel one past).
+    `device` "cpu": Triton's interpreter (the tests check which kernels a variant warms)."""
     from . import flash_attention
 
     shapes = [{0: (64, 64), 1: (256, 256), 2: (640, 640)}[bucket]]
     if backend == "triton" and bucket == 0 and mode not in STRUCTURED:
         shapes.append((64, 160))  # Skv past the one-tile backward's 128: bucket 0's two-kernel backward
     for Sq, Skv in shapes:
-        q = torch.randn(1, 1, Sq, D, device="cuda", dtype=dtype)
-        k, v = (torch.randn(1, 1, Skv, D, device="cuda", dtype=dtype) for _ in range(2))
+        q = torch.randn(1, 1, Sq, D, device=device, dtype=dtype)
+        k, v = (torch.randn(1, 1, Skv, D, device=device, dtype=dtype) for _ in range(2))
         if mode in STRUCTURED:
-            args = structured_mask(mode, 1, Sq, device="cuda")
+            args = structured_mask(mode, 1, Sq, device=device)
         else:
             use_kl, causal, causal_valid = MODES[mode]
-            kl = torch.tensor([Skv - 3], device="cuda", dtype=torch.int32) if use_kl else None
+            kl = torch.tensor([Skv - 3], device=device, dtype=torch.int32) if use_kl else None
             args = dict(key_lengths=kl, causal=causal, causal_valid=causal_valid)
         args.update(dropout_p=0.25 if dropout else 0.0, training=dropout, backend=backend,
                     generator=torch.Generator().manual_seed(0))
@@ -276,4 +277,5 @@ def run_once(backend: str, D: int, dtype: torch.dtype, mode: str, dropout: bool,
             flash_attention(q, k, v, **args)
         q.requires_grad_()
         flash_attention(q, k, v, **args).sum().backward()
-    torch.cuda.synchronize()
+    if device == "cuda":
+        torch.cuda.synchronize()
