@@ -16,8 +16,9 @@ training=True; its seed is drawn from `generator` (torch's default CPU generator
 generator reproduces the call exactly on every backend.
 
 Host path: one dict lookup per backend, shape/dtype checks, one kernel launch forward (no device sync);
-backward is two launches. Triton with Sq > 512 (masks none / key lengths / causal / causal-valid) runs
-triton_long's kernels, whose backward sums dQ with fp32 atomics: not bitwise deterministic there.
+backward is two launches (Triton: one where Sq and Skv <= 128, the one-tile backward). Triton with
+Sq > 512 (masks none / key lengths / causal / causal-valid) runs triton_long's kernels, whose backward sums
+dQ with fp32 atomics: not bitwise deterministic there.
 Compiled kernels are cached by (dtype, head dim, mask mode, dropout, bucket of the
 sequence length), so a new length inside a bucket does not recompile.
 """

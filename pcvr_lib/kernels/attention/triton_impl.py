@@ -1,5 +1,6 @@
 """Flash attention in Triton: one forward kernel, two backward kernels (dQ with delta, then dK/dV), and a
-one-launch backward for a (b, h) whose Sq and Skv fit one tile (config.TRITON_BWD_ONE_TILE_CONFIGS).
+one-launch backward where Sq and Skv fit one query tile (config.TRITON_BWD_ONE_TILE_CONFIGS, BLOCK_M 128):
+one program per (b, h) holds every query row, so each key tile's dK/dV is complete in one visit.
 The forward at Sq > 512 with the masks none / key lengths / causal / causal-valid goes to triton_long.py (its
 config table in config.py decides per head dim); everything else runs here, every backward included.
 
