@@ -143,7 +143,7 @@ def main(argv=None) -> int:
                    lambda out: max(err_of(out[1], ref_g[1]), err_of(out[2], ref_g[2])), 2.5 * flops)
         if S <= 128:  # the one-tile backward against the two-kernel one at bucket 0's configs
             two = (TRITON_DQ_DEFAULT[D], TRITON_KV_DEFAULT[D])
-            record("triton bwd two-kernel", two, lambda: tr.backward(do, q, k, v, ref_o, ref_lse, None, "none", scale,
+            record("triton bwd 2 kernels", two, lambda: tr.backward(do, q, k, v, ref_o, ref_lse, None, "none", scale,
                                                                      0, 0.0, dq_config=two[0], kv_config=two[1]),
                    lambda out: max(err_of(a, b) for a, b in zip(out, ref_g, strict=True)), 2.5 * flops)
             for cfg in [c for c in TRITON_ONE_TILE[D] if S <= c[0]]:
