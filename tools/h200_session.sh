@@ -130,7 +130,7 @@ echo "--- summary"
 [ -f "$OUT/accuracy_rerun.log" ] && tail -5 "$OUT/accuracy_rerun.log"
 [ -f "$OUT/norm_sweep.json" ] && python3 -m pcvr_lib report "$OUT/norm_sweep.json" | cut -c1-140
 [ -f "$OUT/attention_tune.log" ] && tail -45 "$OUT/attention_tune.log"
-[ -f "$OUT/attention_tune_small.log" ] && awk '/^shape/{on=1; print; next} on && NF>3 {k=$1" "$3; if (n[k]++ < 3) print}' \
+[ -f "$OUT/attention_tune_small.log" ] && awk '/^shape/{on=1; print; next} on && NF>3 {k=substr($0, 1, 41); if (n[k]++ < 3) print}' \
   "$OUT/attention_tune_small.log"  # the best three per shape and kernel
 [ -f "$OUT/attention_long.log" ] && grep -E "^(compile|compiled|FAILED)" "$OUT/attention_long.log" | cut -c1-200 | tail -15 \
   && tail -34 "$OUT/attention_long.log"
