@@ -2,7 +2,7 @@
 """Tile-config sweep for the long-sequence buckets (run on the GPU; prints one table, best first).
 
     python -m pcvr_lib.kernels.attention.tune --shapes 16x8x1024x64,4x16x4096x128 --dtype bf16
-    python -m pcvr_lib.kernels.attention.tune --skip-tilelang --shapes 8x8x128x64,256x8x110x32,256x4x128x16,64x8x128x128
+    python -m pcvr_lib.kernels.attention.tune --one-tile-only --shapes 8x8x128x64,256x8x110x32,256x4x128x16,64x8x128x128
 
 At S <= 128 it also times the one-tile backward's candidates (TRITON_ONE_TILE) against the two-kernel backward.
 
@@ -95,7 +95,11 @@ def main(argv=None) -> int:
     parser.add_argument("--dtype", default="bf16")
     parser.add_argument("--workers", type=int, default=14)
     parser.add_argument("--skip-tilelang", action="store_true")
+    parser.add_argument("--one-tile-only", action="store_true",
+                        help="only the one-tile backward's candidates against the two-kernel backward (S <= 128)")
     args = parser.parse_args(argv)
+    if args.one_tile_only:
+        args.skip_tilelang = True
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     arch = _tilelang.arch(torch.device("cuda"), arch_specific=True)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
@@ -132,14 +136,14 @@ def main(argv=None) -> int:
         def err_of(a, b):
             return float((a.float() - b.float()).abs().max())
 
-        for cfg in TRITON_FWD[D]:
+        for cfg in [] if args.one_tile_only else TRITON_FWD[D]:
             record("triton fwd", cfg, lambda c=cfg: tr.forward(q, k, v, None, "none", scale, 0, 0.0, False, config=c),
                    lambda out: err_of(out[0], ref_o), flops)
-        for cfg in TRITON_DQ[D]:
+        for cfg in [] if args.one_tile_only else TRITON_DQ[D]:
             record("triton bwd dq", cfg, lambda c=cfg: tr.backward(do, q, k, v, ref_o, ref_lse, None, "none", scale, 0,
                                                                    0.0, dq_config=c),
                    lambda out: err_of(out[0], ref_g[0]), 1.5 * flops)
-        for cfg in TRITON_KV[D]:
+        for cfg in [] if args.one_tile_only else TRITON_KV[D]:
             record("triton bwd dq+dkdv", cfg, lambda c=cfg: tr.backward(do, q, k, v, ref_o, ref_lse, None, "none",
                                                                         scale, 0, 0.0, kv_config=c),
                    lambda out: max(err_of(out[1], ref_g[1]), err_of(out[2], ref_g[2])), 2.5 * flops)
