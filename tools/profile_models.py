@@ -20,8 +20,9 @@ CUDA the runtime calls: cudaLaunchKernel, cudaStreamSynchronize, cudaMemcpyAsync
 sync waits in). On CUDA the backward runs in autograd's device thread: thread CPU time and cProfile see
 the calling thread only (forward, optimizer, the wait for backward), so the plain measurement also gives
 the process CPU time (every thread) and torch.profiler, which records every thread, shows the backward's ops
-and our autograd Functions' backward (`autograd::engine::evaluate_function: ...`). Printed per model: the backends side by side, the packages, the functions and the ops whose
-per-step time differs most from the first backend. cProfile's own overhead inflates Python-heavy code
+and our autograd Functions' backward (`autograd::engine::evaluate_function: ...`). Printed per model: the
+backends side by side, the packages, the functions and the ops whose per-step time differs most from the
+first backend. cProfile's own overhead inflates Python-heavy code
 (each Python call costs it ~1 us): read its numbers as shares, and (1) as the step's real host time.
 """
 
