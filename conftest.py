@@ -55,6 +55,13 @@ def pytest_benchmark_update_machine_info(config, machine_info):
     update_machine_info(machine_info)
 
 
+def pytest_benchmark_update_commit_info(config, commit_info):
+    """PCVR_MEASURED_TREE names the code that ran where the checkout's git metadata does not (the GPU host's copy
+    carries the session's first commit: .benchmarks/README.md); tools/h200_session.sh passes it on."""
+    if os.environ.get("PCVR_MEASURED_TREE"):
+        commit_info["measured_tree"] = os.environ["PCVR_MEASURED_TREE"]
+
+
 def pytest_benchmark_update_json(config, benchmarks, output_json):
     """Every case records a fingerprint of its workload (pcvr_lib.compare.WORKLOAD_KEYS), so a comparison
     flags a case whose workload changed under the same id instead of comparing two different things."""

@@ -86,8 +86,9 @@ def check_grad(grad, ids, grad_out, num_rows, dtype, backend):
 
 
 def check_sparse_grad(grad, ids, grad_out, num_rows, dtype, backend):
-    """Our COO layout (autograd.py): B*L entries; entry b*L+l is (id, g[b]/count[b]) for a valid id,
-    else (a valid id of bag b, or 0 for an all-padding bag; zero values). torch's: compared summed."""
+    """Sparse weight gradient. Ours (__init__.py): rows sorted and distinct, exactly the valid ids (plus row 0,
+    with zeros, when a bag has no valid id), values the fp32 sums vs fp64. torch's: compared summed.
+    (Autograd's accumulation into .grad drops the coalesced flag: test_sparse_grad_flagged_coalesced.)"""
     ids_c = ids.cpu().to(torch.int64)
     grad_out = grad_out.cpu()
     assert grad.is_sparse and grad.shape == (num_rows, grad_out.shape[1])
@@ -95,19 +96,13 @@ def check_sparse_grad(grad, ids, grad_out, num_rows, dtype, backend):
     if backend == "torch":
         check_grad(grad.to(torch.float64).to_dense().to(dtype), ids_c, grad_out, num_rows, dtype, backend)
         return
+    rows = grad._indices().cpu()[0]
     valid = (ids_c > 0) & (ids_c < num_rows)
-    count = valid.sum(dim=1, keepdim=True).clamp_min(1).to(torch.float64)
-    indices = grad._indices().cpu()[0].reshape(ids_c.shape)
-    values = grad._values().cpu().reshape(*ids_c.shape, -1)
-    assert torch.equal(indices[valid], ids_c[valid]), f"{backend}: COO indices differ from the valid ids"
-    per_bag = (grad_out.to(torch.float64) / count).unsqueeze(1).expand(-1, ids_c.shape[1], -1)
-    assert_close(values[valid], per_bag[valid], dtype, what=f"{backend} sparse grad values")
-    assert torch.count_nonzero(values[~valid]) == 0, "entries of ignored ids must carry zeros"
-    # the index of an ignored position is a valid id of the same bag (0 only if the bag has none)
-    filler = indices[~valid]
-    bag_of = (~valid).nonzero()[:, 0]
-    same_bag = (ids_c[bag_of] == filler[:, None]) & valid[bag_of]
-    assert bool((same_bag.any(dim=1) | ((filler == 0) & ~valid[bag_of].any(dim=1))).all())
+    expected_rows = set(ids_c[valid].tolist()) | ({0} if not bool(valid.any(dim=1).all()) else set())
+    assert rows.tolist() == sorted(expected_rows), f"{backend}: rows differ from the touched rows"
+    if 0 in expected_rows:
+        assert torch.count_nonzero(grad._values().cpu()[0]) == 0, "row 0 (all-padding bags) must carry zeros"
+    check_grad(grad.cpu().to_dense(), ids_c, grad_out, num_rows, dtype, backend)
 
 
 # ---------------------------------------------------------------- forward, fixed edge cases
@@ -178,6 +173,19 @@ def test_weight_grad(backend, dtype, sparse, device_for):
         check_sparse_grad(grad, ids, grad_out, num_rows, dtype, backend)
     else:
         check_grad(grad, ids, grad_out, num_rows, dtype, backend)
+
+
+@pytest.mark.parametrize("backend", ["triton", "tilelang"])
+def test_sparse_grad_flagged_coalesced(backend, device_for):
+    """The gradient our Function returns is flagged coalesced, so an optimizer's coalesce() is a no-op."""
+    device = device_for(backend)
+    ids = make_ids(9, 5, 30, 0.5, seed=3).to(device)
+    weight = make_weight(30, 8, torch.float32, 4, device).requires_grad_()
+    grad_out = make_weight(9, 8, torch.float32, 5, device)
+    out = eb.embedding_bag_mean(weight, ids, backend=backend, sparse_grad=True)
+    (grad,) = torch.autograd.grad(out, weight, grad_out)
+    assert grad.is_sparse and grad.is_coalesced()
+    check_sparse_grad(grad, ids, grad_out, 30, torch.float32, backend)
 
 
 # ---------------------------------------------------------------- property-based

@@ -84,9 +84,9 @@ for s in "$@"; do
       step attention_tune 150 python3 -m pcvr_lib.kernels.attention.tune --workers 16 ;;
     tune)
       step attention_tune 150 python3 -m pcvr_lib.kernels.attention.tune --workers 16 ;;
-    tune_small)  # the models' head size 16 (key-length shapes of issue 12): Triton tile candidates, unmasked
+    tune_small)  # the models' head sizes 16 and 32 (issue 12's shapes): Triton tile candidates, unmasked
       step attention_tune_small ${TUNE_SMALL_S:-130} python3 -m pcvr_lib.kernels.attention.tune --skip-tilelang \
-        --shapes 256x4x256x16,256x4x512x16 --dtype bf16 ;;
+        --shapes 256x4x256x16,256x4x512x16,256x8x110x32 --dtype bf16 ;;
     tune_long)  # the long-sequence Triton kernels vs the old ones vs cuDNN (notes/attention.md, session 3)
       step attention_long 290 python3 -m pcvr_lib.kernels.attention.tune_long --workers 15 \
         --out "$OUT/attention_long.json" ;;
@@ -119,7 +119,7 @@ for s in "$@"; do
       # 16 processes, not one by one inside a test); then every case's outcome is logged as it ends (-v), a
       # failed check's reason at once (the test writes it past the capture), tracebacks of a case stuck 90 s.
       step precompile_models 120 python3 -m pcvr_lib.kernels.precompile --models --workers 16
-      step perf_models 240 python3 -m pytest -v -p no:cacheprovider --tb=short -rfE --capture=sys \
+      step perf_models 300 python3 -m pytest -v -p no:cacheprovider --tb=short -rfE --capture=sys \
         -o faulthandler_timeout=90 perf_tests/test_models.py --benchmark-only --durations=10 \
         --benchmark-json="$OUT/models.json" ;;
     smoke_triton|smoke_tilelang)  # the smoke with every operator switch on one backend (numerics end to end)
@@ -138,7 +138,8 @@ echo "--- summary"
 [ -f "$OUT/accuracy_rerun.log" ] && tail -5 "$OUT/accuracy_rerun.log"
 [ -f "$OUT/norm_sweep.json" ] && python3 -m pcvr_lib report "$OUT/norm_sweep.json" | cut -c1-140
 [ -f "$OUT/attention_tune.log" ] && tail -45 "$OUT/attention_tune.log"
-[ -f "$OUT/attention_tune_small.log" ] && tail -40 "$OUT/attention_tune_small.log"
+[ -f "$OUT/attention_tune_small.log" ] && awk '/^shape/{on=1; print; next} on && NF>3 {k=substr($0, 1, 41); if (n[k]++ < 3) print}' \
+  "$OUT/attention_tune_small.log"  # the best three per shape and kernel
 [ -f "$OUT/attention_long.log" ] && grep -E "^(compile|compiled|FAILED)" "$OUT/attention_long.log" | cut -c1-200 | tail -15 \
   && tail -34 "$OUT/attention_long.log"
 [ -f "$OUT/kernels_norms.json" ] && python3 -m pcvr_lib report "$OUT/kernels_norms.json" --view cases | cut -c1-160 | head -80
