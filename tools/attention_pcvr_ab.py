@@ -11,7 +11,7 @@ equivalent boolean mask built once outside the call (perf_tests/test_kernels_att
 is left out of masked cases; a backend that refuses an input ("No available kernel") is reported and left out.
 
 Every (case, implementation) is checked first against the fp64 reference by the flash-attention rule (as the
-benchmark does); a wrong result is never timed (ours: the tool exits 1).
+benchmark does, outputs poisoned on the GPU); a wrong result is never timed (ours: the tool exits 1).
 
 Timing: rounds; in each round every (case, implementation) block runs once, the order of the blocks rotated
 by one per round (ABCD, BCDA, ...) so that drift and position effects fall on every implementation alike. A
@@ -168,6 +168,7 @@ def build_blocks(device: str, dtypes, masks, directions, impls, shape=PCVR_SHAPE
     names; a wrong result of ours goes to `wrong`, an unavailable or wrong SDPA backend to `skipped`."""
     import contextlib
 
+    from pcvr_lib.kernels.testing import poisoned_outputs
     from pcvr_lib.kernels.tolerance import flash_rule
     from perf_tests import test_kernels_attention as bench
 
@@ -187,7 +188,9 @@ def build_blocks(device: str, dtypes, masks, directions, impls, shape=PCVR_SHAPE
                     is_sdpa = impl in SDPA
                     call = bench.make_call("sdpa" if is_sdpa else impl, q, k, v, do, kw, attn_mask, direction)
                     try:
-                        with sdpa_context(impl) if is_sdpa else contextlib.nullcontext():
+                        # outputs poisoned on the GPU: a kernel that skips a write cannot pass on stale memory
+                        poison = poisoned_outputs(device) if device != "cpu" else contextlib.nullcontext()
+                        with sdpa_context(impl) if is_sdpa else contextlib.nullcontext(), poison:
                             got = bench._as_list(call())
                             for what, a, r, te in zip(("out", "dq", "dk", "dv"), got, ref, torch_err, strict=False):
                                 flash_rule(a, r, te, bench.DTYPES[dtype], f"{impl} {what}")
