@@ -257,6 +257,27 @@ def test_backend_status_reasons():
             assert registry.backend_status(op, "triton", "cpu") == (False, "triton: no CUDA device")
 
 
+# ------------------------------------------------------------------ Triton: compile for sm_90 (no GPU)
+
+
+def test_triton_kernels_compile_for_sm90_after_a_launch(device_for):
+    """The four Triton kernels, which call the shared @helper `row_tile`, compile for sm_90 after a launch in
+    this process. On CPU that launch is interpreted: it swaps the helper for its interpreted twin in the
+    kernels' namespaces and must put the JITFunction back, or the compile would fail."""
+    from triton.runtime.jit import JITFunction
+
+    from pcvr_lib.kernels.layer_norm import triton_impl as ln_triton
+    from pcvr_lib.kernels.rms_norm import triton_impl as rms_triton
+
+    device = device_for("triton")
+    for op in OPS:
+        check_backward(op, "triton", (3, 127), torch.float32, device)
+    assert isinstance(rms_triton.row_tile, JITFunction) and ln_triton.row_tile is rms_triton.row_tile
+    for name in ("rms_fwd", "rms_bwd", "ln_fwd", "ln_bwd"):
+        ptx = rms_triton.compile_for(90, name, 333, "bf16").asm["ptx"]
+        assert f".entry _{name}(" in ptx, name
+
+
 # ------------------------------------------------------------------ TileLang: compile for sm_90 (no GPU)
 
 

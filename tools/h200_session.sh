@@ -8,7 +8,11 @@
 #   REPS=3 bash tools/h200_session.sh warm planted noise                      # planted slowdown + noise floor
 # (BUDGET=seconds caps the whole command; steps: warm warm_norms accuracy accuracy_norms accuracy_attention
 #  sweep norm_sweep tune host perf_norms perf_embedding perf_attention noise planted optim gpu_timer host_ab smoke
-#  accuracy_parallel perf_models smoke_triton smoke_tilelang tune_long tune_small)
+#  accuracy_parallel perf_models smoke_triton smoke_tilelang tune_long tune_small pcvr_ab profile_host)
+# pcvr_ab: tools/attention_pcvr_ab.py, our flash_attention against every SDPA backend at the PCVR shape, per call,
+#   interleaved rounds in one process, ours / best SDPA with a paired 95% interval ($OUT/pcvr_ab.json; ~80 s).
+# profile_host: tools/profile_models.py --host, where each model's train step spends its host time, torch vs
+#   triton backends ($OUT/profile_host.json; ~60-90 s).
 #
 # noise: the gated kernel suite (torch.compile peers, sweeps and host parts left out) REPS times, one JSON
 #   per repetition ($OUT/noise_repN.json), then `pcvr noise --from` them into $OUT/noise_h200.json. Every GPU
@@ -122,6 +126,10 @@ for s in "$@"; do
       b=${s#smoke_}
       step "$s" 200 python3 -m pcvr_lib smoke --models all --seeds 17,42,97 --steps 20 --device cuda \
         --attention-backend "$b" --rms-norm-backend "$b" --embedding-backend "$b" --out "$OUT/$s" ;;
+    pcvr_ab)
+      step pcvr_ab 150 python3 tools/attention_pcvr_ab.py --seconds "${AB_SECONDS:-60}" --out "$OUT" ;;
+    profile_host)
+      step profile_host 150 python3 tools/profile_models.py --host --steps 2 --out "$OUT" ;;
     *) echo "unknown step $s" ;;
   esac
 done
@@ -144,4 +152,6 @@ echo "--- summary"
 [ -f "$OUT/smoke.log" ] && tail -14 "$OUT/smoke.log"
 for b in triton tilelang; do [ -f "$OUT/smoke_$b.log" ] && tail -14 "$OUT/smoke_$b.log"; done
 [ -f "$OUT/models.json" ] && python3 -m pcvr_lib report "$OUT/models.json" --view models
+[ -f "$OUT/pcvr_ab.log" ] && grep -E "^(left out|[0-9]+ interleaved|\|)" "$OUT/pcvr_ab.log" | tail -24
+[ -f "$OUT/profile_host.log" ] && tail -60 "$OUT/profile_host.log"
 exit 0

@@ -76,9 +76,18 @@ def kernel(do_not_specialize=()):
     return wrap
 
 
+def helper(fn):
+    """Decorator for a device function our kernels call (`@helper` instead of `@triton.jit`): a JITFunction,
+    which compiled kernels inline; an interpreted launch swaps it for its interpreted twin (see below)."""
+    from triton.runtime.jit import JITFunction
+
+    return JITFunction(fn)
+
+
 @contextlib.contextmanager
-def interpreted_triton_library():
-    """Temporarily replace the JITFunctions of triton.language (sum, max, ...) by interpreted twins."""
+def interpreted_triton_library(kernel_globals: dict | None = None):
+    """Temporarily replace the JITFunctions of triton.language (sum, max, ...) and those in the launched
+    kernel's module namespace (`kernel_globals`: its @helper functions, own or imported) by interpreted twins."""
     import triton.language as tl
     import triton.language.standard as standard
     from triton.runtime.interpreter import InterpretedFunction
@@ -95,11 +104,16 @@ def interpreted_triton_library():
             if isinstance(value, JITFunction):
                 swapped.append((module, name, value))
                 setattr(module, name, InterpretedFunction(value.fn))
+    helpers = {name: value for name, value in (kernel_globals or {}).items() if isinstance(value, JITFunction)}
+    for name, value in helpers.items():
+        kernel_globals[name] = InterpretedFunction(value.fn)
     try:
         yield
     finally:
         for module, name, value in swapped:
             setattr(module, name, value)
+        if kernel_globals is not None:
+            kernel_globals.update(helpers)
         for ns, before in saved:
             for name in [n for n, v in vars(ns).items() if n not in before and not inspect.ismodule(v)]:
                 delattr(ns, name)
@@ -154,7 +168,7 @@ class Launcher:
             options["num_stages"] = num_stages
         if args[0].is_cuda:
             return self.dual.compiled[grid](*args, **options)
-        with interpreted_triton_library():
+        with interpreted_triton_library(self.dual.fn.__globals__):
             return self.dual.interpreted[grid](*args, **options)
 
     def path(self) -> str:

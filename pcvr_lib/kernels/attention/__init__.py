@@ -13,7 +13,10 @@ dropout keep rule are defined in masks.py (key lengths are per batch row, int32 
 means all keys). fp16 and bf16 run natively; fp32 inputs are computed in bf16 and the output returned as
 fp32 (documented precision: bf16). Rows with no visible key return zeros. Dropout applies only with
 training=True; its seed is drawn from `generator` (torch's default CPU generator when None), so a seeded
-generator reproduces the call exactly on every backend.
+generator reproduces the call exactly on every backend. Under CUDA graph capture dropout is refused with a
+ValueError (the host-drawn seed would be baked into the graph: every replay the same mask); without dropout the
+whole forward + backward of the triton and tilelang backends captures and replays (no host sync, no CPU
+tensor, no per-call host state; accuracy_tests/test_attention_graph.py).
 
 Host path: one dict lookup per backend, shape/dtype checks, one kernel launch forward (no device sync);
 backward is two launches (Triton: one where Sq and Skv <= 128, the one-tile backward). Triton with
@@ -200,6 +203,11 @@ def flash_attention(q, k, v, *, key_lengths=None, causal=False, causal_valid=Fal
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[3])
     p = float(dropout_p) if training else 0.0
+    if p > 0.0 and _capturing():
+        raise ValueError(
+            f"{OP}: dropout_p={p} inside a CUDA graph capture: the dropout seed is drawn on the host when the "
+            "call is captured, so every replay would drop the very same weights. Capture with training=False "
+            "(or dropout_p=0), or call flash_attention with dropout outside the graph")
     seed = draw_seed(generator) if p > 0.0 else 0
     impl = _CUDA_IMPLS.get(backend) if q.is_cuda else None
     if impl is None:
@@ -232,6 +240,11 @@ def flash_attention(q, k, v, *, key_lengths=None, causal=False, causal_valid=Fal
     else:
         out = impl.forward(q, k, v, key_lengths, mode, scale, seed, p, False, extra=extra)[0]
     return out[..., :D] if D in _PADDED else out
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph (only asked when dropout is on)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _empty_result(q, k, v):

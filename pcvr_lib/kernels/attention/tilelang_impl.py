@@ -79,8 +79,9 @@ def _row_range(mode, m_start, bm, bn, qlen, kv_len, Skv, W, G):
 
 
 def _col_range(mode, n_start, bm, bn, qlen, kv_len, Sq, W, G):
-    """[lo, hi) query tiles a block of keys starting at n_start visits (the fused backward). bwd_dkdv_program
-    computes the same bounds inline: its statements name them, so its compiled kernels (cached) stay as built."""
+    """[lo, hi) query tiles a block of keys starting at n_start visits (the fused backward). The two-kernel dK/dV
+    form of _bwd_kv_program computes the same bounds as statements: they name them in its TIR, so its compiled
+    kernels (cached) stay as built."""
     if mode == 1:
         return 0, T.if_then_else(n_start < kv_len, T.ceildiv(Sq, bm), 0)
     if mode == 2:
@@ -402,35 +403,42 @@ def bwd_dq_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
 
 
 def bwd_dkdv_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
+    """dK and dV: a block of bn keys accumulates both over the query tiles it sees (Delta from the dQ kernel)."""
+    return _bwd_kv_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages, fused=False)
+
+
+def bwd_fused_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages, schedule="fused"):
+    """One backward kernel (the FlashAttention-2 structure of TileLang's Hopper example): a block of bn keys
+    accumulates dK and dV over the query tiles it sees, as bwd_dkdv_program does, and adds each query tile's
+    dQ share (dS^T K, scaled) into the fp32 `dQacc` with atomics (5 matmuls per tile pair instead of the two
+    kernels' 7). Delta = rowsum(dO * O) comes in precomputed; `backward` casts dQacc to the output dtype.
+    With 256 threads the key block is split between two warpgroups: bn = 128 keys."""
+    assert schedule == "fused"
+    return _bwd_kv_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages, fused=True)
+
+
+def _ds_value(ds, sm_scale, fused: bool):
+    """dS of one element: the fused kernel folds the softmax scale in (its dQ share reuses dS); the dK/dV
+    kernel scales dK once at the end."""
+    return ds * sm_scale if fused else ds
+
+
+def _bwd_kv_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages, fused: bool):
+    """The key-block backward, two-kernel (`fused` False: dK, dV) or fused (dQ by atomics too). One macro
+    body serves both prim_funcs; `fused` is a Python constant, so each kernel's statements are exactly those
+    it was written with (its TIR, the disk-cache key, unchanged by the sharing)."""
     B, H, Sq, Skv, NKL, SqP, NR = T.dynamic("B, H, Sq, Skv, NKL, SqP, NR")
     acc = "float32"
 
-    @T.prim_func
-    def attn_bwd_dkdv(
-        Q: T.Tensor([B, H, Sq, D], dtype),
-        K: T.Tensor([B, H, Skv, D], dtype),
-        V: T.Tensor([B, H, Skv, D], dtype),
-        dO: T.Tensor([B, H, Sq, D], dtype),
-        dK: T.Tensor([B, H, Skv, D], dtype),
-        dV: T.Tensor([B, H, Skv, D], dtype),
-        LSE: T.Tensor([B, H, SqP], acc),
-        Delta: T.Tensor([B, H, SqP], acc),
-        KL: T.Tensor([NKL], "int32"),
-        ROLE: T.Tensor([NR], "int32"),
-        VIS: T.Tensor([32], "int32"),
-        qk_scale: T.float32,
-        sm_scale: T.float32,
-        seed: T.int32,
-        thr: T.int32,
-        drop_scale: T.float32,
-        W: T.int32,
-        G: T.int32,
-    ):
+    @T.macro
+    def body(Q, K, V, dO, dQacc, dK, dV, LSE, Delta, KL, ROLE, VIS, qk_scale, sm_scale, seed, thr, drop_scale, W, G):
         with T.Kernel(T.ceildiv(Skv, bn), H, B, threads=threads) as (bx, by, bz):
             K_s = T.alloc_shared([bn, D], dtype)
             V_s = T.alloc_shared([bn, D], dtype)
             Q_s = T.alloc_shared([bm, D], dtype)
             dO_s = T.alloc_shared([bm, D], dtype)
+            if fused:
+                dsT_s = T.alloc_shared([bn, bm], dtype)
             lse_s = T.alloc_shared([bm], acc)
             delta_s = T.alloc_shared([bm], acc)
             sT = T.alloc_fragment([bn, bm], acc)
@@ -439,21 +447,24 @@ def bwd_dkdv_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
             ds_cast = T.alloc_fragment([bn, bm], dtype)
             dk = T.alloc_fragment([bn, D], acc)
             dv = T.alloc_fragment([bn, D], acc)
+            if fused:
+                dq = T.alloc_fragment([bm, D], acc)
             q_word = T.alloc_shared([bm], "int32")
             k_code = T.alloc_shared([bn], "int32")
 
             qlen = T.max(KL[bz], 0) if has_kl else Skv  # the valid length L of masks.py
             kv_len = T.min(qlen, Skv) if has_kl else Skv  # no key lengths: every key is valid
             n_start = bx * bn
-            if mode == 1:
+            if fused:
+                lo, hi = _col_range(mode, n_start, bm, bn, qlen, kv_len, Sq, W, G)
+            # the same bounds as statements (named in the TIR): the two-kernel backward's cached builds have them
+            elif mode == 1:
                 lo = 0
                 hi = T.if_then_else(n_start < kv_len, T.ceildiv(Sq, bm), 0)
             elif mode == 2:
                 lo = n_start // bm
                 hi = T.if_then_else(n_start < kv_len, T.max(lo, T.ceildiv(Sq, bm)), lo)
             elif mode == 4:
-                # one range over the window band, the padded rows on the diagonal and the global rows (the
-                # rows between band and global rows are visited masked: simpler than a second loop)
                 has_keys = n_start < kv_len
                 lo = T.if_then_else(has_keys, T.min(n_start, T.max(qlen - G, 0)), n_start) // bm
                 top = T.max(n_start + bn - 1 + W, T.if_then_else(has_keys, qlen, 0))
@@ -492,37 +503,57 @@ def bwd_dkdv_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages):
                     if dropout:
                         kept = _keep(mm * bm + j, n_start + i, Skv, stream, thr)
                         p_cast[i, j] = T.if_then_else(kept, p * drop_scale, 0.0)
-                        ds_cast[i, j] = p * (T.if_then_else(kept, dpT[i, j] * drop_scale, 0.0) - delta_s[j])
+                        ds_cast[i, j] = _ds_value(p * (T.if_then_else(kept, dpT[i, j] * drop_scale, 0.0) - delta_s[j]),
+                                                  sm_scale, fused)
                     else:
                         p_cast[i, j] = p
-                        ds_cast[i, j] = p * (dpT[i, j] - delta_s[j])
+                        ds_cast[i, j] = _ds_value(p * (dpT[i, j] - delta_s[j]), sm_scale, fused)
                 T.gemm(p_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
                 T.gemm(ds_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)
-            for i, j in T.Parallel(bn, D):
-                dk[i, j] = dk[i, j] * sm_scale
+                if fused:
+                    T.copy(ds_cast, dsT_s)
+                    T.clear(dq)
+                    T.gemm(dsT_s, K_s, dq, transpose_A=True)
+                    T.atomic_add(dQacc[bz, by, mm * bm:(mm + 1) * bm, :], dq)
+            if not fused:
+                for i, j in T.Parallel(bn, D):
+                    dk[i, j] = dk[i, j] * sm_scale
             T.copy(dk, dK[bz, by, n_start:n_start + bn, :])
             T.copy(dv, dV[bz, by, n_start:n_start + bn, :])
 
-    return attn_bwd_dkdv
+    if fused:  # (a prim_func is built where it is defined: only the one asked for)
+        @T.prim_func
+        def attn_bwd_fused(
+            Q: T.Tensor([B, H, Sq, D], dtype),
+            K: T.Tensor([B, H, Skv, D], dtype),
+            V: T.Tensor([B, H, Skv, D], dtype),
+            dO: T.Tensor([B, H, Sq, D], dtype),
+            dQacc: T.Tensor([B, H, SqP, D], acc),
+            dK: T.Tensor([B, H, Skv, D], dtype),
+            dV: T.Tensor([B, H, Skv, D], dtype),
+            LSE: T.Tensor([B, H, SqP], acc),
+            Delta: T.Tensor([B, H, SqP], acc),
+            KL: T.Tensor([NKL], "int32"),
+            ROLE: T.Tensor([NR], "int32"),
+            VIS: T.Tensor([32], "int32"),
+            qk_scale: T.float32,
+            sm_scale: T.float32,
+            seed: T.int32,
+            thr: T.int32,
+            drop_scale: T.float32,
+            W: T.int32,
+            G: T.int32,
+        ):
+            body(Q, K, V, dO, dQacc, dK, dV, LSE, Delta, KL, ROLE, VIS, qk_scale, sm_scale, seed, thr, drop_scale, W, G)
 
-
-def bwd_fused_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages, schedule="fused"):
-    """One backward kernel (the FlashAttention-2 structure of TileLang's Hopper example): a block of bn keys
-    accumulates dK and dV over the query tiles it sees, as bwd_dkdv_program does, and adds each query tile's
-    dQ share (dS^T K, scaled) into the fp32 `dQacc` with atomics (5 matmuls per tile pair instead of the two
-    kernels' 7). Delta = rowsum(dO * O) comes in precomputed; `backward` casts dQacc to the output dtype.
-    With 256 threads the key block is split between two warpgroups: bn = 128 keys."""
-    assert schedule == "fused"
-    B, H, Sq, Skv, NKL, SqP, NR = T.dynamic("B, H, Sq, Skv, NKL, SqP, NR")
-    acc = "float32"
+        return attn_bwd_fused
 
     @T.prim_func
-    def attn_bwd_fused(
+    def attn_bwd_dkdv(
         Q: T.Tensor([B, H, Sq, D], dtype),
         K: T.Tensor([B, H, Skv, D], dtype),
         V: T.Tensor([B, H, Skv, D], dtype),
         dO: T.Tensor([B, H, Sq, D], dtype),
-        dQacc: T.Tensor([B, H, SqP, D], acc),
         dK: T.Tensor([B, H, Skv, D], dtype),
         dV: T.Tensor([B, H, Skv, D], dtype),
         LSE: T.Tensor([B, H, SqP], acc),
@@ -538,70 +569,9 @@ def bwd_fused_program(D, dtype, mode, has_kl, dropout, bm, bn, threads, stages, 
         W: T.int32,
         G: T.int32,
     ):
-        with T.Kernel(T.ceildiv(Skv, bn), H, B, threads=threads) as (bx, by, bz):
-            K_s = T.alloc_shared([bn, D], dtype)
-            V_s = T.alloc_shared([bn, D], dtype)
-            Q_s = T.alloc_shared([bm, D], dtype)
-            dO_s = T.alloc_shared([bm, D], dtype)
-            dsT_s = T.alloc_shared([bn, bm], dtype)
-            lse_s = T.alloc_shared([bm], acc)
-            delta_s = T.alloc_shared([bm], acc)
-            sT = T.alloc_fragment([bn, bm], acc)
-            dpT = T.alloc_fragment([bn, bm], acc)
-            p_cast = T.alloc_fragment([bn, bm], dtype)
-            ds_cast = T.alloc_fragment([bn, bm], dtype)
-            dk = T.alloc_fragment([bn, D], acc)
-            dv = T.alloc_fragment([bn, D], acc)
-            dq = T.alloc_fragment([bm, D], acc)
-            q_word = T.alloc_shared([bm], "int32")
-            k_code = T.alloc_shared([bn], "int32")
+        body(Q, K, V, dO, None, dK, dV, LSE, Delta, KL, ROLE, VIS, qk_scale, sm_scale, seed, thr, drop_scale, W, G)
 
-            qlen = T.max(KL[bz], 0) if has_kl else Skv  # the valid length L of masks.py
-            kv_len = T.min(qlen, Skv) if has_kl else Skv  # no key lengths: every key is valid
-            n_start = bx * bn
-            lo, hi = _col_range(mode, n_start, bm, bn, qlen, kv_len, Sq, W, G)
-            stream = _stream(seed, bz * H + by)
-
-            T.copy(K[bz, by, n_start:n_start + bn, :], K_s)
-            T.copy(V[bz, by, n_start:n_start + bn, :], V_s)
-            if mode == 5:
-                for i in T.Parallel(bn):
-                    k_code[i] = T.if_then_else(n_start + i < Skv, ROLE[bz * Skv + n_start + i], 32)
-            T.clear(dk)
-            T.clear(dv)
-            for mm in T.Pipelined(lo, hi, num_stages=stages):
-                T.copy(Q[bz, by, mm * bm:(mm + 1) * bm, :], Q_s)
-                T.copy(dO[bz, by, mm * bm:(mm + 1) * bm, :], dO_s)
-                T.copy(LSE[bz, by, mm * bm:(mm + 1) * bm], lse_s)
-                T.copy(Delta[bz, by, mm * bm:(mm + 1) * bm], delta_s)
-                if mode == 5:
-                    for j in T.Parallel(bm):
-                        q_word[j] = VIS[T.if_then_else(mm * bm + j < Sq, ROLE[bz * Sq + mm * bm + j], 0) & 31]
-                T.clear(sT)
-                T.gemm(K_s, Q_s, sT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                T.clear(dpT)
-                T.gemm(V_s, dO_s, dpT, transpose_B=True, policy=T.GemmWarpPolicy.FullRow)
-                for i, j in T.Parallel(bn, bm):
-                    p = T.if_then_else(_allowed(mode, mm * bm + j, n_start + i, qlen, kv_len, Sq, Skv, W, G,
-                                                q_word[j], k_code[i]),
-                                       T.exp2(sT[i, j] * qk_scale - lse_s[j]), 0.0)
-                    if dropout:
-                        kept = _keep(mm * bm + j, n_start + i, Skv, stream, thr)
-                        p_cast[i, j] = T.if_then_else(kept, p * drop_scale, 0.0)
-                        ds_cast[i, j] = p * (T.if_then_else(kept, dpT[i, j] * drop_scale, 0.0) - delta_s[j]) * sm_scale
-                    else:
-                        p_cast[i, j] = p
-                        ds_cast[i, j] = p * (dpT[i, j] - delta_s[j]) * sm_scale
-                T.gemm(p_cast, dO_s, dv, policy=T.GemmWarpPolicy.FullRow)
-                T.gemm(ds_cast, Q_s, dk, policy=T.GemmWarpPolicy.FullRow)
-                T.copy(ds_cast, dsT_s)
-                T.clear(dq)
-                T.gemm(dsT_s, K_s, dq, transpose_A=True)
-                T.atomic_add(dQacc[bz, by, mm * bm:(mm + 1) * bm, :], dq)
-            T.copy(dk, dK[bz, by, n_start:n_start + bn, :])
-            T.copy(dv, dV[bz, by, n_start:n_start + bn, :])
-
-    return attn_bwd_fused
+    return attn_bwd_dkdv
 
 
 _PROGRAMS = {"fwd": fwd_program, "dq": bwd_dq_program, "dkdv": bwd_dkdv_program, "fused": bwd_fused_program}

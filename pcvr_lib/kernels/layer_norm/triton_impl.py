@@ -9,18 +9,13 @@ import triton.language as tl
 
 from pcvr_lib.kernels._triton import Launcher, align_key, cdiv, kernel, next_pow2, sm_count
 from pcvr_lib.kernels.rms_norm.config import block_config, paired_rows, persistent_programs
+from pcvr_lib.kernels.rms_norm.triton_impl import row_tile
 
 
 @kernel(do_not_specialize=["M"])
 def _ln_fwd(X, W, B, Y, MEAN, RSTD, M, N, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
             SAVE_STATS: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = tl.arange(0, BLOCK_N)
-    rmask = rows < M
-    cmask = cols < N
-    mask = rmask[:, None] & cmask[None, :]
-    offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    rows, rmask, cols, cmask, mask, offs = row_tile(tl.program_id(0) * BLOCK_M, M, N, BLOCK_M, BLOCK_N)
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     b = tl.load(B + cols, mask=cmask, other=0.0).to(tl.float32)
@@ -46,10 +41,8 @@ def _ln_bwd(DY, X, W, MEAN, RSTD, DX, DWP, DBP, M, N, BLOCK_M: tl.constexpr,
     dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     db = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(pid * BLOCK_M, M, step):
-        rows = start + tl.arange(0, BLOCK_M)
-        rmask = rows < M
-        mask = rmask[:, None] & cmask[None, :]
-        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        # (its columns are those above: triton merges the two, the PTX is that of the inline version)
+        rows, rmask, _, _, mask, offs = row_tile(start, M, N, BLOCK_M, BLOCK_N)
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
         mean = tl.load(MEAN + rows, mask=rmask, other=0.0)

@@ -11,20 +11,27 @@ from __future__ import annotations
 import torch
 import triton.language as tl
 
-from pcvr_lib.kernels._triton import Launcher, align_key, cdiv, kernel, next_pow2, sm_count
+from pcvr_lib.kernels._triton import Launcher, align_key, cdiv, helper, kernel, next_pow2, sm_count
 from pcvr_lib.kernels.rms_norm.config import block_config, persistent_programs
 
 
-@kernel(do_not_specialize=["M"])
-def _rms_fwd(X, W, Y, RSTD, M, N, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-             SAVE_RSTD: tl.constexpr):
-    pid = tl.program_id(0)
-    rows = pid * BLOCK_M + tl.arange(0, BLOCK_M)
+@helper
+def row_tile(start, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """Rows start .. start + BLOCK_M of an (M, N) row-major tensor, its width padded to BLOCK_N: (rows, row
+    mask, columns, column mask, tile mask, int64 element offsets). Every norm kernel's row tile."""
+    rows = start + tl.arange(0, BLOCK_M)
     cols = tl.arange(0, BLOCK_N)
     rmask = rows < M
     cmask = cols < N
     mask = rmask[:, None] & cmask[None, :]
     offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+    return rows, rmask, cols, cmask, mask, offs
+
+
+@kernel(do_not_specialize=["M"])
+def _rms_fwd(X, W, Y, RSTD, M, N, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             SAVE_RSTD: tl.constexpr):
+    rows, rmask, cols, cmask, mask, offs = row_tile(tl.program_id(0) * BLOCK_M, M, N, BLOCK_M, BLOCK_N)
     x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
     w = tl.load(W + cols, mask=cmask, other=0.0).to(tl.float32)
     rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=1) / N + eps)
@@ -45,10 +52,8 @@ def _rms_bwd(DY, X, W, RSTD, DX, DWP, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.c
     # reduction per iteration went through shared memory each time)
     dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     for start in range(pid * BLOCK_M, M, step):
-        rows = start + tl.arange(0, BLOCK_M)
-        rmask = rows < M
-        mask = rmask[:, None] & cmask[None, :]
-        offs = rows.to(tl.int64)[:, None] * N + cols[None, :]
+        # (its columns are those above: triton merges the two, the PTX is that of the inline version)
+        rows, rmask, _, _, mask, offs = row_tile(start, M, N, BLOCK_M, BLOCK_N)
         x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
         dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
         rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
@@ -90,3 +95,34 @@ def backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: tor
     return dx, partial.sum(0).to(weight.dtype)
 
 
+
+
+def compile_for(arch: int, name: str, width: int, dtype: str = "fp16", flag: bool = True):
+    """Compile one norm kernel ahead of time for CUDA compute capability `arch` (e.g. 90) without a GPU, as a
+    launch of rows `width` wide would specialise it (16-byte aligned pointers; N when it divides by 16).
+    `name`: "rms_fwd", "rms_bwd", "ln_fwd", "ln_bwd"; `flag`: a forward's SAVE_RSTD / SAVE_STATS. Returns
+    triton's CompiledKernel (.asm["ptx"] the PTX)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from pcvr_lib.kernels.layer_norm import triton_impl as ln
+
+    fn = {"rms_fwd": _rms_fwd, "rms_bwd": _rms_bwd, "ln_fwd": ln._ln_fwd, "ln_bwd": ln._ln_bwd}[name].compiled
+    block_m, num_warps = block_config(width)
+    constexprs = {"BLOCK_M": block_m, "BLOCK_N": next_pow2(width), "SAVE_RSTD": flag, "SAVE_STATS": flag}
+    constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
+    signature = {}
+    for arg in fn.arg_names:
+        if arg in constexprs:
+            signature[arg] = "constexpr"
+        elif arg in ("X", "W", "B", "Y", "DY", "DX"):
+            signature[arg] = f"*{dtype}"
+        elif arg in ("MEAN", "RSTD", "DWP", "DBP"):
+            signature[arg] = "*fp32"
+        else:
+            signature[arg] = "fp32" if arg == "eps" else "i32"
+    aligned = {(i,): [["tt.divisibility", 16]] for i, arg in enumerate(fn.arg_names)
+               if signature[arg].startswith("*") or (arg == "N" and width % 16 == 0)}
+    return triton.compile(ASTSource(fn, signature, constexprs, aligned), target=GPUTarget("cuda", arch, 32),
+                          options={"num_warps": num_warps})

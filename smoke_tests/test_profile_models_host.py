@@ -1,0 +1,56 @@
+"""tools/profile_models.py --host on the CPU (the torch backend, a tiny model): the host-time views are filled
+and consistent (cProfile's packages sum to its CPU total, the functions carry own <= inclusive time, the
+step's own code is attributed to pcvr_lib modules), the JSON round-trips through --from, and the tables print."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import pathlib
+
+TOOL = pathlib.Path(__file__).resolve().parents[1] / "tools" / "profile_models.py"
+TINY = {"vocab_cap": 64, "d_model": 48, "num_heads": 2, "num_blocks": 1, "emb_dim": 16}
+
+
+def _load_tool():
+    spec = importlib.util.spec_from_file_location("profile_models", TOOL)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_host_profile_cpu(tmp_path, capsys):
+    tool = _load_tool()
+    from smoke_tests.model_checks import demo_schema, random_batch
+
+    schema = demo_schema(8)
+    batch = random_batch(schema, batch=4, seed=3)
+    r = tool.host_profile("baseline", "torch", schema, batch, 1, "cpu", 5, config=TINY)
+    assert r["host_cpu_us"] > 0 and r["wall_us"] > 0
+    assert abs(sum(r["packages_us"].values()) - r["cprofile_cpu_us"]) < 1.0 + 1e-3 * r["cprofile_cpu_us"]
+    assert "built-in" in r["packages_us"]
+    assert any(p.startswith("pcvr_lib.models") for p in r["packages_us"]), r["packages_us"]
+    assert any(p.startswith("pcvr_lib.optim") for p in r["packages_us"]), r["packages_us"]
+    for label, (own, inclusive, calls) in r["functions"].items():
+        assert 0 <= own <= inclusive + 0.2 and calls > 0, label
+    assert any("pcvr_lib/models/step.py" in f for f in r["functions"])  # train_step's frame, by file:line
+    assert any(op.startswith("aten::") for op in r["ops_self_us"])
+    assert r["sync_wall_us"] == 0.0  # no CUDA runtime on the CPU
+
+    saved = {"kind": "host", "models": {"baseline": {"torch": r, "triton": {"error": "RuntimeError: no CUDA"}}}}
+    path = tmp_path / "profile_host.json"
+    path.write_text(json.dumps(saved))
+    assert tool.main(["--from", str(path), "--top", "3"]) == 0
+    out = capsys.readouterr().out
+    assert "== baseline: torch host" in out and "triton: RuntimeError: no CUDA" in out
+    assert "package, own CPU us per step (cProfile)" in out and "op, self CPU us per step" in out
+
+
+def test_package_of():
+    tool = _load_tool()
+    root = tool.ROOT
+    assert tool.package_of("~") == "built-in"
+    assert tool.package_of(f"{root}/pcvr_lib/kernels/attention/__init__.py") == "pcvr_lib.kernels.attention"
+    assert tool.package_of(f"{root}/pcvr_lib/kernels/_triton.py") == "pcvr_lib.kernels._triton"
+    assert tool.package_of("/usr/lib/python3/site-packages/torch/autograd/function.py") == "torch.autograd"
+    assert tool.package_of("/usr/lib/python3/site-packages/triton/runtime/jit.py") == "triton"

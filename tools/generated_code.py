@@ -1,0 +1,151 @@
+"""The generated code of a tree's GPU kernels, to show that a refactor changed none of it (no GPU needed).
+
+    python3 tools/generated_code.py dump TREE OUT [--cuda]
+    python3 tools/generated_code.py compare OLD_OUT NEW_OUT
+
+`dump` runs in a child process that imports TREE's `pcvr_lib` (TileLang re-reads kernel sources from the
+files, so TREE must not change while it runs) and writes to OUT:
+- TileLang: the TIR script (`script(show_meta=True)`: what TileLang's disk-cache key hashes) of the
+  attention key-block backward kernels (dkdv, fused; D64/D128, bf16/fp16, the five masks, with and without
+  key lengths and dropout, four tile configs: 320 files) and of every norm kernel of the workload manifest;
+  with --cuda also the lowered sm_90a CUDA of 28 attention variants (about 4 s each here).
+- Triton: sm_90 PTX of the four norm kernels (widths 96 / 333 / 1024 / 16384, fp16 / bf16 / fp32, save flag).
+  It uses `rms_norm.triton_impl.compile_for`; a TREE from before it (5cc3ee7) gets this checkout's copy of it.
+`compare` sorts every file of OLD_OUT into identical / identical but for debug info (PTX `.loc` and `.file`
+lines, `$L__tmp` labels, `.debug` sections: line numbers move with any edit) / different, and lists the latter.
+Written for session 4's folding of repeated kernel code (notes/architecture.md).
+"""
+
+from __future__ import annotations
+
+import argparse
+import ast
+import itertools
+import os
+import re
+import subprocess
+import sys
+
+HERE = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+_DEBUG_LINE = re.compile(r"^\s*\.(loc|file)\b|^\$L__tmp\d+:$")
+
+
+def _attention_variants():
+    for D, dt, mode, kl, drop in itertools.product((64, 128), ("bfloat16", "float16"), (1, 2, 3, 4, 5),
+                                                   (True, False), (True, False)):
+        for cfg in ((64, 64, 128, 2), (64, 64, 128, 1)):
+            yield "dkdv", D, dt, mode, kl, drop, cfg
+        for cfg in ((128, 128, 256, 2, "fused"), (64, 128, 256, 2, "fused")):
+            yield "fused", D, dt, mode, kl, drop, cfg
+
+
+def _norm_compile_for():
+    """compile_for of TREE's norm Triton module, or this checkout's copy of it run in TREE's module."""
+    from pcvr_lib.kernels.rms_norm import triton_impl
+
+    if hasattr(triton_impl, "compile_for"):
+        return triton_impl.compile_for
+    with open(os.path.join(HERE, "pcvr_lib/kernels/rms_norm/triton_impl.py")) as f:
+        tree = ast.parse(f.read())
+    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "compile_for")
+    exec(compile(ast.Module([node], []), "compile_for", "exec"), vars(triton_impl))
+    return triton_impl.compile_for
+
+
+def _dump(out: str, cuda: bool) -> None:
+    """Runs inside TREE (cwd and sys.path)."""
+    import tilelang
+    import torch
+    import tvm
+
+    from pcvr_lib.kernels._tilelang import tl_dtype
+    from pcvr_lib.kernels.attention import tilelang_impl as attention
+    from pcvr_lib.kernels.rms_norm import workload
+
+    os.makedirs(out, exist_ok=True)
+
+    def write(name, text):
+        with open(os.path.join(out, name), "w") as f:
+            f.write(text)
+
+    for which, D, dt, mode, kl, drop, cfg in _attention_variants():
+        tag = f"attn_{which}_{D}_{dt}_{mode}_{kl}_{drop}_{'-'.join(map(str, cfg))}"
+        write(f"tir_{tag}.txt", attention._PROGRAMS[which](D, dt, mode, kl, drop, *cfg).script(show_meta=True))
+        if cuda and D == 64 and dt == "bfloat16" and (kl or mode in (1, 4)) and cfg[3] == 2 \
+                and (which == "dkdv" or cfg[0] == 128):
+            write(f"cuda_{tag}.cu", attention.lower_source(which, D, dt, mode, kl, drop, cfg,
+                                                           {"kind": "cuda", "arch": "sm_90a"}))
+    for op in workload.OPS:
+        kernels = __import__(f"pcvr_lib.kernels.{op}.tilelang_impl", fromlist=["KERNELS"]).KERNELS
+        for kind, n, dtype in workload.tilelang_variants(op):
+            program = kernels.build((f"{op}.{kind}", n, dtype))()
+            tag = f"{op}_{kind}_{n}_{tl_dtype(dtype)}"
+            write(f"tir_{tag}.txt", program.script(show_meta=True))
+            if cuda and n in (96, 333, 1024, 16384) and dtype in (torch.float16, torch.float32):
+                with tvm.target.Target({"kind": "cuda", "arch": "sm_90"}):
+                    lowered = tilelang.lower(program, target={"kind": "cuda", "arch": "sm_90"})
+                write(f"cuda_{tag}.cu", lowered.kernel_source)
+    compile_for = _norm_compile_for()
+    for name, n, dt, flag in itertools.product(("rms_fwd", "rms_bwd", "ln_fwd", "ln_bwd"), (96, 333, 1024, 16384),
+                                               ("fp16", "bf16", "fp32"), (True, False)):
+        if name.endswith("bwd") and not flag:
+            continue
+        write(f"ptx_{name}_{n}_{dt}_{flag}.ptx", compile_for(90, name, n, dt, flag).asm["ptx"])
+    print(f"{len(os.listdir(out))} files in {out}")
+
+
+def _without_debug(text: str) -> list[str]:
+    text = text.split("\t.section\t.debug", 1)[0]
+    return [line for line in text.splitlines() if not _DEBUG_LINE.search(line)]
+
+
+def compare(old: str, new: str) -> int:
+    """Prints the counts and the files that differ; returns how many differ (or are missing in NEW)."""
+    same = debug_only = 0
+    different = []
+    for name in sorted(os.listdir(old)):
+        path = os.path.join(new, name)
+        if not os.path.exists(path):
+            different.append(f"{name} (missing in {new})")
+            continue
+        with open(os.path.join(old, name)) as a, open(path) as b:
+            left, right = a.read(), b.read()
+        if left == right:
+            same += 1
+        elif name.endswith(".ptx") and _without_debug(left) == _without_debug(right):
+            debug_only += 1
+        else:
+            different.append(name)
+    print(f"{same} identical, {debug_only} identical but for debug info, {len(different)} different")
+    for name in different:
+        print(f"  differs: {name}")
+    return len(different)
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    sub = parser.add_subparsers(dest="command", required=True)
+    dump = sub.add_parser("dump", help="write TREE's generated code to OUT")
+    dump.add_argument("tree")
+    dump.add_argument("out")
+    dump.add_argument("--cuda", action="store_true", help="also lowered CUDA sources (slow)")
+    dump.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
+    cmp = sub.add_parser("compare", help="compare two dumps")
+    cmp.add_argument("old")
+    cmp.add_argument("new")
+    args = parser.parse_args(argv)
+    if args.command == "compare":
+        return 1 if compare(args.old, args.new) else 0
+    if args.inside:
+        _dump(os.path.abspath(args.out), args.cuda)
+        return 0
+    tree = os.path.abspath(args.tree)
+    if not os.path.isdir(os.path.join(tree, "pcvr_lib")):
+        parser.error(f"{args.tree}: no pcvr_lib folder: not a checkout of this project")
+    env = dict(os.environ, PYTHONPATH=tree)
+    cmd = [sys.executable, os.path.abspath(__file__), "dump", tree, os.path.abspath(args.out), "--inside"]
+    return subprocess.run(cmd + (["--cuda"] if args.cuda else []), cwd=tree, env=env).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
