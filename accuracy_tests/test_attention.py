@@ -273,6 +273,9 @@ NEW_CASES = (
     + [(5, 1, 130, 130, d, mode, 0.0) for d in (16, 32) for mode in workload.STRUCTURED]
     + [(3, 2, 110, 110, 32, "roles", 0.0), (5, 2, 70, 70, 64, "window", 0.0), (5, 2, 70, 70, 128, "roles", 0.0)]
     + [(5, 1, 45, 45, 16, mode, 0.3) for mode in workload.STRUCTURED]
+    # head dim 16 in bucket 1 (its own dK/dV tile, 128 x 128, tuned on the H200) in every mode, a tail, dropout
+    + [(3, 2, 200, 200, 16, mode, 0.0) for mode in MODES]
+    + [(3, 2, 257, 300, 16, "key_lengths", 0.2), (3, 2, 300, 300, 16, "causal_valid", 0.2)]
 )
 
 
@@ -304,40 +307,64 @@ def test_triton_interpreter_odd_shapes(B, H, S, D, mode, seed, monkeypatch):
     check_case("triton", B, H, S, S, D, torch.float16, mode, device="cpu", seed=seed)
 
 
-# The one-tile backward (config.TRITON_BWD_ONE_TILE_CONFIGS) takes most of the small cases above; these run
-# the two-kernel backward (dQ + delta, then dK/dV) at the same small shapes with the one-tile table emptied,
-# every mask, dropout, Sq != Skv where the mask allows it.
-TWO_KERNEL_CASES = (
+@pytest.fixture
+def one_tile_routed(monkeypatch):
+    """Route the one-tile backward for every head dim it has a tile for (by default none is routed yet:
+    config.TRITON_ONE_TILE_DEFAULT_DIMS)."""
+    from pcvr_lib.kernels.attention import triton_impl
+
+    monkeypatch.setattr(triton_impl, "TRITON_ONE_TILE_DEFAULT_DIMS", frozenset(triton_impl.TRITON_BWD_ONE_TILE_CONFIGS))
+
+
+# The one-tile backward (config.TRITON_BWD_ONE_TILE_CONFIGS) routed: every mask, dropout, Sq != Skv where the mask
+# allows it, every head dim, lengths at and inside the tile's edge (the cases above run the two-kernel backward).
+ONE_TILE_CASES = (
     [(3, 2, 33, 47, 32, mode, p) for mode in MODES for p in (0.0, 0.3)]
     + [(3, 2, 45, 45, 16, mode, p) for mode in workload.STRUCTURED for p in (0.0, 0.3)]
+    + [(5, 2, 17, 17, 48, "causal_valid", 0.0), (3, 1, 128, 128, 64, "key_lengths", 0.0),
+       (2, 1, 70, 128, 128, "causal", 0.3), (3, 2, 110, 110, 32, "roles", 0.0), (3, 1, 100, 100, 16, "window", 0.0)]
 )
 
 
-@pytest.mark.parametrize("case", TWO_KERNEL_CASES, ids=lambda c: "B{}xH{}xSq{}xSkv{}xD{}-{}-p{}".format(*c))
-def test_triton_interpreter_two_kernel_backward(case, monkeypatch):
+@pytest.mark.parametrize("case", ONE_TILE_CASES, ids=lambda c: "B{}xH{}xSq{}xSkv{}xD{}-{}-p{}".format(*c))
+def test_triton_interpreter_one_tile_backward(case, monkeypatch, one_tile_routed):
     _interpret(monkeypatch)
-    from pcvr_lib.kernels.attention import triton_impl
-
-    monkeypatch.setattr(triton_impl, "TRITON_BWD_ONE_TILE_CONFIGS", {})
     B, H, Sq, Skv, D, mode, p = case
     check_case("triton", B, H, Sq, Skv, D, torch.float16, mode, p=p, device="cpu")
 
 
+@settings(max_examples=8, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(B=st.integers(2, 4), H=st.integers(1, 2), Sq=st.integers(1, 128), Skv=st.integers(1, 128),
+       D=st.sampled_from([16, 32, 48, 64, 128]), mode=st.sampled_from([*MODES, *workload.STRUCTURED]),
+       p=st.sampled_from([0.0, 0.25]), seed=st.integers(0, 99))
+def test_triton_interpreter_one_tile_odd_shapes(B, H, Sq, Skv, D, mode, p, seed, monkeypatch, one_tile_routed):
+    """Odd one-tile shapes (hypothesis), routed: B >= 2 as in test_triton_interpreter_odd_shapes."""
+    _interpret(monkeypatch)
+    if mode in ("causal_valid", *workload.STRUCTURED):
+        Skv = Sq  # self-attention masks
+    check_case("triton", B, H, Sq, Skv, D, torch.float16, mode, p=p, device="cpu", seed=seed)
+
+
+@pytest.mark.parametrize("routed", [True, False], ids=["routed", "default"])
 @pytest.mark.parametrize("Sq,Skv,D,expected", [
     (100, 100, 32, ["fwd", "bwd_one_tile"]), (128, 128, 64, ["fwd", "bwd_one_tile"]),
     (70, 128, 128, ["fwd", "bwd_one_tile"]), (1, 17, 16, ["fwd", "bwd_one_tile"]),
     (100, 129, 32, ["fwd", "bwd_dq", "bwd_dkdv"]), (129, 100, 64, ["fwd", "bwd_dq", "bwd_dkdv"]),
     (129, 129, 128, ["fwd", "bwd_dq", "bwd_dkdv"]),
 ])
-def test_triton_backward_routing(Sq, Skv, D, expected, monkeypatch):
-    """Which kernels one forward + backward launches: the one-tile backward where Sq and Skv fit the head dim's
-    BLOCK_M (128), the two-kernel one past it."""
+def test_triton_backward_routing(Sq, Skv, D, expected, routed, monkeypatch, request):
+    """Which kernels one forward + backward launches: routed, the one-tile backward where Sq and Skv fit the head
+    dim's BLOCK_M (128), the two-kernel one past it; by default (config.TRITON_ONE_TILE_DEFAULT_DIMS) as set."""
     _interpret(monkeypatch)
     from pcvr_lib.kernels import _triton
-    from pcvr_lib.kernels.attention.config import TRITON_BWD_ONE_TILE_CONFIGS
+    from pcvr_lib.kernels.attention.config import TRITON_BWD_ONE_TILE_CONFIGS, TRITON_ONE_TILE_DEFAULT_DIMS
 
     block = TRITON_BWD_ONE_TILE_CONFIGS[D][0]
     assert (expected[1] == "bwd_one_tile") == (Sq <= block and Skv <= block), "the case list disagrees with config"
+    if routed:
+        request.getfixturevalue("one_tile_routed")
+    elif D not in TRITON_ONE_TILE_DEFAULT_DIMS:
+        expected = ["fwd", "bwd_dq", "bwd_dkdv"]
     launched = []
     jit = _triton.Launcher.jit
 
@@ -608,6 +635,19 @@ def test_gpu_accuracy(backend, case):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("case", workload.ONE_TILE_GPU_CASES, ids=_gpu_case_id)
+def test_gpu_triton_one_tile(case, one_tile_routed):
+    """The one-tile backward routed (not the default yet: config.TRITON_ONE_TILE_DEFAULT_DIMS) against fp64."""
+    if not CUDA:
+        pytest.skip("triton: no CUDA device")
+    ok, reason = registry.backend_status("flash_attention", "triton", "cuda")
+    if not ok:
+        pytest.skip(reason)
+    B, H, Sq, Skv, D, dt, mode, p = case
+    check_case("triton", B, H, Sq, Skv, D, DT[dt], mode, p=p, device="cuda")
+
+
+@pytest.mark.gpu
 @pytest.mark.parametrize("case,fwd_config,bwd_config", workload.TILELANG_LONG_CASES,
                          ids=[_gpu_case_id(c) for c, _, _ in workload.TILELANG_LONG_CASES])
 def test_gpu_tilelang_long_candidates(case, fwd_config, bwd_config, monkeypatch):
@@ -701,15 +741,24 @@ def test_precompile_runs_every_triton_variant_through_run_once():
         signature.bind("triton", *variant)
 
 
+@pytest.mark.parametrize("routed", [True, False], ids=["routed", "default"])
 @pytest.mark.parametrize("mode,expected", [
     ("key_lengths", ["fwd", "fwd", "bwd_one_tile", "fwd", "fwd", "bwd_dq", "bwd_dkdv"]),
     ("roles", ["fwd", "fwd", "bwd_one_tile"]),
 ])
-def test_precompile_warms_both_bucket0_backwards(mode, expected, monkeypatch):
+def test_precompile_warms_both_bucket0_backwards(mode, expected, routed, monkeypatch, request):
     """`precompile --run-triton`'s warm-up of a bucket-0 variant (workload.run_once, under the interpreter here)
-    launches the one-tile backward and, where the mask allows Skv past its tile, the two-kernel one too."""
+    launches the backward(s) the variant takes: routed, the one-tile backward and, where the mask allows Skv past
+    its tile, the two-kernel one too; not routed (the default while config.TRITON_ONE_TILE_DEFAULT_DIMS is empty),
+    the two-kernel one."""
     _interpret(monkeypatch)
     from pcvr_lib.kernels import _triton
+    from pcvr_lib.kernels.attention import triton_impl
+
+    if routed:
+        request.getfixturevalue("one_tile_routed")
+    elif 32 not in triton_impl.TRITON_ONE_TILE_DEFAULT_DIMS:
+        expected = ["fwd", "fwd", "bwd_dq", "bwd_dkdv"]
 
     launched = []
     jit = _triton.Launcher.jit

@@ -1,6 +1,7 @@
 """Flash attention in Triton: one forward kernel, two backward kernels (dQ with delta, then dK/dV), and a
 one-launch backward where Sq and Skv fit one query tile (config.TRITON_BWD_ONE_TILE_CONFIGS, BLOCK_M 128):
-one program per (b, h) holds every query row, so each key tile's dK/dV is complete in one visit.
+one program per (b, h) holds every query row, so each key tile's dK/dV is complete in one visit. It is routed
+by default only for the head dims in config.TRITON_ONE_TILE_DEFAULT_DIMS (none until it has run on a GPU).
 The forward at Sq > 512 with the masks none / key lengths / causal / causal-valid goes to triton_long.py (its
 config table in config.py decides per head dim); everything else runs here, every backward included.
 
@@ -35,6 +36,7 @@ from .config import (
     TRITON_BWD_ONE_TILE_CONFIGS,
     TRITON_FWD_CONFIGS,
     TRITON_LONG_FWD_CONFIGS,
+    TRITON_ONE_TILE_DEFAULT_DIMS,
 )
 from .masks import MODE_CODE, length_bucket
 
@@ -659,9 +661,9 @@ def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p:
 
 def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: int, dropout_p: float,
              dq_config=None, kv_config=None, extra=None, one_tile_config=None):
-    """(dQ, dK, dV). Where Sq and Skv fit the head dim's BLOCK_M (TRITON_BWD_ONE_TILE_CONFIGS) and no
-    two-kernel config is given: one launch of the one-tile kernel (`one_tile_config` replaces the table's).
-    Elsewhere two launches, dQ (which also writes delta = rowsum(dO*O)) then dK/dV."""
+    """(dQ, dK, dV). One launch of the one-tile kernel where it is asked for (`one_tile_config`) or routed by
+    default (head dim in TRITON_ONE_TILE_DEFAULT_DIMS, Sq and Skv within its BLOCK_M, no two-kernel config
+    given); elsewhere two launches, dQ (which also writes delta = rowsum(dO*O)) then dK/dV."""
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     if do.stride(-1) != 1:
@@ -669,7 +671,7 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
     if one_tile_config is not None and not (Sq <= one_tile_config[0] and Skv <= one_tile_config[0]):
         raise ValueError(f"flash_attention: one_tile_config {one_tile_config} needs Sq and Skv <= its BLOCK_M "
                          f"{one_tile_config[0]}, got Sq {Sq}, Skv {Skv}")
-    one_tile = one_tile_config or TRITON_BWD_ONE_TILE_CONFIGS.get(D)
+    one_tile = one_tile_config or (TRITON_BWD_ONE_TILE_CONFIGS[D] if D in TRITON_ONE_TILE_DEFAULT_DIMS else None)
     if one_tile is not None and Sq <= one_tile[0] and Skv <= one_tile[0] and dq_config is None and kv_config is None:
         return _backward_one_tile(do, q, k, v, o, lse, key_lengths, mode, scale, seed, dropout_p, extra, one_tile)
     dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)

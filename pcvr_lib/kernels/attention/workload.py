@@ -36,6 +36,17 @@ SYMBIOSIS_VISIBILITY[6, 4] = False
 # the stream of 110 tokens: CLS, candidate, 7 user, 4 item, 3 dense, 3 missing, 90 events, stats
 SYMBIOSIS_LAYOUT = [0, 1] + [2] * 7 + [3] * 4 + [4] * 3 + [5] * 3 + [6] * 90 + [7]
 
+# the one-tile backward's shapes (Sq, Skv <= config.TRITON_BWD_ONE_TILE_CONFIGS' BLOCK_M, 128): the PCVR shape's
+# S128 D64 key lengths, symbiosis' roles at S110 D32, D16 and D128 at the tile's edge, dropout. In GPU_CASES they
+# run the default backward; test_gpu_triton_one_tile runs them, and every mask at S17, with the one-tile routed.
+ONE_TILE_EDGE_CASES = (
+    [(8, 2, 128, 128, 64, dt, "key_lengths", 0.0) for dt in ("fp16", "bf16")]
+    + [(4, 2, 128, 128, 16, "bf16", mode, 0.0) for mode in ("window", "causal_valid")]
+    + [(4, 2, 128, 128, 128, dt, mode, 0.0) for dt, mode in (("bf16", "causal_valid"), ("fp16", "key_lengths"))]
+    + [(8, 2, 128, 128, 64, "bf16", "key_lengths", 0.2), (3, 2, 110, 110, 32, "bf16", "roles", 0.2),
+       (4, 2, 100, 100, 16, "fp16", "window", 0.3), (4, 2, 101, 128, 128, "bf16", "causal", 0.3)]
+)
+
 # accuracy_tests/test_attention.py, on a GPU: (B, H, Sq, Skv, D, dtype, mode, dropout p)
 GPU_CASES = (
     [(5, 2, sq, skv, 64, dt, mode, 0.0) for (sq, skv) in [(17, 17), (127, 129)]
@@ -60,15 +71,9 @@ GPU_CASES = (
     + [(3, 2, 700, 700, d, dt, mode, 0.0) for d in (64, 128) for dt in ("fp16", "bf16") for mode in MODES]
     + [(2, 2, 600, 1030, 64, "bf16", "key_lengths", 0.0), (2, 2, 1030, 600, 128, "fp16", "causal", 0.0),
        (2, 2, 777, 777, 64, "bf16", "causal_valid", 0.2), (2, 2, 777, 900, 128, "fp16", "none", 0.2)]
-    # the one-tile backward (Sq, Skv <= config.TRITON_BWD_ONE_TILE_CONFIGS' BLOCK_M, 128): the PCVR shape's
-    # S128 D64 key lengths, symbiosis' roles at S110 D32, D16 and D128 at the tile's edge, dropout (the (17, 17)
-    # cases above run it in every mask too; (127, 129) and (129, 127) keep the two-kernel backward)
-    + [(8, 2, 128, 128, 64, dt, "key_lengths", 0.0) for dt in ("fp16", "bf16")]
-    + [(4, 2, 128, 128, 16, "bf16", mode, 0.0) for mode in ("window", "causal_valid")]
-    + [(4, 2, 128, 128, 128, dt, mode, 0.0) for dt, mode in (("bf16", "causal_valid"), ("fp16", "key_lengths"))]
-    + [(8, 2, 128, 128, 64, "bf16", "key_lengths", 0.2), (3, 2, 110, 110, 32, "bf16", "roles", 0.2),
-       (4, 2, 100, 100, 16, "fp16", "window", 0.3), (4, 2, 101, 128, 128, "bf16", "causal", 0.3)]
+    + ONE_TILE_EDGE_CASES
 )
+ONE_TILE_GPU_CASES = ONE_TILE_EDGE_CASES + [(5, 2, 17, 17, 64, "bf16", mode, 0.0) for mode in MODES]
 # TileLang compiles each variant (head dim, dtype, mask mode, dropout, tile config) for seconds, so its GPU
 # matrix covers every mode, head dim, bucket, odd length and dropout once, not every combination.
 TILELANG_CASES = (
@@ -255,12 +260,14 @@ def tilelang_variants(tune: bool = False) -> list[tuple]:
 
 def run_once(backend: str, D: int, dtype: torch.dtype, mode: str, dropout: bool, bucket: int, device="cuda") -> None:
     """Inference forward, training forward and backward of one variant on tiny CUDA tensors (compiles it; Triton's
-    bucket 0 twice where the mask allows Sq != Skv: the one-tile backward at Skv <= 128, the two-kernel one past).
-    `device` "cpu": Triton's interpreter (the tests check which kernels a variant warms)."""
-    from . import flash_attention
+    bucket 0 twice where the one-tile backward is routed for D and the mask allows Sq != Skv: the one-tile
+    backward at Skv <= 128, the two-kernel one past). `device` "cpu": Triton's interpreter (the tests check which
+    kernels a variant warms)."""
+    from . import flash_attention, triton_impl
 
     shapes = [{0: (64, 64), 1: (256, 256), 2: (640, 640)}[bucket]]
-    if backend == "triton" and bucket == 0 and mode not in STRUCTURED:
+    if (backend == "triton" and bucket == 0 and mode not in STRUCTURED
+            and D in triton_impl.TRITON_ONE_TILE_DEFAULT_DIMS):
         shapes.append((64, 160))  # Skv past the one-tile backward's 128: bucket 0's two-kernel backward
     for Sq, Skv in shapes:
         q = torch.randn(1, 1, Sq, D, device=device, dtype=dtype)
