@@ -11,6 +11,12 @@ files, so TREE must not change while it runs) and writes to OUT:
   with --cuda also the lowered sm_90a CUDA of 28 attention variants (about 4 s each here).
 - Triton: sm_90 PTX of the four norm kernels (widths 96 / 333 / 1024 / 16384, fp16 / bf16 / fp32, save flag).
   It uses `rms_norm.triton_impl.compile_for`; a TREE from before it (5cc3ee7) gets this checkout's copy of it.
+- Triton attention: sm_90 PTX of every kernel variant the workload can launch (`_triton_attention_variants`):
+  triton_impl's fwd / dq / dkdv at each distinct tile config of head dims 16 / 32 / 64 / 128 and the one-tile
+  backward, triton_long's fwd and bwd at their configs; every mask (none, key lengths, causal with and
+  without key lengths, causal-valid, window and roles with and without key lengths), with and without
+  dropout; bf16 everywhere, fp16 at head dim 64; the forward with and without the LSE at head dim 64.
+  `--only-triton-attention` dumps just these (about 560 compiles; a disk-cached one takes milliseconds).
 `compare` sorts every file of OLD_OUT into identical / identical but for debug info (PTX `.loc` and `.file`
 lines, `$L__tmp` labels, `.debug` sections: line numbers move with any edit) / different, and lists the latter.
 Written for session 4's folding of repeated kernel code (notes/architecture.md).
@@ -39,6 +45,58 @@ def _attention_variants():
             yield "fused", D, dt, mode, kl, drop, cfg
 
 
+# (mode name, key lengths) pairs the kernels take: MODE 1 is "none" without and "key_lengths" with them
+_MASKS = (("none", False), ("key_lengths", True), ("causal", False), ("causal", True), ("causal_valid", True),
+          ("window", False), ("window", True), ("roles", False), ("roles", True))
+
+
+def _triton_attention_variants():
+    """(module, kind, D, dtype, mode, has_kl, dropout, store_lse, config) of every attention Triton kernel,
+    every kind and mask of head dim 64 first (a run cut short still covers every kernel)."""
+    order = {64: 0, 128: 1, 16: 2, 32: 3}
+    return sorted(_all_triton_attention_variants(),
+                  key=lambda v: (order[v[2]], v[3] != "bf16", not v[7], v[0] == "impl" and v[8] != _bucket0(v)))
+
+
+def _bucket0(v):
+    from pcvr_lib.kernels.attention import config as cfg
+
+    module, kind, D = v[:3]
+    tables = {"fwd": cfg.TRITON_FWD_CONFIGS, "dq": cfg.TRITON_BWD_DQ_CONFIGS, "dkdv": cfg.TRITON_BWD_KV_CONFIGS}
+    return tables[kind][(D, 0)] if kind in tables else cfg.TRITON_BWD_ONE_TILE_CONFIGS[D]
+
+
+def _all_triton_attention_variants():
+    from pcvr_lib.kernels.attention import config as cfg
+
+    tables = {"fwd": cfg.TRITON_FWD_CONFIGS, "dq": cfg.TRITON_BWD_DQ_CONFIGS, "dkdv": cfg.TRITON_BWD_KV_CONFIGS}
+    for D in (16, 32, 64, 128):
+        per_kind = [(kind, sorted({c for (d, _), c in table.items() if d == D})) for kind, table in tables.items()]
+        per_kind.append(("one_tile", [cfg.TRITON_BWD_ONE_TILE_CONFIGS[D]]))
+        for kind, configs in per_kind:
+            for config, (mode, kl), drop, dt in itertools.product(configs, _MASKS, (False, True),
+                                                                ("bf16", "fp16") if D == 64 else ("bf16",)):
+                for store_lse in ((True, False) if kind == "fwd" and D == 64 else (True,)):
+                    yield "impl", kind, D, dt, mode, kl, drop, store_lse, config
+    for kind, table in (("fwd", cfg.TRITON_LONG_FWD_CONFIGS), ("bwd", cfg.TRITON_LONG_BWD_CONFIGS)):
+        for D, config in sorted(table.items()):
+            for (mode, kl), drop, dt in itertools.product(_MASKS[:5], (False, True),
+                                                          ("bf16", "fp16") if D == 64 else ("bf16",)):
+                yield "long", kind, D, dt, mode, kl, drop, True, config
+
+
+def _dump_triton_attention(write) -> None:
+    from pcvr_lib.kernels.attention import triton_impl, triton_long
+
+    for module, kind, D, dt, mode, kl, drop, store_lse, config in _triton_attention_variants():
+        tag = f"{module}_{kind}_{D}_{dt}_{mode}_{kl}_{drop}_{store_lse}_{'-'.join(map(str, config))}"
+        if module == "impl":
+            compiled = triton_impl.compile_for(90, kind, D, dt, mode, kl, drop, store_lse, config)
+        else:
+            compiled = triton_long.compile_for(90, kind, D, dt, mode, kl, drop, config)
+        write(f"ptx_attn_{tag}.ptx", compiled.asm["ptx"])
+
+
 def _norm_compile_for():
     """compile_for of TREE's norm Triton module, or this checkout's copy of it run in TREE's module."""
     from pcvr_lib.kernels.rms_norm import triton_impl
@@ -52,8 +110,18 @@ def _norm_compile_for():
     return triton_impl.compile_for
 
 
-def _dump(out: str, cuda: bool) -> None:
+def _dump(out: str, cuda: bool, only_triton_attention: bool = False) -> None:
     """Runs inside TREE (cwd and sys.path)."""
+    os.makedirs(out, exist_ok=True)
+
+    def write(name, text):
+        with open(os.path.join(out, name), "w") as f:
+            f.write(text)
+
+    _dump_triton_attention(write)
+    if only_triton_attention:
+        print(f"{len(os.listdir(out))} files in {out}")
+        return
     import tilelang
     import torch
     import tvm
@@ -61,12 +129,6 @@ def _dump(out: str, cuda: bool) -> None:
     from pcvr_lib.kernels._tilelang import tl_dtype
     from pcvr_lib.kernels.attention import tilelang_impl as attention
     from pcvr_lib.kernels.rms_norm import workload
-
-    os.makedirs(out, exist_ok=True)
-
-    def write(name, text):
-        with open(os.path.join(out, name), "w") as f:
-            f.write(text)
 
     for which, D, dt, mode, kl, drop, cfg in _attention_variants():
         tag = f"attn_{which}_{D}_{dt}_{mode}_{kl}_{drop}_{'-'.join(map(str, cfg))}"
@@ -129,6 +191,8 @@ def main(argv=None) -> int:
     dump.add_argument("tree")
     dump.add_argument("out")
     dump.add_argument("--cuda", action="store_true", help="also lowered CUDA sources (slow)")
+    dump.add_argument("--only-triton-attention", action="store_true",
+                      help="only the attention Triton kernels' PTX (no TileLang, no norms)")
     dump.add_argument("--inside", action="store_true", help=argparse.SUPPRESS)
     cmp = sub.add_parser("compare", help="compare two dumps")
     cmp.add_argument("old")
@@ -137,14 +201,16 @@ def main(argv=None) -> int:
     if args.command == "compare":
         return 1 if compare(args.old, args.new) else 0
     if args.inside:
-        _dump(os.path.abspath(args.out), args.cuda)
+        _dump(os.path.abspath(args.out), args.cuda, args.only_triton_attention)
         return 0
     tree = os.path.abspath(args.tree)
     if not os.path.isdir(os.path.join(tree, "pcvr_lib")):
         parser.error(f"{args.tree}: no pcvr_lib folder: not a checkout of this project")
     env = dict(os.environ, PYTHONPATH=tree)
     cmd = [sys.executable, os.path.abspath(__file__), "dump", tree, os.path.abspath(args.out), "--inside"]
-    return subprocess.run(cmd + (["--cuda"] if args.cuda else []), cwd=tree, env=env).returncode
+    cmd += ["--cuda"] if args.cuda else []
+    cmd += ["--only-triton-attention"] if args.only_triton_attention else []
+    return subprocess.run(cmd, cwd=tree, env=env).returncode
 
 
 if __name__ == "__main__":

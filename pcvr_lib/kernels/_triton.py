@@ -87,7 +87,8 @@ def helper(fn):
 @contextlib.contextmanager
 def interpreted_triton_library(kernel_globals: dict | None = None):
     """Temporarily replace the JITFunctions of triton.language (sum, max, ...) and those in the launched
-    kernel's module namespace (`kernel_globals`: its @helper functions, own or imported) by interpreted twins."""
+    kernel's module namespace (`kernel_globals`: its @helper functions, own or imported, and the helpers in
+    the namespaces of those helpers, transitively) by interpreted twins."""
     import triton.language as tl
     import triton.language.standard as standard
     from triton.runtime.interpreter import InterpretedFunction
@@ -104,16 +105,23 @@ def interpreted_triton_library(kernel_globals: dict | None = None):
             if isinstance(value, JITFunction):
                 swapped.append((module, name, value))
                 setattr(module, name, InterpretedFunction(value.fn))
-    helpers = {name: value for name, value in (kernel_globals or {}).items() if isinstance(value, JITFunction)}
-    for name, value in helpers.items():
-        kernel_globals[name] = InterpretedFunction(value.fn)
+    # the helpers the kernel's module holds, and those their own modules hold (a helper may call helpers)
+    namespaces = [kernel_globals] if kernel_globals is not None else []
+    helpers = []  # (namespace, name, JITFunction)
+    for ns in namespaces:
+        for name, value in list(ns.items()):
+            if isinstance(value, JITFunction):
+                helpers.append((ns, name, value))
+                ns[name] = InterpretedFunction(value.fn)
+                if all(value.fn.__globals__ is not seen for seen in namespaces):
+                    namespaces.append(value.fn.__globals__)
     try:
         yield
     finally:
         for module, name, value in swapped:
             setattr(module, name, value)
-        if kernel_globals is not None:
-            kernel_globals.update(helpers)
+        for ns, name, value in helpers:
+            ns[name] = value
         for ns, before in saved:
             for name in [n for n, v in vars(ns).items() if n not in before and not inspect.ismodule(v)]:
                 delattr(ns, name)

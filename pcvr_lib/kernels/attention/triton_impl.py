@@ -13,9 +13,10 @@ Masks (see masks.py): MODE 1 no causal mask, 2 causal (top-left aligned), 3 caus
 key lengths (required for causal-valid). Each program walks only the key tiles its rows can see; tiles that
 need no mask run a loop without the element-wise mask, the rest a masked loop.
 
-Dropout uses the counter hash of masks.py (`keep = hash(seed, b*H+h, i*Skv+j) >> 8 >= threshold`), written
-out inline: the kernels contain no nested @triton.jit helpers so that the same source runs compiled and
-under TRITON_INTERPRET=1 (the interpreter executes a kernel as Python with its module's globals).
+Dropout uses the counter hash of masks.py (`keep = hash(seed, b*H+h, i*Skv+j) >> 8 >= threshold`). The
+hash, the valid lengths, the key-tile range of a row block and the element mask of each MODE are @helper
+device functions in triton_common.py, shared with triton_long.py (inlined when compiled; an interpreted
+launch swaps in their interpreted twins).
 
 The kernels are `_triton.kernel`s launched by the shared `_triton.Launcher` (compiled on CUDA tensors,
 interpreted on CPU tensors under TRITON_INTERPRET=1). Sequence lengths, key lengths and the seed are not
@@ -39,6 +40,7 @@ from .config import (
     TRITON_ONE_TILE_DEFAULT_DIMS,
 )
 from .masks import MODE_CODE, length_bucket
+from .triton_common import dropout_keep, element_mask, key_tile_range, stream_key, valid_lengths
 
 _RUNTIME_INTS = ["H", "Sq", "Skv", "seed", "drop_threshold", "W", "G"]
 
@@ -61,61 +63,23 @@ def _attn_fwd(
     offs_n0 = tl.arange(0, BLOCK_N)
 
     # -- which key tiles this block of rows can see, and which of them need no element mask
-    qlen = Skv  # the valid length L of masks.py: Skv without key lengths
-    kv_len = Skv
-    if HAS_KL:
-        qlen = tl.maximum(tl.load(KL + b), 0)
-        kv_len = tl.minimum(qlen, Skv)
-    kv_lo = 0
-    if MODE <= 1:
-        kv_hi = kv_len
-        full_hi = (kv_len // BLOCK_N) * BLOCK_N
-    elif MODE == 2:
-        kv_hi = tl.minimum(kv_len, m_start + BLOCK_M)
-        full_hi = (tl.minimum(kv_len, m_start + 1) // BLOCK_N) * BLOCK_N
-    elif MODE == 3:
-        # causal-valid: rows i < qlen see keys j <= i; a padded row i >= qlen sees only key i
-        kv_hi = tl.minimum(Skv, m_start + BLOCK_M)
-        if m_start + BLOCK_M <= qlen:
-            full_hi = (tl.minimum(Skv, m_start + 1) // BLOCK_N) * BLOCK_N
-        else:
-            full_hi = 0
-        if m_start >= qlen:
-            kv_lo = (m_start // BLOCK_N) * BLOCK_N
-    elif MODE == 4:
-        # window: valid rows see keys (i - W, i], the last G valid rows every valid key, padded rows themselves;
-        # only the key tiles in that band are visited (every one through the masked loop)
-        kv_hi = tl.minimum(Skv, m_start + BLOCK_M)
-        full_hi = 0
-        kv_lo = (tl.maximum(m_start - W + 1, 0) // BLOCK_N) * BLOCK_N
-        if m_start >= qlen:
-            kv_lo = (m_start // BLOCK_N) * BLOCK_N
-        elif m_start + BLOCK_M > qlen - G:
-            kv_lo = 0
-            kv_hi = tl.maximum(kv_hi, kv_len)
-    else:
-        # roles: any key may be visible; the masked loop skips tiles its rows cannot see at all
-        kv_hi = Skv
-        full_hi = 0
+    qlen, kv_len = valid_lengths(KL, b, Skv, HAS_KL)
+    kv_lo, full_hi, kv_hi = key_tile_range(m_start, qlen, kv_len, Skv, W, G, MODE, BLOCK_M, BLOCK_N)
 
     q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
     k_base = K + b.to(tl.int64) * skb + h.to(tl.int64) * skh
     v_base = V + b.to(tl.int64) * svb + h.to(tl.int64) * svh
     row_ok = offs_m < Sq
     q = tl.load(q_base + offs_m[:, None] * sqm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
+    q_vis = 0  # the per-row data of the roles and window masks (0 where MODE has none)
+    glob_row = 0
     if MODE == 5:  # the visibility word of each query's role (bit s: it sees role s)
         q_vis = tl.load(VIS + (tl.load(ROLE + b.to(tl.int64) * Sq + offs_m, mask=row_ok, other=0) & 31))
     if MODE == 4:
         glob_row = (offs_m < qlen) & (offs_m >= qlen - G)
 
     if DROPOUT:
-        # per-(b, h) stream key: one round of the hash over seed + bh * golden-ratio constant
-        hk = seed.to(tl.uint32) + bh.to(tl.uint32) * 0x61C88647
-        hk ^= hk >> 16
-        hk *= 0x21F0AAAD
-        hk ^= hk >> 15
-        hk *= 0x735A2D97
-        hk ^= hk >> 15
+        hk = stream_key(seed, bh)  # per-(b, h) stream key
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -131,13 +95,7 @@ def _attn_fwd(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            x = (offs_m[:, None] * Skv + offs_n[None, :]).to(tl.uint32) ^ hk
-            x ^= x >> 16
-            x *= 0x21F0AAAD
-            x ^= x >> 15
-            x *= 0x735A2D97
-            x ^= x >> 15
-            p = tl.where((x >> 8) >= drop_threshold, p, 0.0)
+            p = tl.where(dropout_keep(offs_m[:, None] * Skv + offs_n[None, :], hk, drop_threshold), p, 0.0)
         v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :])
         acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
         m_i = m_new
@@ -146,24 +104,10 @@ def _attn_fwd(
     for n_start in range(tl.maximum(full_hi, kv_lo), kv_hi, BLOCK_N):
         offs_n = n_start + offs_n0
         col_ok = offs_n < Skv
-        if MODE <= 1:
-            allowed = (offs_n < kv_len)[None, :] & row_ok[:, None]
-        elif MODE == 2:
-            allowed = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < kv_len)[None, :]
-        elif MODE == 3:
-            allowed = ((offs_n[None, :] <= offs_m[:, None]) & (offs_m < qlen)[:, None]) | (
-                offs_n[None, :] == offs_m[:, None]
-            )
-            allowed = allowed & col_ok[None, :]
-        elif MODE == 4:
-            allowed = ((offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] > offs_m[:, None] - W)
-                       & (offs_m < qlen)[:, None]) | (glob_row[:, None] & (offs_n < kv_len)[None, :]) | (
-                offs_n[None, :] == offs_m[:, None])
-            allowed = allowed & col_ok[None, :]
-        else:
+        k_role = 0  # (read by the roles mask only)
+        if MODE == 5:
             k_role = tl.load(ROLE + b.to(tl.int64) * Skv + offs_n, mask=col_ok, other=32)
-            allowed = (((q_vis[:, None] >> (k_role[None, :] & 31)) & 1) != 0) & (k_role < 32)[None, :]
-            allowed = (allowed | (offs_n[None, :] == offs_m[:, None])) & col_ok[None, :]
+        allowed = element_mask(offs_m, offs_n, row_ok, col_ok, qlen, kv_len, W, glob_row, q_vis, k_role, MODE, False)
         visit = True
         if MODE == 5:  # a tile none of these rows may see costs only the role loads
             visit = tl.max(allowed.to(tl.int32)) > 0
@@ -177,13 +121,7 @@ def _attn_fwd(
             alpha = tl.exp2(m_i - m_sub)
             l_i = l_i * alpha + tl.sum(p, 1)
             if DROPOUT:
-                x = (offs_m[:, None] * Skv + offs_n[None, :]).to(tl.uint32) ^ hk
-                x ^= x >> 16
-                x *= 0x21F0AAAD
-                x ^= x >> 15
-                x *= 0x735A2D97
-                x ^= x >> 15
-                p = tl.where((x >> 8) >= drop_threshold, p, 0.0)
+                p = tl.where(dropout_keep(offs_m[:, None] * Skv + offs_n[None, :], hk, drop_threshold), p, 0.0)
             v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
@@ -216,41 +154,8 @@ def _attn_bwd_dq(
     offs_d = tl.arange(0, HEAD_DIM)
     offs_n0 = tl.arange(0, BLOCK_N)
 
-    qlen = Skv  # the valid length L of masks.py: Skv without key lengths
-    kv_len = Skv
-    if HAS_KL:
-        qlen = tl.maximum(tl.load(KL + b), 0)
-        kv_len = tl.minimum(qlen, Skv)
-    kv_lo = 0
-    if MODE <= 1:
-        kv_hi = kv_len
-        full_hi = (kv_len // BLOCK_N) * BLOCK_N
-    elif MODE == 2:
-        kv_hi = tl.minimum(kv_len, m_start + BLOCK_M)
-        full_hi = (tl.minimum(kv_len, m_start + 1) // BLOCK_N) * BLOCK_N
-    elif MODE == 3:
-        kv_hi = tl.minimum(Skv, m_start + BLOCK_M)
-        if m_start + BLOCK_M <= qlen:
-            full_hi = (tl.minimum(Skv, m_start + 1) // BLOCK_N) * BLOCK_N
-        else:
-            full_hi = 0
-        if m_start >= qlen:
-            kv_lo = (m_start // BLOCK_N) * BLOCK_N
-    elif MODE == 4:
-        # window: valid rows see keys (i - W, i], the last G valid rows every valid key, padded rows themselves;
-        # only the key tiles in that band are visited (every one through the masked loop)
-        kv_hi = tl.minimum(Skv, m_start + BLOCK_M)
-        full_hi = 0
-        kv_lo = (tl.maximum(m_start - W + 1, 0) // BLOCK_N) * BLOCK_N
-        if m_start >= qlen:
-            kv_lo = (m_start // BLOCK_N) * BLOCK_N
-        elif m_start + BLOCK_M > qlen - G:
-            kv_lo = 0
-            kv_hi = tl.maximum(kv_hi, kv_len)
-    else:
-        # roles: any key may be visible; the masked loop skips tiles its rows cannot see at all
-        kv_hi = Skv
-        full_hi = 0
+    qlen, kv_len = valid_lengths(KL, b, Skv, HAS_KL)
+    kv_lo, full_hi, kv_hi = key_tile_range(m_start, qlen, kv_len, Skv, W, G, MODE, BLOCK_M, BLOCK_N)
 
     row_ok = offs_m < Sq
     b64 = b.to(tl.int64)
@@ -262,6 +167,8 @@ def _attn_bwd_dq(
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     tl.store(DELTA + bh.to(tl.int64) * Sq + offs_m, delta, mask=row_ok)
     lse = tl.load(LSE + bh.to(tl.int64) * Sq + offs_m, mask=row_ok, other=float("inf"))
+    q_vis = 0  # the per-row data of the roles and window masks (0 where MODE has none)
+    glob_row = 0
     if MODE == 5:
         q_vis = tl.load(VIS + (tl.load(ROLE + b64 * Sq + offs_m, mask=row_ok, other=0) & 31))
     if MODE == 4:
@@ -270,12 +177,7 @@ def _attn_bwd_dq(
     v_base = V + b64 * svb + h64 * svh
 
     if DROPOUT:
-        hk = seed.to(tl.uint32) + bh.to(tl.uint32) * 0x61C88647
-        hk ^= hk >> 16
-        hk *= 0x21F0AAAD
-        hk ^= hk >> 15
-        hk *= 0x735A2D97
-        hk ^= hk >> 15
+        hk = stream_key(seed, bh)
 
     dq = tl.zeros([BLOCK_M, HEAD_DIM], dtype=tl.float32)
     for n_start in range(kv_lo, full_hi, BLOCK_N):
@@ -285,36 +187,17 @@ def _attn_bwd_dq(
         p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
         dp = tl.dot(do, tl.trans(v))
         if DROPOUT:
-            x = (offs_m[:, None] * Skv + offs_n[None, :]).to(tl.uint32) ^ hk
-            x ^= x >> 16
-            x *= 0x21F0AAAD
-            x ^= x >> 15
-            x *= 0x735A2D97
-            x ^= x >> 15
-            dp = tl.where((x >> 8) >= drop_threshold, dp * drop_scale, 0.0)
+            keep = dropout_keep(offs_m[:, None] * Skv + offs_n[None, :], hk, drop_threshold)
+            dp = tl.where(keep, dp * drop_scale, 0.0)
         ds = p * (dp - delta[:, None])
         dq += tl.dot(ds.to(k.dtype), k)
     for n_start in range(tl.maximum(full_hi, kv_lo), kv_hi, BLOCK_N):
         offs_n = n_start + offs_n0
         col_ok = offs_n < Skv
-        if MODE <= 1:
-            allowed = (offs_n < kv_len)[None, :] & row_ok[:, None]
-        elif MODE == 2:
-            allowed = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < kv_len)[None, :]
-        elif MODE == 3:
-            allowed = ((offs_n[None, :] <= offs_m[:, None]) & (offs_m < qlen)[:, None]) | (
-                offs_n[None, :] == offs_m[:, None]
-            )
-            allowed = allowed & col_ok[None, :]
-        elif MODE == 4:
-            allowed = ((offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] > offs_m[:, None] - W)
-                       & (offs_m < qlen)[:, None]) | (glob_row[:, None] & (offs_n < kv_len)[None, :]) | (
-                offs_n[None, :] == offs_m[:, None])
-            allowed = allowed & col_ok[None, :]
-        else:
+        k_role = 0  # (read by the roles mask only)
+        if MODE == 5:
             k_role = tl.load(ROLE + b64 * Skv + offs_n, mask=col_ok, other=32)
-            allowed = (((q_vis[:, None] >> (k_role[None, :] & 31)) & 1) != 0) & (k_role < 32)[None, :]
-            allowed = (allowed | (offs_n[None, :] == offs_m[:, None])) & col_ok[None, :]
+        allowed = element_mask(offs_m, offs_n, row_ok, col_ok, qlen, kv_len, W, glob_row, q_vis, k_role, MODE, False)
         visit = True
         if MODE == 5:
             visit = tl.max(allowed.to(tl.int32)) > 0
@@ -325,13 +208,8 @@ def _attn_bwd_dq(
             p = tl.where(allowed, p, 0.0)
             dp = tl.dot(do, tl.trans(v))
             if DROPOUT:
-                x = (offs_m[:, None] * Skv + offs_n[None, :]).to(tl.uint32) ^ hk
-                x ^= x >> 16
-                x *= 0x21F0AAAD
-                x ^= x >> 15
-                x *= 0x735A2D97
-                x ^= x >> 15
-                dp = tl.where((x >> 8) >= drop_threshold, dp * drop_scale, 0.0)
+                keep = dropout_keep(offs_m[:, None] * Skv + offs_n[None, :], hk, drop_threshold)
+                dp = tl.where(keep, dp * drop_scale, 0.0)
             ds = p * (dp - delta[:, None])
             dq += tl.dot(ds.to(k.dtype), k)
     dq = dq * sm_scale
@@ -358,11 +236,7 @@ def _attn_bwd_dkdv(
     offs_m0 = tl.arange(0, BLOCK_M)
     col_ok = offs_n < Skv
 
-    qlen = Skv  # the valid length L of masks.py: Skv without key lengths
-    kv_len = Skv
-    if HAS_KL:
-        qlen = tl.maximum(tl.load(KL + b), 0)
-        kv_len = tl.minimum(qlen, Skv)
+    qlen, kv_len = valid_lengths(KL, b, Skv, HAS_KL)
     edge = n_start + BLOCK_N > kv_len  # some keys of this tile are padding
     if MODE <= 1:
         q_lo = 0
@@ -400,13 +274,9 @@ def _attn_bwd_dkdv(
     delta_base = DELTA + bh.to(tl.int64) * Sq
 
     if DROPOUT:
-        hk = seed.to(tl.uint32) + bh.to(tl.uint32) * 0x61C88647
-        hk ^= hk >> 16
-        hk *= 0x21F0AAAD
-        hk ^= hk >> 15
-        hk *= 0x735A2D97
-        hk ^= hk >> 15
+        hk = stream_key(seed, bh)
 
+    k_role = 0  # (read by the roles mask only)
     if MODE == 5:  # key role codes of this tile (bit 5 set: padding)
         k_role = tl.load(ROLE + b64 * Skv + offs_n, mask=col_ok, other=32)
 
@@ -415,26 +285,17 @@ def _attn_bwd_dkdv(
     for m_start in range(q_lo, q_mid, BLOCK_M):
         offs_m = m_start + offs_m0
         row_ok = offs_m < Sq
-        if MODE <= 1:
-            allowedT = (offs_n < kv_len)[:, None] & row_ok[None, :]
-        elif MODE == 2:
-            allowedT = (offs_n[:, None] <= offs_m[None, :]) & (offs_n < kv_len)[:, None] & row_ok[None, :]
-        elif MODE == 3:
-            allowedT = ((offs_n[:, None] <= offs_m[None, :]) & (offs_m < qlen)[None, :]) | (
-                offs_n[:, None] == offs_m[None, :]
-            )
-            allowedT = allowedT & col_ok[:, None] & row_ok[None, :]
-        elif MODE == 4:
+        glob_row = 0  # (the window and roles masks' per-row data)
+        q_vis = 0
+        if MODE == 4:
             glob_row = (offs_m < qlen) & (offs_m >= qlen - G)
-            allowedT = ((offs_n[:, None] <= offs_m[None, :]) & (offs_n[:, None] > offs_m[None, :] - W)
-                        & (offs_m < qlen)[None, :]) | ((offs_n < kv_len)[:, None] & glob_row[None, :]) | (
-                offs_n[:, None] == offs_m[None, :])
-            # rows from q_mid on belong to the second loop (this tile of rows may reach past q_mid)
-            allowedT = allowedT & col_ok[:, None] & (row_ok & (offs_m < q_mid))[None, :]
-        else:
+        if MODE == 5:
             q_vis = tl.load(VIS + (tl.load(ROLE + b64 * Sq + offs_m, mask=row_ok, other=0) & 31))
-            allowedT = (((q_vis[None, :] >> (k_role[:, None] & 31)) & 1) != 0) & (k_role < 32)[:, None]
-            allowedT = (allowedT | (offs_n[:, None] == offs_m[None, :])) & col_ok[:, None] & row_ok[None, :]
+        allowedT = element_mask(offs_m, offs_n, row_ok, col_ok, qlen, kv_len, W, glob_row, q_vis, k_role, MODE, True)
+        if MODE == 4:  # rows from q_mid on belong to the second loop (this tile of rows may reach past q_mid)
+            allowedT = allowedT & (row_ok & (offs_m < q_mid))[None, :]
+        elif MODE >= 2:
+            allowedT = allowedT & row_ok[None, :]
         visit = True
         if MODE == 5:  # a query tile that sees none of these keys is skipped
             visit = tl.max(allowedT.to(tl.int32)) > 0
@@ -447,13 +308,7 @@ def _attn_bwd_dkdv(
             pT = tl.where(allowedT, pT, 0.0)
             dpT = tl.dot(v, tl.trans(do))
             if DROPOUT:
-                x = (offs_m[None, :] * Skv + offs_n[:, None]).to(tl.uint32) ^ hk
-                x ^= x >> 16
-                x *= 0x21F0AAAD
-                x ^= x >> 15
-                x *= 0x735A2D97
-                x ^= x >> 15
-                keep = (x >> 8) >= drop_threshold
+                keep = dropout_keep(offs_m[None, :] * Skv + offs_n[:, None], hk, drop_threshold)
                 dv += tl.dot(tl.where(keep, pT * drop_scale, 0.0).to(do.dtype), do)
                 dpT = tl.where(keep, dpT * drop_scale, 0.0)
             else:
@@ -473,13 +328,7 @@ def _attn_bwd_dkdv(
             pT = tl.where((offs_n < kv_len)[:, None] & glob_row[None, :], pT, 0.0)
         dpT = tl.dot(v, tl.trans(do))
         if DROPOUT:
-            x = (offs_m[None, :] * Skv + offs_n[:, None]).to(tl.uint32) ^ hk
-            x ^= x >> 16
-            x *= 0x21F0AAAD
-            x ^= x >> 15
-            x *= 0x735A2D97
-            x ^= x >> 15
-            keep = (x >> 8) >= drop_threshold
+            keep = dropout_keep(offs_m[None, :] * Skv + offs_n[:, None], hk, drop_threshold)
             dv += tl.dot(tl.where(keep, pT * drop_scale, 0.0).to(do.dtype), do)
             dpT = tl.where(keep, dpT * drop_scale, 0.0)
         else:
@@ -514,11 +363,7 @@ def _attn_bwd_one_tile(
     row_ok = offs_m < Sq
     b64 = b.to(tl.int64)
     h64 = h.to(tl.int64)
-    qlen = Skv  # the valid length L of masks.py: Skv without key lengths
-    kv_len = Skv
-    if HAS_KL:
-        qlen = tl.maximum(tl.load(KL + b), 0)
-        kv_len = tl.minimum(qlen, Skv)
+    qlen, kv_len = valid_lengths(KL, b, Skv, HAS_KL)
     # keys from kv_hi on are seen by no row (every visible j < kv_hi)
     if MODE <= 1:
         kv_hi = kv_len
@@ -529,12 +374,7 @@ def _attn_bwd_one_tile(
     else:
         kv_hi = Skv
     if DROPOUT:  # per-(b, h) stream key, as in the forward
-        hk = seed.to(tl.uint32) + bh.to(tl.uint32) * 0x61C88647
-        hk ^= hk >> 16
-        hk *= 0x21F0AAAD
-        hk ^= hk >> 15
-        hk *= 0x735A2D97
-        hk ^= hk >> 15
+        hk = stream_key(seed, bh)
 
     q = tl.load(Q + b64 * sqb + h64 * sqh + offs_m[:, None] * sqm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     do = tl.load(DO + b64 * sdob + h64 * sdoh + offs_m[:, None] * sdom + offs_d[None, :],
@@ -542,6 +382,8 @@ def _attn_bwd_one_tile(
     o = tl.load(O + b64 * sob + h64 * soh + offs_m[:, None] * som + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     lse = tl.load(LSE + bh.to(tl.int64) * Sq + offs_m, mask=row_ok, other=float("inf"))  # no keys: +inf, p = 0
+    q_vis = 0  # the per-row data of the roles and window masks (0 where MODE has none)
+    glob_row = 0
     if MODE == 5:
         q_vis = tl.load(VIS + (tl.load(ROLE + b64 * Sq + offs_m, mask=row_ok, other=0) & 31))
     if MODE == 4:
@@ -554,38 +396,20 @@ def _attn_bwd_one_tile(
     for n_start in range(0, kv_hi, BLOCK_N):
         offs_n = n_start + offs_n0
         col_ok = offs_n < Skv
-        # the element mask (the masked-loop formulas of the two-kernel path)
-        if MODE <= 1:
-            allowed = (offs_n < kv_len)[None, :] & row_ok[:, None]
-        elif MODE == 2:
-            allowed = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < kv_len)[None, :] & row_ok[:, None]
-        elif MODE == 3:
-            allowed = ((offs_n[None, :] <= offs_m[:, None]) & (offs_m < qlen)[:, None]) | (
-                offs_n[None, :] == offs_m[:, None]
-            )
-            allowed = allowed & col_ok[None, :] & row_ok[:, None]
-        elif MODE == 4:
-            allowed = ((offs_n[None, :] <= offs_m[:, None]) & (offs_n[None, :] > offs_m[:, None] - W)
-                       & (offs_m < qlen)[:, None]) | (glob_row[:, None] & (offs_n < kv_len)[None, :]) | (
-                offs_n[None, :] == offs_m[:, None])
-            allowed = allowed & col_ok[None, :] & row_ok[:, None]
-        else:
+        # the element mask of the two-kernel path; rows past Sq are cleared here (dK and dV sum over rows)
+        k_role = 0  # (read by the roles mask only)
+        if MODE == 5:
             k_role = tl.load(ROLE + b64 * Skv + offs_n, mask=col_ok, other=32)
-            allowed = (((q_vis[:, None] >> (k_role[None, :] & 31)) & 1) != 0) & (k_role < 32)[None, :]
-            allowed = (allowed | (offs_n[None, :] == offs_m[:, None])) & col_ok[None, :] & row_ok[:, None]
+        allowed = element_mask(offs_m, offs_n, row_ok, col_ok, qlen, kv_len, W, glob_row, q_vis, k_role, MODE, False)
+        if MODE >= 2:
+            allowed = allowed & row_ok[:, None]
         k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
         v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
         p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
         p = tl.where(allowed, p, 0.0)
         dp = tl.dot(do, tl.trans(v))
         if DROPOUT:
-            x = (offs_m[:, None] * Skv + offs_n[None, :]).to(tl.uint32) ^ hk
-            x ^= x >> 16
-            x *= 0x21F0AAAD
-            x ^= x >> 15
-            x *= 0x735A2D97
-            x ^= x >> 15
-            keep = (x >> 8) >= drop_threshold
+            keep = dropout_keep(offs_m[:, None] * Skv + offs_n[None, :], hk, drop_threshold)
             dv = tl.dot(tl.trans(tl.where(keep, p * drop_scale, 0.0).to(do.dtype)), do)
             dp = tl.where(keep, dp * drop_scale, 0.0)
         else:

@@ -7,7 +7,8 @@ measured it slower than triton_impl's two-kernel backward (config.py); `backward
 (tune_long) and explicit calls.
 
 Forward (`_fwd_long`): the same mask contract and tile walk as triton_impl._attn_fwd (unmasked key tiles
-first, then the diagonal / key-length edge tiles), with:
+first, then the diagonal / key-length edge tiles; the key-tile range, element mask and dropout hash are the
+shared helpers of triton_common.py), with:
 - the softmax scale folded into exp2 (`exp2(qk * qk_scale - m)`, one FMA per score; needs scale > 0, the
   host falls back to triton_impl otherwise);
 - the accumulator update as `tl.dot(p, v, acc)`;
@@ -34,6 +35,7 @@ import triton.language as tl
 from .._triton import Launcher, cdiv, kernel
 from .config import TRITON_LONG_BWD_CONFIGS, TRITON_LONG_FWD_CONFIGS
 from .masks import MODE_CODE
+from .triton_common import dropout_keep, element_mask, key_tile_range, stream_key, valid_lengths
 
 _RUNTIME_INTS = ["H", "Sq", "Skv", "seed", "drop_threshold"]
 LONG_MODES = ("none", "key_lengths", "causal", "causal_valid")
@@ -61,27 +63,8 @@ def _fwd_long(
     offs_n0 = tl.arange(0, BLOCK_N)
 
     # key tiles of this row block: [kv_lo, full_hi) need no element mask, [full_hi, kv_hi) do (masks.py)
-    qlen = Skv
-    kv_len = Skv
-    if HAS_KL:
-        qlen = tl.maximum(tl.load(KL + b), 0)
-        kv_len = tl.minimum(qlen, Skv)
-    kv_lo = 0
-    if MODE <= 1:
-        kv_hi = kv_len
-        full_hi = (kv_len // BLOCK_N) * BLOCK_N
-    elif MODE == 2:
-        kv_hi = tl.minimum(kv_len, m_start + BLOCK_M)
-        full_hi = (tl.minimum(kv_len, m_start + 1) // BLOCK_N) * BLOCK_N
-    else:
-        # causal-valid: rows i < qlen see keys j <= i; a padded row i >= qlen sees only key i
-        kv_hi = tl.minimum(Skv, m_start + BLOCK_M)
-        if m_start + BLOCK_M <= qlen:
-            full_hi = (tl.minimum(Skv, m_start + 1) // BLOCK_N) * BLOCK_N
-        else:
-            full_hi = 0
-        if m_start >= qlen:
-            kv_lo = (m_start // BLOCK_N) * BLOCK_N
+    qlen, kv_len = valid_lengths(KL, b, Skv, HAS_KL)
+    kv_lo, full_hi, kv_hi = key_tile_range(m_start, qlen, kv_len, Skv, 0, 0, MODE, BLOCK_M, BLOCK_N)
 
     q_base = Q + b.to(tl.int64) * sqb + h.to(tl.int64) * sqh
     k_base = K + b.to(tl.int64) * skb + h.to(tl.int64) * skh
@@ -99,12 +82,7 @@ def _fwd_long(
         q = tl.load(q_base + offs_m[:, None] * sqm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
 
     if DROPOUT:
-        hk = seed.to(tl.uint32) + bh.to(tl.uint32) * 0x61C88647
-        hk ^= hk >> 16
-        hk *= 0x21F0AAAD
-        hk ^= hk >> 15
-        hk *= 0x735A2D97
-        hk ^= hk >> 15
+        hk = stream_key(seed, bh)
 
     m_i = tl.full([BLOCK_M], float("-inf"), dtype=tl.float32)
     l_i = tl.zeros([BLOCK_M], dtype=tl.float32)
@@ -124,27 +102,14 @@ def _fwd_long(
         alpha = tl.exp2(m_i - m_new)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            x = ((offs_m[:, None] * Skv + n_start + offs_n0[None, :]).to(tl.uint32)) ^ hk
-            x ^= x >> 16
-            x *= 0x21F0AAAD
-            x ^= x >> 15
-            x *= 0x735A2D97
-            x ^= x >> 15
-            p = tl.where((x >> 8) >= drop_threshold, p, 0.0)
+            p = tl.where(dropout_keep(offs_m[:, None] * Skv + n_start + offs_n0[None, :], hk, drop_threshold), p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
 
     for n_start in tl.range(tl.maximum(full_hi, kv_lo), kv_hi, BLOCK_N):
         offs_n = n_start + offs_n0
         col_ok = offs_n < Skv
-        if MODE <= 1:
-            allowed = (offs_n < kv_len)[None, :] & row_ok[:, None]
-        elif MODE == 2:
-            allowed = (offs_n[None, :] <= offs_m[:, None]) & (offs_n < kv_len)[None, :]
-        else:
-            allowed = ((offs_n[None, :] <= offs_m[:, None]) & (offs_m < qlen)[:, None]) | (
-                offs_n[None, :] == offs_m[:, None])
-            allowed = allowed & col_ok[None, :]
+        allowed = element_mask(offs_m, offs_n, row_ok, col_ok, qlen, kv_len, 0, 0, 0, 0, MODE, False)
         if USE_TMA:
             k = k_desc.load([n_start, 0])
             v = v_desc.load([n_start, 0])
@@ -158,13 +123,7 @@ def _fwd_long(
         alpha = tl.exp2(m_i - m_sub)
         l_i = l_i * alpha + tl.sum(p, 1)
         if DROPOUT:
-            x = (offs_m[:, None] * Skv + offs_n[None, :]).to(tl.uint32) ^ hk
-            x ^= x >> 16
-            x *= 0x21F0AAAD
-            x ^= x >> 15
-            x *= 0x735A2D97
-            x ^= x >> 15
-            p = tl.where((x >> 8) >= drop_threshold, p, 0.0)
+            p = tl.where(dropout_keep(offs_m[:, None] * Skv + offs_n[None, :], hk, drop_threshold), p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
 
@@ -216,11 +175,7 @@ def _bwd_long(
     offs_m0 = tl.arange(0, BLOCK_M)
     col_ok = offs_n < Skv
 
-    qlen = Skv
-    kv_len = Skv
-    if HAS_KL:
-        qlen = tl.maximum(tl.load(KL + b), 0)
-        kv_len = tl.minimum(qlen, Skv)
+    qlen, kv_len = valid_lengths(KL, b, Skv, HAS_KL)
     # query tiles [q_lo, q_hi); those before q_mid (diagonal, padded keys) or reaching past q_full (padded
     # query rows of causal-valid) take the element mask
     edge = n_start + BLOCK_N > kv_len  # some keys of this tile are padding
@@ -257,12 +212,7 @@ def _bwd_long(
                                             block_shape=[BLOCK_M, HEAD_DIM])
 
     if DROPOUT:
-        hk = seed.to(tl.uint32) + bh.to(tl.uint32) * 0x61C88647
-        hk ^= hk >> 16
-        hk *= 0x21F0AAAD
-        hk ^= hk >> 15
-        hk *= 0x735A2D97
-        hk ^= hk >> 15
+        hk = stream_key(seed, bh)
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -279,24 +229,13 @@ def _bwd_long(
         delta = tl.load(delta_base + offs_m, mask=row_ok, other=0.0)
         pT = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
         if (m_start < q_mid) | (m_start + BLOCK_M > q_full):  # diagonal / edge tiles: the element mask
-            if MODE <= 1:
-                allowedT = (offs_n < kv_len)[:, None] & row_ok[None, :]
-            elif MODE == 2:
-                allowedT = (offs_n[:, None] <= offs_m[None, :]) & (offs_n < kv_len)[:, None] & row_ok[None, :]
-            else:
-                allowedT = ((offs_n[:, None] <= offs_m[None, :]) & (offs_m < qlen)[None, :]) | (
-                    offs_n[:, None] == offs_m[None, :])
-                allowedT = allowedT & col_ok[:, None] & row_ok[None, :]
+            allowedT = element_mask(offs_m, offs_n, row_ok, col_ok, qlen, kv_len, 0, 0, 0, 0, MODE, True)
+            if MODE >= 2:
+                allowedT = allowedT & row_ok[None, :]
             pT = tl.where(allowedT, pT, 0.0)
         dpT = tl.dot(v, tl.trans(do))
         if DROPOUT:
-            x = (offs_m[None, :] * Skv + offs_n[:, None]).to(tl.uint32) ^ hk
-            x ^= x >> 16
-            x *= 0x21F0AAAD
-            x ^= x >> 15
-            x *= 0x735A2D97
-            x ^= x >> 15
-            keep = (x >> 8) >= drop_threshold
+            keep = dropout_keep(offs_m[None, :] * Skv + offs_n[:, None], hk, drop_threshold)
             dv += tl.dot(tl.where(keep, pT * drop_scale, 0.0).to(do.dtype), do)
             dpT = tl.where(keep, dpT * drop_scale, 0.0)
         else:
