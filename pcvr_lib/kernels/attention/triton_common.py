@@ -67,6 +67,20 @@ def key_tile_range(m_start, qlen, kv_len, Skv, W, G, MODE: tl.constexpr, BLOCK_M
 
 
 @helper
+def row_mask_data(ROLE, VIS, b64, Sq, offs_m, row_ok, qlen, G, MODE: tl.constexpr):
+    """(q_vis, glob_row), what element_mask needs of the rows offs_m: roles, the visibility word of each
+    query's role (bit s: it sees role s); window, whether the row is one of the last G valid (global) rows.
+    0 where MODE has none."""
+    q_vis = 0
+    glob_row = 0
+    if MODE == 5:
+        q_vis = tl.load(VIS + (tl.load(ROLE + b64 * Sq + offs_m, mask=row_ok, other=0) & 31))
+    if MODE == 4:
+        glob_row = (offs_m < qlen) & (offs_m >= qlen - G)
+    return q_vis, glob_row
+
+
+@helper
 def _mix(x):
     """One round of the counter hash of masks.py (uint32)."""
     x ^= x >> 16

@@ -40,7 +40,7 @@ from .config import (
     TRITON_ONE_TILE_DEFAULT_DIMS,
 )
 from .masks import MODE_CODE, length_bucket
-from .triton_common import dropout_keep, element_mask, key_tile_range, stream_key, valid_lengths
+from .triton_common import dropout_keep, element_mask, key_tile_range, row_mask_data, stream_key, valid_lengths
 
 _RUNTIME_INTS = ["H", "Sq", "Skv", "seed", "drop_threshold", "W", "G"]
 
@@ -71,12 +71,7 @@ def _attn_fwd(
     v_base = V + b.to(tl.int64) * svb + h.to(tl.int64) * svh
     row_ok = offs_m < Sq
     q = tl.load(q_base + offs_m[:, None] * sqm + offs_d[None, :], mask=row_ok[:, None], other=0.0)
-    q_vis = 0  # the per-row data of the roles and window masks (0 where MODE has none)
-    glob_row = 0
-    if MODE == 5:  # the visibility word of each query's role (bit s: it sees role s)
-        q_vis = tl.load(VIS + (tl.load(ROLE + b.to(tl.int64) * Sq + offs_m, mask=row_ok, other=0) & 31))
-    if MODE == 4:
-        glob_row = (offs_m < qlen) & (offs_m >= qlen - G)
+    q_vis, glob_row = row_mask_data(ROLE, VIS, b.to(tl.int64), Sq, offs_m, row_ok, qlen, G, MODE)
 
     if DROPOUT:
         hk = stream_key(seed, bh)  # per-(b, h) stream key
@@ -167,12 +162,7 @@ def _attn_bwd_dq(
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     tl.store(DELTA + bh.to(tl.int64) * Sq + offs_m, delta, mask=row_ok)
     lse = tl.load(LSE + bh.to(tl.int64) * Sq + offs_m, mask=row_ok, other=float("inf"))
-    q_vis = 0  # the per-row data of the roles and window masks (0 where MODE has none)
-    glob_row = 0
-    if MODE == 5:
-        q_vis = tl.load(VIS + (tl.load(ROLE + b64 * Sq + offs_m, mask=row_ok, other=0) & 31))
-    if MODE == 4:
-        glob_row = (offs_m < qlen) & (offs_m >= qlen - G)
+    q_vis, glob_row = row_mask_data(ROLE, VIS, b64, Sq, offs_m, row_ok, qlen, G, MODE)
     k_base = K + b64 * skb + h64 * skh
     v_base = V + b64 * svb + h64 * svh
 
@@ -285,12 +275,7 @@ def _attn_bwd_dkdv(
     for m_start in range(q_lo, q_mid, BLOCK_M):
         offs_m = m_start + offs_m0
         row_ok = offs_m < Sq
-        glob_row = 0  # (the window and roles masks' per-row data)
-        q_vis = 0
-        if MODE == 4:
-            glob_row = (offs_m < qlen) & (offs_m >= qlen - G)
-        if MODE == 5:
-            q_vis = tl.load(VIS + (tl.load(ROLE + b64 * Sq + offs_m, mask=row_ok, other=0) & 31))
+        q_vis, glob_row = row_mask_data(ROLE, VIS, b64, Sq, offs_m, row_ok, qlen, G, MODE)
         allowedT = element_mask(offs_m, offs_n, row_ok, col_ok, qlen, kv_len, W, glob_row, q_vis, k_role, MODE, True)
         if MODE == 4:  # rows from q_mid on belong to the second loop (this tile of rows may reach past q_mid)
             allowedT = allowedT & (row_ok & (offs_m < q_mid))[None, :]
@@ -382,12 +367,7 @@ def _attn_bwd_one_tile(
     o = tl.load(O + b64 * sob + h64 * soh + offs_m[:, None] * som + offs_d[None, :], mask=row_ok[:, None], other=0.0)
     delta = tl.sum(do.to(tl.float32) * o.to(tl.float32), 1)
     lse = tl.load(LSE + bh.to(tl.int64) * Sq + offs_m, mask=row_ok, other=float("inf"))  # no keys: +inf, p = 0
-    q_vis = 0  # the per-row data of the roles and window masks (0 where MODE has none)
-    glob_row = 0
-    if MODE == 5:
-        q_vis = tl.load(VIS + (tl.load(ROLE + b64 * Sq + offs_m, mask=row_ok, other=0) & 31))
-    if MODE == 4:
-        glob_row = (offs_m < qlen) & (offs_m >= qlen - G)
+    q_vis, glob_row = row_mask_data(ROLE, VIS, b64, Sq, offs_m, row_ok, qlen, G, MODE)
     k_base = K + b64 * skb + h64 * skh
     v_base = V + b64 * svb + h64 * svh
     out_base = bh.to(tl.int64) * Skv * HEAD_DIM
