@@ -532,6 +532,29 @@ def test_triton_structured_masks_compile_for_sm90(which, mode, D):
     assert "wgmma.mma_async" in kernel.asm["ptx"], f"{which} {mode} D{D}: no Hopper wgmma in the PTX"
 
 
+def test_triton_helpers_restored_after_an_interpreted_launch(monkeypatch):
+    """The kernels call the @helper functions of triton_common, which call helpers of their own; an interpreted
+    launch swaps all of them (kernel modules' and triton_common's namespaces) for interpreted twins and must
+    put every JITFunction back, or a later sm_90 compile in this process would fail."""
+    problem = registry.package_problem("triton")
+    if problem:
+        pytest.skip(f"triton: {problem}")
+    from triton.runtime.jit import JITFunction
+
+    from pcvr_lib.kernels.attention import triton_common, triton_impl, triton_long
+
+    _interpret(monkeypatch)
+    check_case("triton", 1, 1, 17, 17, 16, torch.float16, "window", p=0.3, device="cpu")
+    names = [n for n, v in vars(triton_common).items() if hasattr(v, "fn") and not n.startswith("__")]
+    assert {"_mix", "_rows", "_keys", "element_mask", "dropout_keep"} <= set(names)
+    for module in (triton_common, triton_impl, triton_long):
+        for name in names:
+            if name in vars(module):
+                assert isinstance(vars(module)[name], JITFunction), f"{module.__name__}.{name}"
+    kernel = triton_impl.compile_for(90, "dkdv", 64, "bf16", "window", has_kl=True, dropout=True)
+    assert "wgmma.mma_async" in kernel.asm["ptx"]
+
+
 @pytest.mark.parametrize("which", ["fwd", "dq", "dkdv"])
 def test_triton_compiles_for_sm90(which):
     """The compiled (not interpreted) kernels build for sm_90 without a GPU and use Hopper's wgmma."""

@@ -104,6 +104,20 @@ def dropout_keep(idx, hk, drop_threshold):
 
 
 @helper
+def add_dv(dv, pT, dpT, do, idx, hk, drop_threshold, drop_scale, DROPOUT: tl.constexpr):
+    """One (key tile, query tile) step of the dK/dV kernels, transposed: (dv + P^T dO, dP^T) with dropout's
+    kept elements scaled by 1 / (1 - p) and the dropped ones zero in both (idx and hk as for dropout_keep;
+    hk is read only with DROPOUT)."""
+    if DROPOUT:
+        keep = dropout_keep(idx, hk, drop_threshold)
+        dv += tl.dot(tl.where(keep, pT * drop_scale, 0.0).to(do.dtype), do)
+        dpT = tl.where(keep, dpT * drop_scale, 0.0)
+    else:
+        dv += tl.dot(pT.to(do.dtype), do)
+    return dv, dpT
+
+
+@helper
 def _rows(x, KEYS_FIRST: tl.constexpr):
     """A per-query vector on the query axis of a [queries, keys] tile, or of a [keys, queries] one."""
     if KEYS_FIRST:

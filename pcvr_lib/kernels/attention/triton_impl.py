@@ -40,7 +40,15 @@ from .config import (
     TRITON_ONE_TILE_DEFAULT_DIMS,
 )
 from .masks import MODE_CODE, length_bucket
-from .triton_common import dropout_keep, element_mask, key_tile_range, row_mask_data, stream_key, valid_lengths
+from .triton_common import (
+    add_dv,
+    dropout_keep,
+    element_mask,
+    key_tile_range,
+    row_mask_data,
+    stream_key,
+    valid_lengths,
+)
 
 _RUNTIME_INTS = ["H", "Sq", "Skv", "seed", "drop_threshold", "W", "G"]
 
@@ -263,6 +271,7 @@ def _attn_bwd_dkdv(
     lse_base = LSE + bh.to(tl.int64) * Sq
     delta_base = DELTA + bh.to(tl.int64) * Sq
 
+    hk = 0  # (dropout's stream key)
     if DROPOUT:
         hk = stream_key(seed, bh)
 
@@ -292,12 +301,8 @@ def _attn_bwd_dkdv(
             pT = tl.exp2(tl.dot(k, tl.trans(q)) * qk_scale - lse[None, :])
             pT = tl.where(allowedT, pT, 0.0)
             dpT = tl.dot(v, tl.trans(do))
-            if DROPOUT:
-                keep = dropout_keep(offs_m[None, :] * Skv + offs_n[:, None], hk, drop_threshold)
-                dv += tl.dot(tl.where(keep, pT * drop_scale, 0.0).to(do.dtype), do)
-                dpT = tl.where(keep, dpT * drop_scale, 0.0)
-            else:
-                dv += tl.dot(pT.to(do.dtype), do)
+            dv, dpT = add_dv(dv, pT, dpT, do, offs_m[None, :] * Skv + offs_n[:, None], hk, drop_threshold,
+                             drop_scale, DROPOUT)
             dsT = pT * (dpT - delta[None, :])
             dk += tl.dot(dsT.to(q.dtype), q)
     for m_start in range(q2_lo, q_hi, BLOCK_M):
@@ -312,12 +317,8 @@ def _attn_bwd_dkdv(
             glob_row = ((offs_m < q_lo) | (offs_m >= q_mid)) & (offs_m < qlen) & (offs_m >= qlen - G)
             pT = tl.where((offs_n < kv_len)[:, None] & glob_row[None, :], pT, 0.0)
         dpT = tl.dot(v, tl.trans(do))
-        if DROPOUT:
-            keep = dropout_keep(offs_m[None, :] * Skv + offs_n[:, None], hk, drop_threshold)
-            dv += tl.dot(tl.where(keep, pT * drop_scale, 0.0).to(do.dtype), do)
-            dpT = tl.where(keep, dpT * drop_scale, 0.0)
-        else:
-            dv += tl.dot(pT.to(do.dtype), do)
+        dv, dpT = add_dv(dv, pT, dpT, do, offs_m[None, :] * Skv + offs_n[:, None], hk, drop_threshold,
+                         drop_scale, DROPOUT)
         dsT = pT * (dpT - delta[None, :])
         dk += tl.dot(dsT.to(q.dtype), q)
     dk = dk * sm_scale

@@ -35,7 +35,7 @@ import triton.language as tl
 from .._triton import Launcher, cdiv, kernel
 from .config import TRITON_LONG_BWD_CONFIGS, TRITON_LONG_FWD_CONFIGS
 from .masks import MODE_CODE
-from .triton_common import dropout_keep, element_mask, key_tile_range, stream_key, valid_lengths
+from .triton_common import add_dv, dropout_keep, element_mask, key_tile_range, stream_key, valid_lengths
 
 _RUNTIME_INTS = ["H", "Sq", "Skv", "seed", "drop_threshold"]
 LONG_MODES = ("none", "key_lengths", "causal", "causal_valid")
@@ -211,6 +211,7 @@ def _bwd_long(
         do_desc = tl.make_tensor_descriptor(do_base, shape=[Sq, HEAD_DIM], strides=[sdom, 1],
                                             block_shape=[BLOCK_M, HEAD_DIM])
 
+    hk = 0  # (dropout's stream key)
     if DROPOUT:
         hk = stream_key(seed, bh)
 
@@ -234,12 +235,8 @@ def _bwd_long(
                 allowedT = allowedT & row_ok[None, :]
             pT = tl.where(allowedT, pT, 0.0)
         dpT = tl.dot(v, tl.trans(do))
-        if DROPOUT:
-            keep = dropout_keep(offs_m[None, :] * Skv + offs_n[:, None], hk, drop_threshold)
-            dv += tl.dot(tl.where(keep, pT * drop_scale, 0.0).to(do.dtype), do)
-            dpT = tl.where(keep, dpT * drop_scale, 0.0)
-        else:
-            dv += tl.dot(pT.to(do.dtype), do)
+        dv, dpT = add_dv(dv, pT, dpT, do, offs_m[None, :] * Skv + offs_n[:, None], hk, drop_threshold,
+                         drop_scale, DROPOUT)
         dsT = (pT * (dpT - delta[None, :])).to(q.dtype)
         dk += tl.dot(dsT, q)
         dq_part = tl.dot(tl.trans(dsT), k) * sm_scale
