@@ -337,6 +337,22 @@ def one_tile_routed(monkeypatch):
     monkeypatch.setattr(triton_impl, "TRITON_ONE_TILE_DEFAULT_DIMS", frozenset(triton_impl.TRITON_BWD_ONE_TILE_CONFIGS))
 
 
+@pytest.fixture
+def launched_kernels(monkeypatch):
+    """The names of the Triton attention kernels launched during the test, in order ("fwd", "bwd_dq", ...)."""
+    from pcvr_lib.kernels import _triton
+
+    launched = []
+    jit = _triton.Launcher.jit
+
+    def record(self, *args, **kwargs):
+        launched.append(self.name.removeprefix("flash_attention."))
+        return jit(self, *args, **kwargs)
+
+    monkeypatch.setattr(_triton.Launcher, "jit", record)
+    return launched
+
+
 # The one-tile backward (config.TRITON_BWD_ONE_TILE_CONFIGS) routed: every mask, dropout, Sq != Skv where the mask
 # allows it, every head dim, lengths at and inside the tile's edge (the cases above run the two-kernel backward).
 ONE_TILE_CASES = (
@@ -373,11 +389,10 @@ def test_triton_interpreter_one_tile_odd_shapes(B, H, Sq, Skv, D, mode, p, seed,
     (100, 129, 32, ["fwd", "bwd_dq", "bwd_dkdv"]), (129, 100, 64, ["fwd", "bwd_dq", "bwd_dkdv"]),
     (129, 129, 128, ["fwd", "bwd_dq", "bwd_dkdv"]),
 ])
-def test_triton_backward_routing(Sq, Skv, D, expected, routed, monkeypatch, request):
+def test_triton_backward_routing(Sq, Skv, D, expected, routed, monkeypatch, request, launched_kernels):
     """Which kernels one forward + backward launches: routed, the one-tile backward where Sq and Skv fit the head
     dim's BLOCK_M (128), the two-kernel one past it; by default (config.TRITON_ONE_TILE_DEFAULT_DIMS) as set."""
     _interpret(monkeypatch)
-    from pcvr_lib.kernels import _triton
     from pcvr_lib.kernels.attention.config import TRITON_BWD_ONE_TILE_CONFIGS, TRITON_ONE_TILE_DEFAULT_DIMS
 
     block = TRITON_BWD_ONE_TILE_CONFIGS[D][0]
@@ -386,14 +401,7 @@ def test_triton_backward_routing(Sq, Skv, D, expected, routed, monkeypatch, requ
         request.getfixturevalue("one_tile_routed")
     elif D not in TRITON_ONE_TILE_DEFAULT_DIMS:
         expected = ["fwd", "bwd_dq", "bwd_dkdv"]
-    launched = []
-    jit = _triton.Launcher.jit
-
-    def record(self, *args, **kwargs):
-        launched.append(self.name.removeprefix("flash_attention."))
-        return jit(self, *args, **kwargs)
-
-    monkeypatch.setattr(_triton.Launcher, "jit", record)
+    launched = launched_kernels
     q, k, v, do = _inputs(1, 1, Sq, Skv, D, torch.float16, seed=5)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     length = min(Skv, 20)  # keys from 20 on are padding: whole key tiles nobody sees (zero dK/dV, never computed)
@@ -788,13 +796,12 @@ def test_precompile_runs_every_triton_variant_through_run_once():
     ("key_lengths", ["fwd", "fwd", "bwd_one_tile", "fwd", "fwd", "bwd_dq", "bwd_dkdv"]),
     ("roles", ["fwd", "fwd", "bwd_one_tile"]),
 ])
-def test_precompile_warms_both_bucket0_backwards(mode, expected, routed, monkeypatch, request):
+def test_precompile_warms_both_bucket0_backwards(mode, expected, routed, monkeypatch, request, launched_kernels):
     """`precompile --run-triton`'s warm-up of a bucket-0 variant (workload.run_once, under the interpreter here)
     launches the backward(s) the variant takes: routed, the one-tile backward and, where the mask allows Skv past
     its tile, the two-kernel one too; not routed (the default while config.TRITON_ONE_TILE_DEFAULT_DIMS is empty),
     the two-kernel one."""
     _interpret(monkeypatch)
-    from pcvr_lib.kernels import _triton
     from pcvr_lib.kernels.attention import triton_impl
 
     if routed:
@@ -802,13 +809,6 @@ def test_precompile_warms_both_bucket0_backwards(mode, expected, routed, monkeyp
     elif 32 not in triton_impl.TRITON_ONE_TILE_DEFAULT_DIMS:
         expected = ["fwd", "fwd", "bwd_dq", "bwd_dkdv"]
 
-    launched = []
-    jit = _triton.Launcher.jit
-
-    def record(self, *args, **kwargs):
-        launched.append(self.name.removeprefix("flash_attention."))
-        return jit(self, *args, **kwargs)
-
-    monkeypatch.setattr(_triton.Launcher, "jit", record)
+    launched = launched_kernels
     workload.run_once("triton", 32, torch.float16, mode, True, 0, device="cpu")
     assert launched == expected
