@@ -16,7 +16,8 @@ files, so TREE must not change while it runs) and writes to OUT:
   backward, triton_long's fwd and bwd at their configs; every mask (none, key lengths, causal with and
   without key lengths, causal-valid, window and roles with and without key lengths), with and without
   dropout; bf16 everywhere, fp16 at head dim 64; the forward with and without the LSE at head dim 64.
-  `--only-triton-attention` dumps just these (672 compiles, about 15 minutes on 2 shared CPU cores; a disk-cached one takes milliseconds).
+  `--only-triton-attention` dumps just these (672 compiles, about 15 minutes on 2 shared CPU cores; a
+  disk-cached one takes milliseconds).
 `compare` sorts every file of OLD_OUT into identical / identical but for debug info (PTX `.loc` and `.file`
 lines, `$L__tmp` labels, `.debug` sections: line numbers move with any edit) / different, and lists the latter.
 Written for session 4's folding of repeated kernel code (notes/architecture.md).
