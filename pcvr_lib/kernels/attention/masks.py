@@ -155,7 +155,11 @@ def _mix32(x: torch.Tensor) -> torch.Tensor:
 
 
 def dropout_threshold(p: float) -> int:
+    """The kernels' integer keep threshold: keep when hash >> 8 >= round(p * 2^24)."""
     return int(round(p * (1 << 24)))
+
+
+LOG2E = 1.4426950408889634  # every backend keeps scores in base 2: qk_scale = scale * log2(e)
 
 
 def dropout_keep_mask(seed: int, batch: int, heads: int, sq: int, skv: int, p: float, device="cpu") -> torch.Tensor:

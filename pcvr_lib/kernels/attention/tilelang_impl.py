@@ -16,9 +16,7 @@ import tilelang.language as T
 
 from .._tilelang import LAUNCHERS, Kernels
 from .config import TILELANG_BWD_CONFIGS, TILELANG_FWD_CONFIGS
-from .masks import MODE_CODE, length_bucket
-
-_LOG2E = 1.4426950408889634
+from .masks import LOG2E, MODE_CODE, dropout_threshold, length_bucket
 
 
 def _keep(row, col, skv, stream, thr):
@@ -670,8 +668,8 @@ def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p:
     o = torch.empty_like(q)
     lse = torch.empty((B, H, _padded(Sq)), dtype=torch.float32, device=q.device)
     role, vis, W, G = _extra_args(extra, q.device)
-    exe(q, k, v, o, lse, _kl_arg(key_lengths, q.device), role, vis, scale * _LOG2E, seed,
-        int(round(dropout_p * (1 << 24))), 1.0 / (1.0 - dropout_p), W, G)
+    exe(q, k, v, o, lse, _kl_arg(key_lengths, q.device), role, vis, scale * LOG2E, seed,
+        dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p), W, G)
     return o, lse
 
 
@@ -692,7 +690,7 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
     dv = torch.empty_like(v)
     kl = _kl_arg(key_lengths, q.device)
     role, vis, W, G = _extra_args(extra, q.device)
-    scalars = (scale * _LOG2E, scale, seed, int(round(dropout_p * (1 << 24))), 1.0 / (1.0 - dropout_p), W, G)
+    scalars = (scale * LOG2E, scale, seed, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p), W, G)
     if backward_kernels(cfg) == ("fused",):
         # delta = rowsum(dO * O) in fp32 (padded rows 0), dQ accumulated in fp32 by the kernel's atomics
         delta = torch.zeros((B, H, _padded(Sq)), dtype=torch.float32, device=q.device)

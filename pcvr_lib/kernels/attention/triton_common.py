@@ -16,6 +16,12 @@ import triton.language as tl
 from .._triton import helper
 
 
+def qkv_strides(q, k, v) -> tuple:
+    """Host side, for the launches: the (batch, head, row) strides of q, k and v (the last dim is contiguous)."""
+    qs, ks, vs = q.stride(), k.stride(), v.stride()
+    return (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
+
+
 @helper
 def valid_lengths(KL, b, Skv, HAS_KL: tl.constexpr):
     """(qlen, kv_len): the valid length L of masks.py (Skv without key lengths) and the keys that are valid."""

@@ -39,12 +39,13 @@ from .config import (
     TRITON_LONG_FWD_CONFIGS,
     TRITON_ONE_TILE_DEFAULT_DIMS,
 )
-from .masks import MODE_CODE, length_bucket
+from .masks import LOG2E, MODE_CODE, dropout_threshold, length_bucket
 from .triton_common import (
     add_dv,
     dropout_keep,
     element_mask,
     key_tile_range,
+    qkv_strides,
     row_mask_data,
     stream_key,
     valid_lengths,
@@ -445,18 +446,15 @@ def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p:
     o = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B * H, Sq), dtype=torch.float32, device=q.device) if store_lse else o
     bm, bn, warps, stages = config or TRITON_FWD_CONFIGS[(D, length_bucket(Sq))]
-    has_kl = key_lengths is not None
+    has_kl, kl, W, G, roles, vis = _mask_data(key_lengths, extra, o)
     dropout = dropout_p > 0.0
-    qs, ks, vs = q.stride(), k.stride(), v.stride()
-    strides = (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], H * Sq * D, Sq * D, D)
+    strides = (*qkv_strides(q, k, v), H * Sq * D, Sq * D, D)
     code = MODE_CODE[mode]
-    W, G, roles, vis = extra or _NO_EXTRA
-    roles = o if roles is None else roles
-    args = (q, k, v, o, lse, key_lengths if has_kl else o, roles, o if vis is None else vis, *strides,
-            H, Sq, Skv, scale * 1.4426950408889634, seed, _threshold(dropout_p), 1.0 / (1.0 - dropout_p), W, G,
+    args = (q, k, v, o, lse, kl, roles, vis, *strides,
+            H, Sq, Skv, scale * LOG2E, seed, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p), W, G,
             code, has_kl, dropout, store_lse, bm, bn, D)
     grid = (cdiv(Sq, bm), B * H, 1)
-    if _fast_ok((q, k, v, roles, key_lengths) if has_kl else (q, k, v, roles), strides):
+    if _fast_ok((q, k, v, roles, kl), strides):
         key = (q.get_device(), q.dtype, code, has_kl, dropout, store_lse, bm, bn, D, warps, stages)
         _launch_fwd(key, grid, args, warps, stages)
     else:
@@ -479,22 +477,16 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
     one_tile = one_tile_config or (TRITON_BWD_ONE_TILE_CONFIGS[D] if D in TRITON_ONE_TILE_DEFAULT_DIMS else None)
     if one_tile is not None and Sq <= one_tile[0] and Skv <= one_tile[0] and dq_config is None and kv_config is None:
         return _backward_one_tile(do, q, k, v, o, lse, key_lengths, mode, scale, seed, dropout_p, extra, one_tile)
-    dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
-    dk = torch.empty((B, H, Skv, D), dtype=k.dtype, device=q.device)
-    dv = torch.empty((B, H, Skv, D), dtype=v.dtype, device=q.device)
+    dq, dk, dv = _empty_grads(q, k, v)
     delta = torch.empty((B * H, Sq), dtype=torch.float32, device=q.device)
-    has_kl = key_lengths is not None
-    kl = key_lengths if has_kl else delta
+    has_kl, kl, W, G, roles, vis = _mask_data(key_lengths, extra, delta)
     dropout = dropout_p > 0.0
     code = MODE_CODE[mode]
-    W, G, roles, vis = extra or _NO_EXTRA
-    roles = delta if roles is None else roles
-    vis = delta if vis is None else vis
-    qs, ks, vs, dos = q.stride(), k.stride(), v.stride(), do.stride()
-    s_qkv = (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
+    dos = do.stride()
+    s_qkv = qkv_strides(q, k, v)
     s_o = (H * Sq * D, Sq * D, D)
     s_do = (dos[0], dos[1], dos[2])
-    common = (H, Sq, Skv, scale * 1.4426950408889634, scale, seed, _threshold(dropout_p), 1.0 / (1.0 - dropout_p),
+    common = (H, Sq, Skv, scale * LOG2E, scale, seed, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p),
               W, G, code, has_kl, dropout)
     fast = _fast_ok((q, k, v, do, kl, roles), s_qkv + s_do)
     dev = q.get_device()
@@ -522,21 +514,14 @@ def _backward_one_tile(do, q, k, v, o, lse, key_lengths, mode, scale, seed, drop
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     bm, bn, warps, stages = config
-    dq = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
-    dk = torch.empty((B, H, Skv, D), dtype=k.dtype, device=q.device)
-    dv = torch.empty((B, H, Skv, D), dtype=v.dtype, device=q.device)
-    has_kl = key_lengths is not None
-    kl = key_lengths if has_kl else lse
+    dq, dk, dv = _empty_grads(q, k, v)
+    has_kl, kl, W, G, roles, vis = _mask_data(key_lengths, extra, lse)
     dropout = dropout_p > 0.0
     code = MODE_CODE[mode]
-    W, G, roles, vis = extra or _NO_EXTRA
-    roles = lse if roles is None else roles
-    vis = lse if vis is None else vis
-    qs, ks, vs, dos = q.stride(), k.stride(), v.stride(), do.stride()
-    strides = (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], H * Sq * D, Sq * D, D,
-               dos[0], dos[1], dos[2])
+    dos = do.stride()
+    strides = (*qkv_strides(q, k, v), H * Sq * D, Sq * D, D, dos[0], dos[1], dos[2])
     args = (q, k, v, o, do, dq, dk, dv, lse, kl, roles, vis, *strides,
-            H, Sq, Skv, scale * 1.4426950408889634, scale, seed, _threshold(dropout_p), 1.0 / (1.0 - dropout_p),
+            H, Sq, Skv, scale * LOG2E, scale, seed, dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p),
             W, G, code, has_kl, dropout, bm, bn, D)
     grid = (B * H, 1, 1)
     if _fast_ok((q, k, v, do, kl, roles), strides):
@@ -550,8 +535,19 @@ def _backward_one_tile(do, q, k, v, o, lse, key_lengths, mode, scale, seed, drop
 _NO_EXTRA = (0, 0, None, None)
 
 
-def _threshold(p: float) -> int:
-    return int(round(p * (1 << 24)))
+def _mask_data(key_lengths, extra, placeholder):
+    """(has_kl, key lengths, W, G, role codes, visibility words) as the kernels take them; a tensor the mask does
+    not use is `placeholder` (a tensor of the call, never read by the kernel)."""
+    W, G, roles, vis = extra or _NO_EXTRA
+    has_kl = key_lengths is not None
+    return (has_kl, key_lengths if has_kl else placeholder, W, G, placeholder if roles is None else roles,
+            placeholder if vis is None else vis)
+
+
+def _empty_grads(q, k, v):
+    """dQ, dK, dV in the contiguous (B, H, S, D) layout the kernels write (q, k, v may be strided views)."""
+    return (torch.empty(q.shape, dtype=q.dtype, device=q.device), torch.empty(k.shape, dtype=k.dtype, device=q.device),
+            torch.empty(v.shape, dtype=v.dtype, device=q.device))
 
 
 def compile_for(arch: int, which: str, D: int, dtype: str = "bf16", mode: str = "causal_valid", has_kl: bool = True,

@@ -34,12 +34,11 @@ import triton.language as tl
 
 from .._triton import Launcher, cdiv, kernel
 from .config import TRITON_LONG_BWD_CONFIGS, TRITON_LONG_FWD_CONFIGS
-from .masks import MODE_CODE
-from .triton_common import add_dv, dropout_keep, element_mask, key_tile_range, stream_key, valid_lengths
+from .masks import LOG2E, MODE_CODE, dropout_threshold
+from .triton_common import add_dv, dropout_keep, element_mask, key_tile_range, qkv_strides, stream_key, valid_lengths
 
 _RUNTIME_INTS = ["H", "Sq", "Skv", "seed", "drop_threshold"]
 LONG_MODES = ("none", "key_lengths", "causal", "causal_valid")
-LOG2E = 1.4426950408889634
 
 
 @kernel(do_not_specialize=_RUNTIME_INTS)
@@ -291,8 +290,7 @@ def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p:
     bm, bn, warps, stages, use_tma, warp_spec = config or TRITON_LONG_FWD_CONFIGS[D]
     has_kl = key_lengths is not None
     dropout = dropout_p > 0.0
-    qs, ks, vs = q.stride(), k.stride(), v.stride()
-    strides = (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2], H * Sq * D, Sq * D, D)
+    strides = (*qkv_strides(q, k, v), H * Sq * D, Sq * D, D)
     code = MODE_CODE[mode]
     kl = key_lengths if has_kl else o
     fast = q.is_cuda and _aligned((q, k, v, kl), strides)
@@ -300,7 +298,7 @@ def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p:
         use_tma = False
     if use_tma and q.is_cuda:
         _ensure_allocator()
-    args = (q, k, v, o, lse, kl, *strides, H, Sq, Skv, scale * LOG2E, seed, _threshold(dropout_p),
+    args = (q, k, v, o, lse, kl, *strides, H, Sq, Skv, scale * LOG2E, seed, dropout_threshold(dropout_p),
             1.0 / (1.0 - dropout_p), code, has_kl, dropout, store_lse, bool(use_tma), bool(warp_spec), bm, bn, D)
     grid = (cdiv(Sq, bm), B * H, 1)
     if fast:
@@ -327,8 +325,8 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
     kl = key_lengths if has_kl else delta
     dropout = dropout_p > 0.0
     code = MODE_CODE[mode]
-    qs, ks, vs, os_, dos = q.stride(), k.stride(), v.stride(), o.stride(), do.stride()
-    s_qkv = (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
+    os_, dos = o.stride(), do.stride()
+    s_qkv = qkv_strides(q, k, v)
     s_do = (dos[0], dos[1], dos[2])
     dev = q.get_device()
     fast = q.is_cuda and _aligned((q, k, v, do, o, kl), s_qkv + s_do + os_[:3])
@@ -345,7 +343,7 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
     if use_tma and q.is_cuda:
         _ensure_allocator()
     args = (q, k, v, do, dq32, dk, dv, lse, delta, kl, *s_qkv, *s_do, H, Sq, Skv, scale * LOG2E, scale, seed,
-            _threshold(dropout_p), 1.0 / (1.0 - dropout_p), code, has_kl, dropout, use_tma, bm, bn, D)
+            dropout_threshold(dropout_p), 1.0 / (1.0 - dropout_p), code, has_kl, dropout, use_tma, bm, bn, D)
     grid = (cdiv(Skv, bn), B * H, 1)
     if fast:
         _launch_bwd((dev, q.dtype, code, has_kl, dropout, use_tma, bm, bn, D, warps, stages), grid, args, warps,
@@ -353,10 +351,6 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
     else:
         _launch_bwd.jit(grid, args, warps, stages)
     return dq32.to(q.dtype), dk, dv
-
-
-def _threshold(p: float) -> int:
-    return int(round(p * (1 << 24)))
 
 
 def compile_for(arch: int, which: str, D: int, dtype: str = "bf16", mode: str = "causal_valid", has_kl: bool = True,
