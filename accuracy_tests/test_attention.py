@@ -19,6 +19,7 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
+from accuracy_tests.skips import require_cuda_backend
 from pcvr_lib.kernels import compile_log, flash_attention, key_lengths_from_mask, registry
 from pcvr_lib.kernels.attention import allowed_mask, dropout_keep_mask, role_mask, workload
 from pcvr_lib.kernels.attention.masks import draw_seed
@@ -675,11 +676,7 @@ GPU_PARAMS = [pytest.param("triton", c, id=f"triton-{_gpu_case_id(c)}") for c in
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend,case", GPU_PARAMS)
 def test_gpu_accuracy(backend, case):
-    if not CUDA:
-        pytest.skip(f"{backend}: no CUDA device")
-    ok, reason = registry.backend_status("flash_attention", backend, "cuda")
-    if not ok:
-        pytest.skip(reason)
+    require_cuda_backend("flash_attention", backend)
     B, H, Sq, Skv, D, dt, mode, p = case
     check_case(backend, B, H, Sq, Skv, D, DT[dt], mode, p=p, device="cuda")
 
@@ -688,11 +685,7 @@ def test_gpu_accuracy(backend, case):
 @pytest.mark.parametrize("case", workload.ONE_TILE_GPU_CASES, ids=_gpu_case_id)
 def test_gpu_triton_one_tile(case, one_tile_routed):
     """The one-tile backward routed (not the default yet: config.TRITON_ONE_TILE_DEFAULT_DIMS) against fp64."""
-    if not CUDA:
-        pytest.skip("triton: no CUDA device")
-    ok, reason = registry.backend_status("flash_attention", "triton", "cuda")
-    if not ok:
-        pytest.skip(reason)
+    require_cuda_backend("flash_attention", "triton")
     B, H, Sq, Skv, D, dt, mode, p = case
     check_case("triton", B, H, Sq, Skv, D, DT[dt], mode, p=p, device="cuda")
 
@@ -703,11 +696,7 @@ def test_gpu_triton_one_tile(case, one_tile_routed):
 def test_gpu_tilelang_long_candidates(case, fwd_config, bwd_config, monkeypatch):
     """The long-sequence candidates (ordered forward pipeline, fused backward) against fp64, through the
     operator with the bucket's TileLang configs replaced."""
-    if not CUDA:
-        pytest.skip("tilelang: no CUDA device")
-    ok, reason = registry.backend_status("flash_attention", "tilelang", "cuda")
-    if not ok:
-        pytest.skip(reason)
+    require_cuda_backend("flash_attention", "tilelang")
     from pcvr_lib.kernels.attention import config
     from pcvr_lib.kernels.attention.masks import length_bucket
 
@@ -720,11 +709,7 @@ def test_gpu_tilelang_long_candidates(case, fwd_config, bwd_config, monkeypatch)
 @pytest.mark.gpu
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_gpu_no_recompile_within_bucket(backend):
-    if not CUDA:
-        pytest.skip(f"{backend}: no CUDA device")
-    ok, reason = registry.backend_status("flash_attention", backend, "cuda")
-    if not ok:
-        pytest.skip(reason)
+    require_cuda_backend("flash_attention", backend)
     B, H, S, _, D, dt, _, _ = workload.RECOMPILE_CASE
 
     def call(s):
@@ -753,11 +738,7 @@ def _compiled_count(backend):
 @pytest.mark.parametrize("backend", GPU_BACKENDS)
 def test_gpu_dropout_same_mask_as_torch(backend):
     """The same seed drops the same weights on every backend: our kernels against the torch backend."""
-    if not CUDA:
-        pytest.skip(f"{backend}: no CUDA device")
-    ok, reason = registry.backend_status("flash_attention", backend, "cuda")
-    if not ok:
-        pytest.skip(reason)
+    require_cuda_backend("flash_attention", backend)
     q, k, v, _ = _inputs(3, 2, 40, 40, 64, torch.bfloat16, seed=7)
     q, k, v = q.cuda(), k.cuda(), v.cuda()
     kl = torch.tensor([40, 13, 0], device="cuda", dtype=torch.int32)

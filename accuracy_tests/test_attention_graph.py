@@ -24,7 +24,8 @@ faked, on the CPU): the seed is drawn on the host, so a captured call would repl
 import pytest
 import torch
 
-from pcvr_lib.kernels import flash_attention, registry
+from accuracy_tests.skips import require_cuda_backend
+from pcvr_lib.kernels import flash_attention
 from pcvr_lib.kernels.attention import workload
 
 CUDA = torch.cuda.is_available()
@@ -60,11 +61,7 @@ def _eager(backend, q, k, v, do, lengths, mask):
 @pytest.mark.parametrize("backend", ["triton", "tilelang"])
 @pytest.mark.parametrize("dtype,mask", GRAPH_CASES, ids=[f"{d}-{m}" for d, m in GRAPH_CASES])
 def test_gpu_graph_capture_forward_backward(backend, dtype, mask):
-    if not CUDA:
-        pytest.skip(f"{backend}: no CUDA device")
-    ok, reason = registry.backend_status("flash_attention", backend, "cuda")
-    if not ok:
-        pytest.skip(reason)
+    require_cuda_backend("flash_attention", backend)
     dt = DT[dtype]
     q0, k0, v0, do0, len0 = _values(1, dt, "cuda")
     q = q0.clone().requires_grad_()
@@ -116,11 +113,7 @@ def test_gpu_graph_capture_forward_backward(backend, dtype, mask):
 @pytest.mark.parametrize("backend", ["torch", "triton", "tilelang"])
 def test_gpu_graph_capture_refuses_dropout(backend):
     """A captured dropout call would replay one mask forever: refused by name, on every backend."""
-    if not CUDA:
-        pytest.skip(f"{backend}: no CUDA device")
-    ok, reason = registry.backend_status("flash_attention", backend, "cuda")
-    if not ok:
-        pytest.skip(reason)
+    require_cuda_backend("flash_attention", backend)
     q, k, v, _, lengths = _values(4, torch.bfloat16, "cuda")
     # causal-valid with key lengths: its dropout variant is one the GPU suite already compiles for TileLang
     kw = {"key_lengths": lengths, "causal_valid": True, "backend": backend}
