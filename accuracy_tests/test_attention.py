@@ -331,8 +331,8 @@ def test_triton_interpreter_odd_shapes(B, H, S, D, mode, seed, monkeypatch):
 
 @pytest.fixture
 def one_tile_routed(monkeypatch):
-    """Route the one-tile backward for every head dim it has a tile for (by default none is routed yet:
-    config.TRITON_ONE_TILE_DEFAULT_DIMS)."""
+    """Route the one-tile backward for every head dim it has a tile for, whatever the default
+    (config.TRITON_ONE_TILE_DEFAULT_DIMS) says."""
     from pcvr_lib.kernels.attention import triton_impl
 
     monkeypatch.setattr(triton_impl, "TRITON_ONE_TILE_DEFAULT_DIMS", frozenset(triton_impl.TRITON_BWD_ONE_TILE_CONFIGS))
@@ -684,7 +684,7 @@ def test_gpu_accuracy(backend, case):
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", workload.ONE_TILE_GPU_CASES, ids=_gpu_case_id)
 def test_gpu_triton_one_tile(case, one_tile_routed):
-    """The one-tile backward routed (not the default yet: config.TRITON_ONE_TILE_DEFAULT_DIMS) against fp64."""
+    """The one-tile backward, routed for every head dim with a tile, against fp64."""
     require_cuda_backend("flash_attention", "triton")
     B, H, Sq, Skv, D, dt, mode, p = case
     check_case("triton", B, H, Sq, Skv, D, DT[dt], mode, p=p, device="cuda")
@@ -780,8 +780,8 @@ def test_precompile_runs_every_triton_variant_through_run_once():
 def test_precompile_warms_both_bucket0_backwards(mode, expected, routed, monkeypatch, request, launched_kernels):
     """`precompile --run-triton`'s warm-up of a bucket-0 variant (workload.run_once, under the interpreter here)
     launches the backward(s) the variant takes: routed, the one-tile backward and, where the mask allows Skv past
-    its tile, the two-kernel one too; not routed (the default while config.TRITON_ONE_TILE_DEFAULT_DIMS is empty),
-    the two-kernel one."""
+    its tile, the two-kernel one too; not routed (a head dim outside config.TRITON_ONE_TILE_DEFAULT_DIMS), the
+    two-kernel one."""
     _interpret(monkeypatch)
     from pcvr_lib.kernels.attention import triton_impl
 

@@ -19,8 +19,8 @@ whole forward + backward of the triton and tilelang backends captures and replay
 tensor, no per-call host state; accuracy_tests/test_attention_graph.py).
 
 Host path: one dict lookup per backend, shape/dtype checks, one kernel launch forward (no device sync);
-backward is two launches (Triton's one-launch backward for Sq, Skv <= 128 is routed per head dim by
-config.TRITON_ONE_TILE_DEFAULT_DIMS: none until it has run on a GPU). Triton with
+backward is two launches, one for Triton where Sq, Skv <= 128 (its one-tile backward, routed per head dim by
+config.TRITON_ONE_TILE_DEFAULT_DIMS: 16, 32, 64 and 128). Triton with
 Sq > 512 (masks none / key lengths / causal / causal-valid) runs triton_long's kernels, whose backward sums
 dQ with fp32 atomics: not bitwise deterministic there.
 Compiled kernels are cached by (dtype, head dim, mask mode, dropout, bucket of the

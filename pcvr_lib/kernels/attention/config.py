@@ -40,16 +40,14 @@ TRITON_BWD_KV_CONFIGS = {
 # The one-tile backward (triton_impl._attn_bwd_one_tile): (BLOCK_M, BLOCK_N, num_warps, num_stages) per head
 # dim. It runs where Sq <= BLOCK_M and Skv <= BLOCK_M: one program per (b, h) holds every query row and walks
 # the key tiles of BLOCK_N (5 matmuls per tile pair instead of the two-kernel path's 7, one launch instead of
-# two). Not timed (no GPU when it was written): BLOCK_M 128 everywhere (all of bucket 0 with Skv <= 128), and
-# per head dim the widest key tile that ptxas (triton 3.9, sm_90a) builds without spills at 8 warps (masks
-# key lengths, causal-valid, window, roles, with and without dropout; notes/attention.md "One-tile backward").
-TRITON_BWD_ONE_TILE_CONFIGS = {16: (128, 64, 8, 1), 32: (128, 64, 8, 1), 64: (128, 32, 8, 1), 128: (128, 32, 8, 1)}
-# The head dims whose backward takes the one-tile kernel by default. Empty: the kernel has passed the CPU checks
-# (interpreter, sm_90 build) but has not run on a GPU yet (session 4 got no H200 after it was written), so
-# neither its H200 accuracy nor its speed against the two-kernel backward is known. The tests route it
-# explicitly (accuracy_tests/test_attention.py, `one_tile_routed`), `tune --one-tile-only` times it; add a
-# head dim here once `test_gpu_triton_one_tile` passes and the tune shows it faster at that head dim.
-TRITON_ONE_TILE_DEFAULT_DIMS: frozenset[int] = frozenset()
+# two). H200 tune of 2026-12-01 (session 5, tree aacb54b, bf16, unmasked, device us, `tune --one-tile-only`;
+# .benchmarks/h200/attention_tune_one_tile_s5.txt), best one-tile tile against the two-kernel backward:
+# B256 H4 S128 D16 56.0 vs 124.6, B256 H8 S110 D32 119.6 vs 168.5, B8 H8 S128 D64 39.2 vs 54.7,
+# B64 H8 S128 D128 111.6 vs 150.2 (gradients equal to the two-kernel ones in each case, max error 0).
+TRITON_BWD_ONE_TILE_CONFIGS = {16: (128, 64, 4, 2), 32: (128, 64, 4, 2), 64: (128, 64, 8, 1), 128: (128, 32, 8, 1)}
+# The head dims whose backward takes the one-tile kernel by default: every head dim it has a config for (it was
+# 1.3-2.2x faster at each in the tune above, and `test_gpu_triton_one_tile` passed on the H200 on tree aacb54b).
+TRITON_ONE_TILE_DEFAULT_DIMS: frozenset[int] = frozenset(TRITON_BWD_ONE_TILE_CONFIGS)
 
 # The long bucket (Sq > 512) on Hopper, masks none / key lengths / causal / causal-valid (triton_long.py):
 # forward (BLOCK_M, BLOCK_N, num_warps, num_stages, TMA descriptors, warp-specialised loop) and backward
@@ -77,12 +75,11 @@ TILELANG_BWD_CONFIGS = {  # shared by the dQ kernel (rows x keys) and the dK/dV 
     (16, 0): (64, 64, 128, 1), (16, 1): (64, 64, 128, 2), (16, 2): (64, 64, 128, 2),
     (32, 0): (64, 64, 128, 1), (64, 0): (64, 64, 128, 1), (128, 0): (64, 64, 128, 1),
     (32, 1): (64, 64, 128, 2), (64, 1): (64, 64, 128, 2), (128, 1): (64, 64, 128, 2),
-    (32, 2): (64, 64, 128, 2), (64, 2): (64, 128, 256, 2, "fused"), (128, 2): (64, 128, 256, 2, "fused"),
+    (32, 2): (64, 64, 128, 2), (64, 2): (128, 128, 256, 2, "fused"), (128, 2): (64, 128, 256, 2, "fused"),
 }
 # The long bucket at D64 and D128 takes the fused backward (dK/dV per key block, dQ by atomics; config (bm, bn,
 # threads, stages, "fused")): H200 sweep of 2026-12-01 (session 3, bf16, `.benchmarks/h200/attention_long_tl.json`),
-# fwd+bwd S1024 D64 684 us with (64, 128, 256, 2, "fused") against 909 for the two-kernel backward; S4096 D128
-# 5541 against 7616. (64, 128, 256, 2, "fused") is the config whose masked and dropout variants passed the H200
-# accuracy suite (session 4, tree 53c23c8, `test_gpu_tilelang_long_candidates`). At D64, (128, 128, 256, 2,
-# "fused") was faster still (639 us) but its masked variants have not run on a GPU: it is a candidate in
-# workload.TILELANG_LONG_CASES (notes/attention.md).
+# fwd+bwd S1024 D64 639 us with (128, 128, 256, 2, "fused") and 684 with (64, 128, 256, 2, "fused") against 909
+# for the two-kernel backward; S4096 D128 5541 with (64, 128, 256, 2, "fused") against 7616. Each default passed
+# its masked and dropout variants in the H200 accuracy suite (`test_gpu_tilelang_long_candidates`: D128's in
+# session 4, tree 53c23c8; D64's (128, 128) in session 5, tree aacb54b).

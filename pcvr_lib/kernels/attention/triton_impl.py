@@ -1,7 +1,7 @@
 """Flash attention in Triton: one forward kernel, two backward kernels (dQ with delta, then dK/dV), and a
 one-launch backward where Sq and Skv fit one query tile (config.TRITON_BWD_ONE_TILE_CONFIGS, BLOCK_M 128):
 one program per (b, h) holds every query row, so each key tile's dK/dV is complete in one visit. It is routed
-by default only for the head dims in config.TRITON_ONE_TILE_DEFAULT_DIMS (none until it has run on a GPU).
+by default for the head dims in config.TRITON_ONE_TILE_DEFAULT_DIMS (each head dim with a one-tile config).
 The forward at Sq > 512 with the masks none / key lengths / causal / causal-valid goes to triton_long.py (its
 config table in config.py decides per head dim); everything else runs here, every backward included.
 

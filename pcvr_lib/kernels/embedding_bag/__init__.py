@@ -6,14 +6,15 @@ backward) and "cuembed" (CUDA C++, forward only).
 Training path of the GPU backends: forward kernel + sparse (COO) or dense weight gradient.
 
 Sparse gradient: a coalesced COO tensor (V, D) (`is_coalesced()`): one entry per distinct touched row, rows
-sorted, each the fp32 sum of its bags' grad_out[b] / count[b] (each term in the weight dtype), rounded to the
-weight dtype. The kernel writes B*L fixed-size pieces (entry b*L + l: (id, grad_out[b] / count[b]) for a valid
-id, else (anchor[b], zeros), anchor[b] a valid id of the same bag; row 0 only for a bag with no valid id, so
-row 0 appears, with zeros, only then); `torch.unique` + `index_add_` merge the duplicates. That costs one
-device-to-host sync per call (the number of distinct rows), which a sparse optimizer pays anyway in its
-coalesce: torch's coalesce of the raw pieces took ~41.5 ms per training step on the H200 against 0.8-6.6 ms
-for torch's own sparse embedding gradient (notes/models.md; the pieces repeat row 0 and the anchors once per
-padding slot, the likely cause).
+sorted, each the fp32 sum of its bags' grad_out[b] / count[b] (each term in fp32), rounded once to the weight
+dtype. (Terms rounded to a 16-bit weight dtype before the sum cost up to one term's ulp per duplicate: a row
+whose terms cancel came out 0.0020 for 0.0037 in bf16 on the H200.) The kernel writes B*L fixed-size fp32
+pieces (entry b*L + l: (id, grad_out[b] / count[b]) for a valid id, else (anchor[b], zeros), anchor[b] a valid
+id of the same bag; row 0 only for a bag with no valid id, so row 0 appears, with zeros, only then);
+`torch.unique` + `index_add_` merge the duplicates. That costs one device-to-host sync per call (the number of
+distinct rows), which a sparse optimizer pays anyway in its coalesce: torch's coalesce of the raw pieces took
+~41.5 ms per training step on the H200 against 0.8-6.6 ms for torch's own sparse embedding gradient
+(notes/models.md; the pieces repeat row 0 and the anchors once per padding slot, the likely cause).
 
 Dense gradient: fp32 (V, D) buffer, fp32 atomics, cast to the weight dtype (one extra pass when the
 weight is not fp32).
@@ -117,14 +118,14 @@ def embedding_bag_mean(weight: torch.Tensor, ids: torch.Tensor, *, backend: str 
     return impl.forward(weight, ids, False)[0]
 
 
-def coalesced_rows(indices: torch.Tensor, values: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """COO (num_rows, D) from row pieces (indices (N,), values (N, D)): duplicate rows summed in fp32 and rounded
-    to values' dtype, rows sorted, flagged coalesced. (Autograd's accumulation into .grad drops the flag in
+def coalesced_rows(indices: torch.Tensor, values: torch.Tensor, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
+    """COO (num_rows, D) from fp32 row pieces (indices (N,), values (N, D)): duplicate rows summed in fp32 and
+    rounded once to `dtype`, rows sorted, flagged coalesced. (Autograd's accumulation into .grad drops the flag in
     torch 2.13; the rows stay distinct, so an optimizer's coalesce() then only sorts them.)"""
     rows, slot = torch.unique(indices, sorted=True, return_inverse=True)  # syncs: the row count
     sums = torch.zeros((rows.numel(), values.shape[1]), dtype=torch.float32, device=values.device)
-    sums.index_add_(0, slot, values if values.dtype == torch.float32 else values.float())
-    return torch.sparse_coo_tensor(rows.unsqueeze(0), sums.to(values.dtype), (num_rows, values.shape[1]),
+    sums.index_add_(0, slot, values)
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), sums.to(dtype), (num_rows, values.shape[1]),
                                    is_coalesced=True, check_invariants=False)
 
 
@@ -147,7 +148,7 @@ class EmbeddingBagMeanFunction(torch.autograd.Function):
         ids, counts = ctx.saved_tensors
         if ctx.sparse_grad:
             indices, values = impl.backward_sparse(ids, counts, grad_out, num_rows, ctx.weight_dtype)
-            grad = coalesced_rows(indices, values, num_rows)
+            grad = coalesced_rows(indices, values, num_rows, ctx.weight_dtype)
         else:
             grad = impl.backward_dense(ids, counts, grad_out, num_rows, ctx.weight_dtype)
         return grad, None, None, None

@@ -93,7 +93,8 @@ def build_forward(dim: int, dtype: str, idx_dtype: str, vec: int, save_counts: b
 
 def build_backward_sparse(dim: int, dtype: str, idx_dtype: str, vec: int):
     """Fixed-size COO scatter (B*L entries, no host sync): entry (b, l) is (id, g[b] / count[b]) for a
-    valid id, else (anchor[b], 0) with anchor[b] a valid id of the same bag (0 when it has none)."""
+    valid id, else (anchor[b], 0) with anchor[b] a valid id of the same bag (0 when it has none). The pieces
+    are fp32 (rounded once, after coalesced_rows sums the duplicates); `vec` is g's load width."""
     import tilelang.language as T
 
     B = T.dynamic("B")
@@ -103,10 +104,10 @@ def build_backward_sparse(dim: int, dtype: str, idx_dtype: str, vec: int):
     @T.prim_func
     def bwd_sparse(ids: T.Tensor((B, L), idx_dtype), counts: T.Tensor((B,), "int32"),
                    g: T.Tensor((B, dim), dtype), idx_out: T.Tensor((B * L,), "int64"),
-                   val_out: T.Tensor((B * L, dim), dtype), num_rows: T.int64):
+                   val_out: T.Tensor((B * L, dim), "float32"), num_rows: T.int64):
         with T.Kernel(T.ceildiv(B, block_b), threads=THREADS) as bx:
             tx = T.get_thread_binding()
-            val = T.alloc_local((vec,), dtype)
+            val = T.alloc_local((vec,), "float32")
             anchor = T.alloc_local((1,), "int64")
             b = bx * block_b + tx // tpr
             for ch in T.serial(chunks):
@@ -114,7 +115,7 @@ def build_backward_sparse(dim: int, dtype: str, idx_dtype: str, vec: int):
                 if b < B and c < dim:
                     inv = 1.0 / T.cast(T.max(counts[b], 1), "float32")
                     for v in T.vectorized(vec):
-                        val[v] = T.cast(T.cast(g[b, c + v], "float32") * inv, dtype)
+                        val[v] = T.cast(g[b, c + v], "float32") * inv
                     anchor[0] = 0
                     for l in T.serial(L):
                         r = T.cast(ids[b, l], "int64")
@@ -132,7 +133,7 @@ def build_backward_sparse(dim: int, dtype: str, idx_dtype: str, vec: int):
                             if tx % tpr == 0 and ch == 0:
                                 idx_out[slot] = anchor[0]
                             for v in T.vectorized(vec):
-                                val_out[slot, c + v] = T.cast(0, dtype)
+                                val_out[slot, c + v] = T.cast(0, "float32")
 
     return bwd_sparse
 
@@ -193,7 +194,7 @@ def backward_sparse(ids, counts, grad_out, num_rows: int, weight_dtype):
     dim = grad_out.shape[1]
     g = grad_out if grad_out.dtype == weight_dtype else grad_out.to(weight_dtype)
     indices = torch.empty((batch * bag,), dtype=torch.int64, device=ids.device)
-    values = g.new_empty((batch * bag, dim))
+    values = g.new_empty((batch * bag, dim), dtype=torch.float32)
     vec = vector_width(dim, g.element_size(), g.data_ptr())
     key = ("embedding_bag_mean.bwd_sparse", dim, weight_dtype, ids.dtype, vec, ids.get_device())
     (LAUNCHERS.get(key) or KERNELS.first(key, ids.device))(ids, counts, g, indices, values, num_rows)

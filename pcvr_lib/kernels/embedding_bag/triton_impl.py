@@ -103,7 +103,7 @@ if tl is not None:
         cnt = tl.load(cnt_ptr + rb, mask=bmask, other=0)
         inv = 1.0 / tl.maximum(cnt, 1).to(tl.float32)
         g = tl.load(g_ptr + rb.to(tl.int64)[:, None] * D + rd[None, :], mask=bmask[:, None] & dmask[None, :])
-        val = (g.to(tl.float32) * inv[:, None]).to(val_out_ptr.dtype.element_ty)
+        val = g.to(tl.float32) * inv[:, None]  # fp32 pieces: rounded once, after the duplicates are summed
         zero = tl.zeros_like(val)
         for l0 in range(0, L, BLOCK_L):
             lmask = (l0 + rl) < L
@@ -192,16 +192,17 @@ def forward(weight: torch.Tensor, ids: torch.Tensor, save_counts: bool, cfg=None
 
 
 def backward_sparse(ids, counts, grad_out, num_rows: int, weight_dtype):
-    """Fixed-size COO pieces (indices int64 [B*L], values [B*L, D] in the weight dtype); layout in __init__."""
+    """Fixed-size COO pieces (indices int64 [B*L], values fp32 [B*L, D]); layout in __init__. `weight_dtype` is
+    not used: the pieces stay fp32 until coalesced_rows sums them (one rounding)."""
     batch, bag = ids.shape
     dim = grad_out.shape[1]
     indices = torch.empty((batch * bag,), dtype=torch.int64, device=ids.device)
-    values = grad_out.new_empty((batch * bag, dim), dtype=weight_dtype)
+    values = grad_out.new_empty((batch * bag, dim), dtype=torch.float32)
     cfg = _config(batch, bag, dim, 4)
     grid = (-(-batch // cfg.block_b), 1, 1)
     args = (ids, counts, grad_out, indices, values, batch, bag, num_rows, dim, cfg.block_b, cfg.block_l,
             cfg.block_d)
-    key = (grad_out.dtype, weight_dtype, ids.dtype, dim, cfg.block_b, cfg.block_l, _align_key(ids, grad_out),
+    key = (grad_out.dtype, ids.dtype, dim, cfg.block_b, cfg.block_l, _align_key(ids, grad_out),
            cfg.num_warps)
     _launch_bwd_sparse(key, grid, args, cfg.num_warps)
     return indices, values
