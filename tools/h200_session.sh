@@ -29,6 +29,8 @@
 #   mkdir -p .cache/tlpack && tar -C .cache -cJf .cache/tlpack/tl.tar.xz tilelang
 # REP_FROM numbers the noise repetitions from there (a second call in one lease: REP_FROM=3).
 # ACC_PATHS / ACC_S: the accuracy_parallel step's test paths and time limit (default: all, 300 s).
+# ATTN_K / ATTN_S: perf_attention's -k selection (e.g. ATTN_K=model: the models' shapes) and time limit (150 s; the
+#   whole file, 134 cases, takes ~250 s; PCVR_ATTENTION_PRECOMPILED=1 skips its warm-up when `warm` ran before).
 # NOISE_K narrows the noise repetitions to a subset (e.g. NOISE_K=bf16) when the whole suite does not fit.
 # host_ab: tools/launch_host_ab.py between the tree in .trees/base (carry it) and this one.
 set -u
@@ -115,8 +117,8 @@ for s in "$@"; do
     optim)
       step optim 150 $PYTEST perf_tests/test_optimizers.py -k cuda --benchmark-only --benchmark-json="$OUT/optim.json" ;;
     perf_attention)
-      step perf_attention 150 $PYTEST perf_tests/test_kernels_attention.py --benchmark-only \
-        --benchmark-json="$OUT/attention.json" ;;
+      step perf_attention "${ATTN_S:-150}" $PYTEST perf_tests/test_kernels_attention.py ${ATTN_K:+-k "$ATTN_K"} \
+        --benchmark-only --benchmark-json="$OUT/attention.json" ;;
     perf_models)  # model x backend x phase (perf_tests/test_models.py), checked against torch first.
       # The models' TileLang variants load from the carried pack (a variant missing from it compiles here in
       # 16 processes, not one by one inside a test); then every case's outcome is logged as it ends (-v), a
