@@ -69,3 +69,21 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
 
     for bench in output_json["benchmarks"]:
         bench.setdefault("extra_info", {}).setdefault("fingerprint", fingerprint(bench["extra_info"]))
+
+
+def pytest_collection_modifyitems(config, items):
+    """PCVR_ONLY_NODEIDS=FILE runs only the node ids listed in FILE (one per line): the GPU session's way to
+    finish an accuracy run that a time limit cut (tools/pytest_unreported.py writes the list). A listed id
+    that is not collected is an error, so a renamed test cannot drop out of the resumed run unnoticed."""
+    path = os.environ.get("PCVR_ONLY_NODEIDS")
+    if not path:
+        return
+    wanted = [line.strip() for line in Path(path).read_text().splitlines() if line.strip()]
+    collected = {item.nodeid for item in items}
+    missing = [nodeid for nodeid in wanted if nodeid not in collected]
+    if missing:
+        raise pytest.UsageError(f"PCVR_ONLY_NODEIDS={path}: {len(missing)} listed test(s) not collected, "
+                                f"e.g. {missing[0]!r} (run pytest from the repository root with the same paths)")
+    keep = set(wanted)
+    config.hook.pytest_deselected(items=[item for item in items if item.nodeid not in keep])
+    items[:] = [item for item in items if item.nodeid in keep]

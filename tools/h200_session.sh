@@ -28,7 +28,10 @@
 #   TILELANG_CACHE_DIR=$PWD/.cache/tilelang python3 -m pcvr_lib.kernels.precompile --arch sm_90a --tune --workers 2
 #   mkdir -p .cache/tlpack && tar -C .cache -cJf .cache/tlpack/tl.tar.xz tilelang
 # REP_FROM numbers the noise repetitions from there (a second call in one lease: REP_FROM=3).
-# ACC_PATHS / ACC_S: the accuracy_parallel step's test paths and time limit (default: all, 300 s).
+# ACC_PATHS / ACC_S: the accuracy_parallel step's test paths and time limit (default: all, 300 s; the whole suite
+#   took 344-372 s with 8 workers in session 5, so give it a call of its own: ACC_S=480 ... warm accuracy_parallel).
+# ACC_TODO=FILE: run only the node ids in FILE, the $OUT/accuracy_todo.txt of a call whose accuracy step was cut
+#   (copy it into the checkout first); the new accuracy_todo.txt lists what is still left.
 # ATTN_K / ATTN_S: perf_attention's -k selection (e.g. ATTN_K=model: the models' shapes) and time limit (150 s; the
 #   whole file, 134 cases, takes ~250 s; PCVR_ATTENTION_PRECOMPILED=1 skips its warm-up when `warm` ran before).
 # NOISE_K narrows the noise repetitions to a subset (e.g. NOISE_K=bf16) when the whole suite does not fit.
@@ -73,8 +76,19 @@ for s in "$@"; do
         --benchmark-json="$OUT/norm_sweep.json" ;;
     accuracy)
       step accuracy 330 $PYTEST accuracy_tests --durations=15 ;;
-    accuracy_parallel)  # the whole suite (or ACC_PATHS) in 8 pytest-xdist workers, then its failures serially
-      step accuracy "${ACC_S:-300}" python3 -m pytest -q --tb=short -n 8 ${ACC_PATHS:-accuracy_tests}
+    accuracy_parallel)  # the whole suite (or ACC_PATHS; only ACC_TODO's node ids when set) in 8 pytest-xdist
+      # workers (work stealing: one slow test does not hold a queue), then its failures serially; what a cut run
+      # never reported goes to $OUT/accuracy_todo.txt for the next call (ACC_TODO=that file, committed or not)
+      python3 -m pytest --collect-only -q ${ACC_PATHS:-accuracy_tests} > "$OUT/accuracy_collected.txt" 2>&1
+      PCVR_ONLY_NODEIDS=${ACC_TODO:-} step accuracy "${ACC_S:-300}" python3 -m pytest -v --tb=short -n 8 \
+        --dist worksteal --durations=30 -o faulthandler_timeout=240 ${ACC_PATHS:-accuracy_tests}
+      python3 tools/pytest_unreported.py "$OUT/accuracy_collected.txt" "$OUT/accuracy.log" \
+        > "$OUT/accuracy_todo.txt" 2> "$OUT/accuracy_todo.log"
+      if [ -n "${ACC_TODO:-}" ]; then  # a resumed run: what is still left of its list
+        grep -Fxf "$ACC_TODO" "$OUT/accuracy_todo.txt" > "$OUT/accuracy_todo.tmp"
+        mv "$OUT/accuracy_todo.tmp" "$OUT/accuracy_todo.txt"
+      fi
+      echo "accuracy: $(cat "$OUT/accuracy_todo.log"); left for the next call: $(wc -l < "$OUT/accuracy_todo.txt")"
       step accuracy_rerun 120 python3 -m pytest -q --tb=short --lf --lfnf=none ${ACC_PATHS:-accuracy_tests} ;;
     accuracy_norms)
       step accuracy 120 $PYTEST accuracy_tests/test_norms.py ;;
@@ -127,9 +141,10 @@ for s in "$@"; do
       step perf_models 300 python3 -m pytest -v -p no:cacheprovider --tb=short -rfE --capture=sys \
         -o faulthandler_timeout=90 perf_tests/test_models.py --benchmark-only --durations=10 \
         --benchmark-json="$OUT/models.json" ;;
-    smoke_triton|smoke_tilelang)  # the smoke with every operator switch on one backend (numerics end to end)
+    smoke_triton|smoke_tilelang)  # the smoke with every operator switch on one backend (numerics end to end);
+      # session 5: smoke_triton's first 6 of 21 runs took 79 s (symbiosis ~7 s a run, queryformer ~12), so ~300 s
       b=${s#smoke_}
-      step "$s" 200 python3 -m pcvr_lib smoke --models all --seeds 17,42,97 --steps 20 --device cuda \
+      step "$s" 330 python3 -m pcvr_lib smoke --models all --seeds 17,42,97 --steps 20 --device cuda \
         --attention-backend "$b" --rms-norm-backend "$b" --embedding-backend "$b" --out "$OUT/$s" ;;
     pcvr_ab)
       step pcvr_ab 150 python3 tools/attention_pcvr_ab.py --seconds "${AB_SECONDS:-60}" --out "$OUT" ;;
