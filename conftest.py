@@ -71,6 +71,7 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
         bench.setdefault("extra_info", {}).setdefault("fingerprint", fingerprint(bench["extra_info"]))
 
 
+@pytest.hookimpl(tryfirst=True)  # before -k / -m deselect: a listed test is checked against everything collected
 def pytest_collection_modifyitems(config, items):
     """PCVR_ONLY_NODEIDS=FILE runs only the node ids listed in FILE (one per line): the GPU session's way to
     finish an accuracy run that a time limit cut (tools/pytest_unreported.py writes the list). A listed id

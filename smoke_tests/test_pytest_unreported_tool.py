@@ -72,6 +72,8 @@ def test_a_cut_run_resumes_with_exactly_the_unreported_tests(tmp_path):
         assert resumed.returncode == 0, resumed.stdout[-2000:]
         ran = _load_tool().reported_ids(resumed.stdout)
         assert ran == set(todo), resumed.stdout[-2000:]
+        narrowed = _pytest(tmp_path, "-v", rel, "-k", "plain", env={"PCVR_ONLY_NODEIDS": str(tmp_path / "todo.txt")})
+        assert narrowed.returncode == 0 and _load_tool().reported_ids(narrowed.stdout) == {f"{rel}::test_plain"}
         (tmp_path / "todo.txt").write_text(f"{rel}::test_gone\n")
         gone = _pytest(tmp_path, rel, env={"PCVR_ONLY_NODEIDS": str(tmp_path / "todo.txt")})
         assert gone.returncode != 0 and "test_gone" in gone.stdout + gone.stderr

@@ -81,7 +81,11 @@ for s in "$@"; do
       # never reported goes to $OUT/accuracy_todo.txt for the next call (ACC_TODO=that file, committed or not)
       python3 -m pytest --collect-only -q ${ACC_PATHS:-accuracy_tests} > "$OUT/accuracy_collected.txt" 2>&1
       PCVR_ONLY_NODEIDS=${ACC_TODO:-} step accuracy "${ACC_S:-300}" python3 -m pytest -v --tb=short -n 8 \
-        --dist worksteal --durations=30 -o faulthandler_timeout=240 ${ACC_PATHS:-accuracy_tests}
+        --dist worksteal --durations=30 -o faulthandler_timeout=240 -m "not exclusive" ${ACC_PATHS:-accuracy_tests}
+      # the tests that time the device need it to themselves (the GPU time-slices between the workers' contexts)
+      PCVR_ONLY_NODEIDS=${ACC_TODO:-} step accuracy_exclusive 60 python3 -m pytest -v --tb=short -m exclusive \
+        ${ACC_PATHS:-accuracy_tests}
+      cat "$OUT/accuracy_exclusive.log" >> "$OUT/accuracy.log"  # one log of outcomes for the unreported list
       python3 tools/pytest_unreported.py "$OUT/accuracy_collected.txt" "$OUT/accuracy.log" \
         > "$OUT/accuracy_todo.txt" 2> "$OUT/accuracy_todo.log"
       if [ -n "${ACC_TODO:-}" ]; then  # a resumed run: what is still left of its list
