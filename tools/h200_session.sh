@@ -145,7 +145,8 @@ for s in "$@"; do
       step perf_models 300 python3 -m pytest -v -p no:cacheprovider --tb=short -rfE --capture=sys \
         -o faulthandler_timeout=90 perf_tests/test_models.py --benchmark-only --durations=10 \
         --benchmark-json="$OUT/models.json" ;;
-    smoke_triton|smoke_tilelang)  # the smoke with every operator switch on one backend (numerics end to end);
+    smoke_triton|smoke_tilelang)  # the smoke with every operator switch on one backend (numerics end to end;
+      # run `smoke` first in the same call: the summary then compares them, tools/smoke_compare.py);
       # session 5: smoke_triton's first 6 of 21 runs took 79 s (symbiosis ~7 s a run, queryformer ~12), so ~300 s
       b=${s#smoke_}
       step "$s" 330 python3 -m pcvr_lib smoke --models all --seeds 17,42,97 --steps 20 --device cuda \
@@ -175,7 +176,9 @@ echo "--- summary"
 [ -f "$OUT/attention.json" ] && python3 -m pcvr_lib report "$OUT/attention.json" --view cases | cut -c1-160 | head -40
 [ -f "$OUT/host_ab.log" ] && tail -9 "$OUT/host_ab.log"
 [ -f "$OUT/smoke.log" ] && tail -14 "$OUT/smoke.log"
-for b in triton tilelang; do [ -f "$OUT/smoke_$b.log" ] && tail -14 "$OUT/smoke_$b.log"; done
+for b in triton tilelang; do [ -f "$OUT/smoke_$b.log" ] && tail -14 "$OUT/smoke_$b.log"
+  [ -d "$OUT/smoke_$b" ] && [ -d "$OUT/smoke_h200" ] && python3 tools/smoke_compare.py "$OUT/smoke_h200" \
+    "$OUT/smoke_$b" --json "$OUT/smoke_compare_$b.json"; done  # same AUC as torch within seed noise?
 [ -f "$OUT/models.json" ] && python3 -m pcvr_lib report "$OUT/models.json" --view models
 [ -f "$OUT/pcvr_ab.log" ] && grep -E "^(left out|[0-9]+ interleaved|\|)" "$OUT/pcvr_ab.log" | tail -24
 [ -f "$OUT/profile_host.log" ] && tail -60 "$OUT/profile_host.log"
