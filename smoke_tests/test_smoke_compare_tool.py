@@ -61,3 +61,7 @@ def test_errors_name_the_folder(tmp_path):
     (tmp_path / "a" / "m_seed1" / "training_summary.json").unlink()
     with pytest.raises(SystemExit, match="no training_summary.json"):
         tool.load_runs(tmp_path / "a")
+    _run(tmp_path / "b", "m", 1, 0.5, [0.4, 0.3])
+    _run(tmp_path / "c", "m", 1, 0.5, [0.4])
+    with pytest.raises(SystemExit, match="m seed 1 trained 2 steps in one smoke and 1 in the other"):
+        tool.compare(tool.load_runs(tmp_path / "b"), tool.load_runs(tmp_path / "c"))

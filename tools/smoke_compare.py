@@ -53,13 +53,17 @@ def compare(base: dict, other: dict) -> dict:
         row: dict = {"seeds": seeds, "unpaired": only}
         if seeds:
             pairs = [(base[(model, s)], other[(model, s)]) for s in seeds]
+            for s, (b, o) in zip(seeds, pairs, strict=True):
+                if len(b["losses"]) != len(o["losses"]):
+                    raise SystemExit(f"smoke_compare: {model} seed {s} trained {len(b['losses'])} steps in one smoke "
+                                     f"and {len(o['losses'])} in the other: not the same smoke settings")
             diffs = [o["auc"] - b["auc"] for b, o in pairs]
             noise = statistics.stdev([b["auc"] for b, _ in pairs]) if len(seeds) >= 2 else None
             if noise is None:
                 verdict = "unclear"
             else:
                 verdict = "same" if max(abs(d) for d in diffs) < noise else "differs"
-            loss_rel = [max(abs(o_l - b_l) / max(abs(b_l), 1e-12) for b_l, o_l in zip(b["losses"], o["losses"]))
+            loss_rel = [max(abs(o_l - b_l) / max(abs(b_l), 1e-12) for b_l, o_l in zip(b["losses"], o["losses"], strict=True))
                         for b, o in pairs if b["losses"] and o["losses"]]
             first_rel = [abs(o["losses"][0] - b["losses"][0]) / max(abs(b["losses"][0]), 1e-12)
                          for b, o in pairs if b["losses"] and o["losses"]]
