@@ -63,10 +63,11 @@ def compare(base: dict, other: dict) -> dict:
                 verdict = "unclear"
             else:
                 verdict = "same" if max(abs(d) for d in diffs) < noise else "differs"
-            loss_rel = [max(abs(o_l - b_l) / max(abs(b_l), 1e-12) for b_l, o_l in zip(b["losses"], o["losses"], strict=True))
-                        for b, o in pairs if b["losses"] and o["losses"]]
+            loss_rel = [max(abs(o_l - b_l) / max(abs(b_l), 1e-12)
+                            for b_l, o_l in zip(b["losses"], o["losses"], strict=True))
+                        for b, o in pairs if b["losses"]]
             first_rel = [abs(o["losses"][0] - b["losses"][0]) / max(abs(b["losses"][0]), 1e-12)
-                         for b, o in pairs if b["losses"] and o["losses"]]
+                         for b, o in pairs if b["losses"]]
             base_sec = statistics.mean(b["train_sec"] for b, _ in pairs)
             other_sec = statistics.mean(o["train_sec"] for _, o in pairs)
             row.update(base_auc=[b["auc"] for b, _ in pairs], other_auc=[o["auc"] for _, o in pairs],
