@@ -87,6 +87,16 @@ def row_mask_data(ROLE, VIS, b64, Sq, offs_m, row_ok, qlen, G, MODE: tl.constexp
 
 
 @helper
+def key_roles(ROLE, b64, Skv, offs_n, col_ok, MODE: tl.constexpr):
+    """The role code of each key offs_n, what element_mask needs of the keys (roles mask; bit 5 set: padding).
+    0 where MODE has none."""
+    k_role = 0
+    if MODE == 5:
+        k_role = tl.load(ROLE + b64 * Skv + offs_n, mask=col_ok, other=32)
+    return k_role
+
+
+@helper
 def _mix(x):
     """One round of the counter hash of masks.py (uint32)."""
     x ^= x >> 16

@@ -44,6 +44,7 @@ from .triton_common import (
     add_dv,
     dropout_keep,
     element_mask,
+    key_roles,
     key_tile_range,
     qkv_strides,
     row_mask_data,
@@ -108,9 +109,7 @@ def _attn_fwd(
     for n_start in range(tl.maximum(full_hi, kv_lo), kv_hi, BLOCK_N):
         offs_n = n_start + offs_n0
         col_ok = offs_n < Skv
-        k_role = 0  # (read by the roles mask only)
-        if MODE == 5:
-            k_role = tl.load(ROLE + b.to(tl.int64) * Skv + offs_n, mask=col_ok, other=32)
+        k_role = key_roles(ROLE, b.to(tl.int64), Skv, offs_n, col_ok, MODE)
         allowed = element_mask(offs_m, offs_n, row_ok, col_ok, qlen, kv_len, W, glob_row, q_vis, k_role, MODE, False)
         visit = True
         if MODE == 5:  # a tile none of these rows may see costs only the role loads
@@ -193,9 +192,7 @@ def _attn_bwd_dq(
     for n_start in range(tl.maximum(full_hi, kv_lo), kv_hi, BLOCK_N):
         offs_n = n_start + offs_n0
         col_ok = offs_n < Skv
-        k_role = 0  # (read by the roles mask only)
-        if MODE == 5:
-            k_role = tl.load(ROLE + b64 * Skv + offs_n, mask=col_ok, other=32)
+        k_role = key_roles(ROLE, b64, Skv, offs_n, col_ok, MODE)
         allowed = element_mask(offs_m, offs_n, row_ok, col_ok, qlen, kv_len, W, glob_row, q_vis, k_role, MODE, False)
         visit = True
         if MODE == 5:
@@ -276,9 +273,7 @@ def _attn_bwd_dkdv(
     if DROPOUT:
         hk = stream_key(seed, bh)
 
-    k_role = 0  # (read by the roles mask only)
-    if MODE == 5:  # key role codes of this tile (bit 5 set: padding)
-        k_role = tl.load(ROLE + b64 * Skv + offs_n, mask=col_ok, other=32)
+    k_role = key_roles(ROLE, b64, Skv, offs_n, col_ok, MODE)
 
     dk = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
     dv = tl.zeros([BLOCK_N, HEAD_DIM], dtype=tl.float32)
@@ -379,9 +374,7 @@ def _attn_bwd_one_tile(
         offs_n = n_start + offs_n0
         col_ok = offs_n < Skv
         # the element mask of the two-kernel path; rows past Sq are cleared here (dK and dV sum over rows)
-        k_role = 0  # (read by the roles mask only)
-        if MODE == 5:
-            k_role = tl.load(ROLE + b64 * Skv + offs_n, mask=col_ok, other=32)
+        k_role = key_roles(ROLE, b64, Skv, offs_n, col_ok, MODE)
         allowed = element_mask(offs_m, offs_n, row_ok, col_ok, qlen, kv_len, W, glob_row, q_vis, k_role, MODE, False)
         if MODE >= 2:
             allowed = allowed & row_ok[:, None]
