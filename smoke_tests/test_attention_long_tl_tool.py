@@ -4,25 +4,16 @@ candidate is checked against fp64 first, a wrong one is reported and never timed
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 import types
 
 import torch
 import torch.nn.functional as F
 
 from pcvr_lib.kernels.attention import config, tune
+from smoke_tests.tool_loader import load_tool
 
-TOOL = pathlib.Path(__file__).resolve().parents[1] / "tools" / "attention_long_tl.py"
 WRONG_FWD = tune.TILELANG_FWD_LONG[64][1]
-
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("attention_long_tl", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
 
 
 def _stand_in(wrong_config=None):
@@ -38,7 +29,7 @@ def _stand_in(wrong_config=None):
 
 
 def test_sweep_case_checks_before_timing(tmp_path, monkeypatch):
-    tool = _load_tool()
+    tool = load_tool("attention_long_tl")
     monkeypatch.setattr(tool, "tr", _stand_in())
     monkeypatch.setattr(tool, "ti", _stand_in(WRONG_FWD))
     timed = []

@@ -4,21 +4,12 @@ rotation and per-call arithmetic with a fake clock, the paired verdict on synthe
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 import random
 
 import torch
 
-TOOL = pathlib.Path(__file__).resolve().parents[1] / "tools" / "attention_pcvr_ab.py"
-
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("attention_pcvr_ab", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from smoke_tests.tool_loader import load_tool
 
 
 class FakeClock:
@@ -30,7 +21,7 @@ class FakeClock:
 
 
 def test_interleave_rotates_and_divides_by_calls():
-    tool = _load_tool()
+    tool = load_tool("attention_pcvr_ab")
     clock = FakeClock()
     cost = {"A": 3e-6, "B": 5e-6, "C": 7e-6}
     round_of = {"n": 0}
@@ -74,7 +65,7 @@ def test_interleave_rotates_and_divides_by_calls():
 
 
 def test_interleave_stops_after_seconds():
-    tool = _load_tool()
+    tool = load_tool("attention_pcvr_ab")
     clock = FakeClock()
 
     def call():
@@ -86,7 +77,7 @@ def test_interleave_stops_after_seconds():
 
 
 def test_summarise_verdicts():
-    tool = _load_tool()
+    tool = load_tool("attention_pcvr_ab")
     rng = random.Random(0)
     rounds = 40
     sdpa = [300e-6 * (1 + 0.05 * rng.random()) for _ in range(rounds)]
@@ -115,7 +106,7 @@ def test_dry_run_checks_first_and_writes_json(tmp_path, monkeypatch):
     """The whole tool on the CPU (our torch backend as "ours", SDPA's math backend as the peer): every
     implementation checked against fp64 before timing, JSON and table written; then one deliberately wrong
     implementation of ours is reported, never timed, and the tool exits 1."""
-    tool = _load_tool()
+    tool = load_tool("attention_pcvr_ab")
     argv = ["--device", "cpu", "--impls", "torch,sdpa_math,sdpa_flash", "--dtypes", "bf16", "--directions",
             "fwd+bwd", "--rounds", "2", "--calls", "1", "--out", str(tmp_path)]
     assert tool.main(argv) == 0

@@ -4,23 +4,15 @@ step's own code is attributed to pcvr_lib modules), the JSON round-trips through
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import pathlib
 
-TOOL = pathlib.Path(__file__).resolve().parents[1] / "tools" / "profile_models.py"
+from smoke_tests.tool_loader import load_tool
+
 TINY = {"vocab_cap": 64, "d_model": 48, "num_heads": 2, "num_blocks": 1, "emb_dim": 16}
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("profile_models", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_host_profile_cpu(tmp_path, capsys):
-    tool = _load_tool()
+    tool = load_tool("profile_models")
     from smoke_tests.model_checks import demo_schema, random_batch
 
     schema = demo_schema(8)
@@ -47,7 +39,7 @@ def test_host_profile_cpu(tmp_path, capsys):
 
 
 def test_package_of():
-    tool = _load_tool()
+    tool = load_tool("profile_models")
     root = tool.ROOT
     assert tool.package_of("~") == "built-in"
     assert tool.package_of(f"{root}/pcvr_lib/kernels/attention/__init__.py") == "pcvr_lib.kernels.attention"

@@ -4,11 +4,12 @@ is an error, not a silent skip)."""
 
 from __future__ import annotations
 
-import importlib.util
 import os
 import pathlib
 import subprocess
 import sys
+
+from smoke_tests.tool_loader import load_tool
 
 ROOT = pathlib.Path(__file__).resolve().parents[1]
 TOOL = ROOT / "tools" / "pytest_unreported.py"
@@ -25,15 +26,8 @@ def test_plain():
 '''
 
 
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("pytest_unreported", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
 def test_reported_ids_read_plain_and_xdist_lines():
-    tool = _load_tool()
+    tool = load_tool("pytest_unreported")
     log = "\n".join([
         "a/test_x.py::test_one PASSED                                   [ 10%]",
         "[gw3] [ 41%] FAILED a/test_x.py::test_two[bf16-causal p0.3]",
@@ -70,10 +64,11 @@ def test_a_cut_run_resumes_with_exactly_the_unreported_tests(tmp_path):
         (tmp_path / "todo.txt").write_text("\n".join(todo) + "\n")
         resumed = _pytest(tmp_path, "-v", rel, env={"PCVR_ONLY_NODEIDS": str(tmp_path / "todo.txt")})
         assert resumed.returncode == 0, resumed.stdout[-2000:]
-        ran = _load_tool().reported_ids(resumed.stdout)
+        tool = load_tool("pytest_unreported")
+        ran = tool.reported_ids(resumed.stdout)
         assert ran == set(todo), resumed.stdout[-2000:]
         narrowed = _pytest(tmp_path, "-v", rel, "-k", "plain", env={"PCVR_ONLY_NODEIDS": str(tmp_path / "todo.txt")})
-        assert narrowed.returncode == 0 and _load_tool().reported_ids(narrowed.stdout) == {f"{rel}::test_plain"}
+        assert narrowed.returncode == 0 and tool.reported_ids(narrowed.stdout) == {f"{rel}::test_plain"}
         (tmp_path / "todo.txt").write_text(f"{rel}::test_gone\n")
         gone = _pytest(tmp_path, rel, env={"PCVR_ONLY_NODEIDS": str(tmp_path / "todo.txt")})
         assert gone.returncode != 0 and "test_gone" in gone.stdout + gone.stderr

@@ -3,20 +3,12 @@ loss agreement, a cut smoke's unpaired runs, and the errors."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import pathlib
 
 import pytest
 
-TOOL = pathlib.Path(__file__).resolve().parents[1] / "tools" / "smoke_compare.py"
-
-
-def _load_tool():
-    spec = importlib.util.spec_from_file_location("smoke_compare", TOOL)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from smoke_tests.tool_loader import load_tool
 
 
 def _run(folder: pathlib.Path, model: str, seed: int, auc: float, losses, train_sec: float = 2.0):
@@ -27,7 +19,7 @@ def _run(folder: pathlib.Path, model: str, seed: int, auc: float, losses, train_
 
 
 def test_verdicts_losses_and_cost(tmp_path, capsys):
-    tool = _load_tool()
+    tool = load_tool("smoke_compare")
     base, other = tmp_path / "torch", tmp_path / "triton"
     for seed, auc in [(1, 0.50), (2, 0.55), (3, 0.60)]:  # seed noise (SD) 0.05
         _run(base, "close", seed, auc, [0.40, 0.30], train_sec=2.0)
@@ -52,7 +44,7 @@ def test_verdicts_losses_and_cost(tmp_path, capsys):
 
 
 def test_errors_name_the_folder(tmp_path):
-    tool = _load_tool()
+    tool = load_tool("smoke_compare")
     empty = tmp_path / "empty"
     empty.mkdir()
     with pytest.raises(SystemExit):
