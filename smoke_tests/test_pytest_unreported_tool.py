@@ -54,11 +54,15 @@ def test_a_cut_run_resumes_with_exactly_the_unreported_tests(tmp_path):
         rel = str(sample.relative_to(ROOT))
         collected = _pytest(tmp_path, "--collect-only", "-q", rel).stdout
         full_log = _pytest(tmp_path, "-v", rel).stdout
-        cut_log = "\n".join(line for line in full_log.splitlines() if "test_numbers[3]" not in line
-                            and "test_plain" not in line)
+        # the cut run reported test_numbers[1], a second run (as the exclusive tests' log) test_numbers[2]
+        lines = full_log.splitlines()
+        cut_log = "\n".join(line for line in lines if not any(t in line for t in ("numbers[2]", "numbers[3]", "plain")))
+        second_log = "\n".join(line for line in lines if "test_numbers[2]" in line)
         (tmp_path / "collected.txt").write_text(collected)
         (tmp_path / "run.log").write_text(cut_log)
-        todo = subprocess.run([sys.executable, str(TOOL), str(tmp_path / "collected.txt"), str(tmp_path / "run.log")],
+        (tmp_path / "second.log").write_text(second_log)
+        todo = subprocess.run([sys.executable, str(TOOL), *(str(tmp_path / f) for f in ("collected.txt", "run.log",
+                                                                                          "second.log"))],
                               capture_output=True, text=True, check=True).stdout.split()
         assert todo == [f"{rel}::test_numbers[3]", f"{rel}::test_plain"]
         (tmp_path / "todo.txt").write_text("\n".join(todo) + "\n")

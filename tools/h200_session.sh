@@ -85,9 +85,8 @@ for s in "$@"; do
       # the tests that time the device need it to themselves (the GPU time-slices between the workers' contexts)
       PCVR_ONLY_NODEIDS=${ACC_TODO:-} step accuracy_exclusive 60 python3 -m pytest -v --tb=short -m exclusive \
         ${ACC_PATHS:-accuracy_tests}
-      cat "$OUT/accuracy_exclusive.log" >> "$OUT/accuracy.log"  # one log of outcomes for the unreported list
       python3 tools/pytest_unreported.py "$OUT/accuracy_collected.txt" "$OUT/accuracy.log" \
-        > "$OUT/accuracy_todo.txt" 2> "$OUT/accuracy_todo.log"
+        "$OUT/accuracy_exclusive.log" > "$OUT/accuracy_todo.txt" 2> "$OUT/accuracy_todo.log"
       if [ -n "${ACC_TODO:-}" ]; then  # a resumed run: what is still left of its list
         grep -Fxf "$ACC_TODO" "$OUT/accuracy_todo.txt" > "$OUT/accuracy_todo.tmp"
         mv "$OUT/accuracy_todo.tmp" "$OUT/accuracy_todo.txt"
@@ -160,6 +159,7 @@ for s in "$@"; do
 done
 echo "--- summary"
 [ -f "$OUT/accuracy.log" ] && tail -20 "$OUT/accuracy.log" | grep -E "passed|failed|FAILED|Error" | tail -8
+[ -f "$OUT/accuracy_exclusive.log" ] && tail -3 "$OUT/accuracy_exclusive.log" | grep -E "passed|failed|skipped"
 [ -f "$OUT/accuracy_rerun.log" ] && tail -5 "$OUT/accuracy_rerun.log"
 [ -f "$OUT/norm_sweep.json" ] && python3 -m pcvr_lib report "$OUT/norm_sweep.json" | cut -c1-140
 [ -f "$OUT/attention_tune.log" ] && tail -45 "$OUT/attention_tune.log"

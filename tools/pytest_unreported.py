@@ -1,8 +1,8 @@
-"""The tests a cut pytest run never reported: collected node ids minus those with an outcome in the log.
+"""The tests a cut pytest run never reported: collected node ids minus those with an outcome in the logs.
 
     python3 -m pytest --collect-only -q PATHS > collected.txt
     python3 -m pytest -v -n 8 PATHS > run.log          # cut by a time limit
-    python3 tools/pytest_unreported.py collected.txt run.log > todo.txt
+    python3 tools/pytest_unreported.py collected.txt run.log [more.log ...] > todo.txt
     PCVR_ONLY_NODEIDS=todo.txt python3 -m pytest -v -n 8 PATHS    # the rest (root conftest.py)
 
 The log must be verbose (-v): each outcome line reads "[gw3] [ 41%] PASSED NODEID" with pytest-xdist,
@@ -36,13 +36,15 @@ def reported_ids(text: str) -> set[str]:
 
 
 def main(argv: list[str]) -> int:
-    if len(argv) != 2:
+    if len(argv) < 2:
         print(__doc__, file=sys.stderr)
         return 2
     with open(argv[0]) as f:
         collected = collected_ids(f.read())
-    with open(argv[1]) as f:
-        reported = reported_ids(f.read())
+    reported = set()
+    for log in argv[1:]:
+        with open(log) as f:
+            reported |= reported_ids(f.read())
     todo = [nodeid for nodeid in collected if nodeid not in reported]
     print(f"{len(collected)} collected, {len(collected) - len(todo)} reported, {len(todo)} unreported",
           file=sys.stderr)
