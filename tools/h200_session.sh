@@ -33,7 +33,8 @@
 # ACC_TODO=FILE: run only the node ids in FILE, the $OUT/accuracy_todo.txt of a call whose accuracy step was cut
 #   (copy it into the checkout first); the new accuracy_todo.txt lists what is still left.
 # ATTN_K / ATTN_S: perf_attention's -k selection (e.g. ATTN_K=model: the models' shapes) and time limit (150 s; the
-#   whole file, 134 cases, takes ~250 s; PCVR_ATTENTION_PRECOMPILED=1 skips its warm-up when `warm` ran before).
+#   whole file, 144 cases, was 125 cases in at 127 s with its own warm-up in session 5; PCVR_ATTENTION_PRECOMPILED=1
+#   skips that warm-up when `warm` ran before).
 # NOISE_K narrows the noise repetitions to a subset (e.g. NOISE_K=bf16) when the whole suite does not fit.
 # host_ab: tools/launch_host_ab.py between the tree in .trees/base (carry it) and this one.
 set -u
