@@ -35,6 +35,9 @@
 # ATTN_K / ATTN_S: perf_attention's -k selection (e.g. ATTN_K=model: the models' shapes) and time limit (150 s; the
 #   whole file, 144 cases, was 125 cases in at 127 s with its own warm-up in session 5; PCVR_ATTENTION_PRECOMPILED=1
 #   skips that warm-up when `warm` ran before).
+# SMOKE_JOBS: runs at once in each smoke step (default 1; the smoke's --jobs). More than one cuts a smoke's wall time
+#   (one run is mostly start-up and compiles, the GPU idles), but each run's train seconds then share the GPU and
+#   the CPUs with the smoke's other runs: compare costs only between smokes run with the same SMOKE_JOBS.
 # NOISE_K narrows the noise repetitions to a subset (e.g. NOISE_K=bf16) when the whole suite does not fit.
 # host_ab: tools/launch_host_ab.py between the tree in .trees/base (carry it) and this one.
 set -u
@@ -71,7 +74,7 @@ for s in "$@"; do
       step host_ab 150 python3 tools/launch_host_ab.py .trees/base . --rounds 2 --json "$OUT/host_ab.json" ;;
     smoke)
       step smoke 150 python3 -m pcvr_lib smoke --models all --seeds 17,42,97 --steps 20 --device cuda \
-        --out "$OUT/smoke_h200" ;;
+        --jobs "${SMOKE_JOBS:-1}" --out "$OUT/smoke_h200" ;;
     norm_sweep)
       step norm_sweep 150 $PYTEST perf_tests/test_kernels.py -k "exploration or copy_rate" --benchmark-only \
         --benchmark-json="$OUT/norm_sweep.json" ;;
@@ -150,7 +153,8 @@ for s in "$@"; do
       # session 5: smoke_triton's first 6 of 21 runs took 79 s (symbiosis ~7 s a run, queryformer ~12), so ~300 s
       b=${s#smoke_}
       step "$s" 330 python3 -m pcvr_lib smoke --models all --seeds 17,42,97 --steps 20 --device cuda \
-        --attention-backend "$b" --rms-norm-backend "$b" --embedding-backend "$b" --out "$OUT/$s" ;;
+        --jobs "${SMOKE_JOBS:-1}" --attention-backend "$b" --rms-norm-backend "$b" --embedding-backend "$b" \
+        --out "$OUT/$s" ;;
     pcvr_ab)
       step pcvr_ab 150 python3 tools/attention_pcvr_ab.py --seconds "${AB_SECONDS:-60}" --out "$OUT" ;;
     profile_host)
