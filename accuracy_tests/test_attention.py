@@ -434,6 +434,30 @@ def test_triton_one_tile_sweep_configs_interpreter(D, monkeypatch):
         triton_impl.backward(do, q, k, v, o, lse, kl, "causal_valid", scale, 77, 0.2, one_tile_config=(32, 32, 4, 1))
 
 
+@pytest.mark.parametrize("mask", ["none", "key_lengths", "window", "roles"])
+def test_tune_mask_args_are_the_operators_masks(mask, monkeypatch):
+    """`tune --mask` times the kernels under the mask the operator builds from the perf suite's keyword arguments
+    (workload.key_lengths, tokenformer's window with one global query, symbiosis' roles): its kernel-level call gives
+    flash_attention's output bit for bit (interpreter; S 96 > the window of 64, so the window cuts)."""
+    _interpret(monkeypatch)
+    from pcvr_lib.kernels.attention import triton_impl, tune
+
+    B, H, S, D = 3, 2, 96, 16
+    q, k, v, _ = _inputs(B, H, S, S, D, torch.float16, seed=5)
+    kl, mode, extra = tune.mask_args(mask, B, S, q.device)
+    got = triton_impl.forward(q, k, v, kl, mode, D ** -0.5, 0, 0.0, False, extra=extra)[0]
+    if mask == "roles":
+        kw = workload.structured_mask("roles", B, S)
+    else:
+        kw = {} if mask == "none" else {"key_lengths": workload.key_lengths(B, S)}
+        if mask == "window":
+            kw.update(window=workload.PERF_WINDOW, global_queries=1)
+    expected = flash_attention(q, k, v, backend="triton", **kw)
+    assert torch.equal(got, expected), f"{mask}: the sweep's mask is not the operator's"
+    with pytest.raises(ValueError, match="--mask"):
+        tune.mask_args("causal", B, S, q.device)
+
+
 @pytest.mark.parametrize("D,mode,has_kl,dropout", [(16, "window", True, True), (32, "roles", False, True),
                                                   (64, "key_lengths", True, False), (128, "causal_valid", True, True)])
 def test_triton_one_tile_backward_compiles_for_sm90(D, mode, has_kl, dropout):

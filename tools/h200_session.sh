@@ -8,7 +8,8 @@
 #   REPS=3 bash tools/h200_session.sh warm planted noise                      # planted slowdown + noise floor
 # (BUDGET=seconds caps the whole command; steps: warm warm_norms accuracy accuracy_norms accuracy_attention
 #  sweep norm_sweep tune host perf_norms perf_embedding perf_attention noise planted optim gpu_timer host_ab smoke
-#  accuracy_parallel perf_models smoke_triton smoke_tilelang tune_long tune_small tune_one_tile pcvr_ab profile_host)
+#  accuracy_parallel perf_models smoke_triton smoke_tilelang tune_long tune_small tune_one_tile tune_masks pcvr_ab
+#  profile_host)
 # pcvr_ab: tools/attention_pcvr_ab.py, our flash_attention against every SDPA backend at the PCVR shape, per call,
 #   interleaved rounds in one process, ours / best SDPA with a paired 95% interval ($OUT/pcvr_ab.json; ~80 s).
 # profile_host: tools/profile_models.py --host, where each model's train step spends its host time, torch vs
@@ -110,6 +111,12 @@ for s in "$@"; do
     tune_small)  # the models' head sizes 16 and 32 (issue 12's shapes): Triton tile candidates, unmasked
       step attention_tune_small ${TUNE_SMALL_S:-130} python3 -m pcvr_lib.kernels.attention.tune --skip-tilelang \
         --shapes 256x4x256x16,256x4x512x16,256x8x110x32 --dtype bf16 ;;
+    tune_masks)  # head dim 16 under the models' masks (session 6: the dK/dV tile tuned unmasked regressed the window
+      # backward 1.7x): tokenformer's window at S320, then the key-length shapes
+      step attention_tune_window ${TUNE_MASKS_S:-100} python3 -m pcvr_lib.kernels.attention.tune --skip-tilelang \
+        --mask window --shapes 256x4x320x16 --dtype bf16
+      step attention_tune_key_lengths ${TUNE_MASKS_S:-100} python3 -m pcvr_lib.kernels.attention.tune --skip-tilelang \
+        --mask key_lengths --shapes 256x4x256x16,256x4x512x16 --dtype bf16 ;;
     tune_one_tile)  # the one-tile backward (Sq, Skv <= 128) against the two-kernel one, per head dim (session 4)
       step attention_tune_one_tile 120 python3 -m pcvr_lib.kernels.attention.tune --skip-tilelang --one-tile-only \
         --shapes 8x8x128x64,256x8x110x32,256x4x128x16,64x8x128x128 --dtype bf16 ;;
@@ -168,8 +175,9 @@ echo "--- summary"
 [ -f "$OUT/accuracy_rerun.log" ] && tail -5 "$OUT/accuracy_rerun.log"
 [ -f "$OUT/norm_sweep.json" ] && python3 -m pcvr_lib report "$OUT/norm_sweep.json" | cut -c1-140
 [ -f "$OUT/attention_tune.log" ] && tail -45 "$OUT/attention_tune.log"
-[ -f "$OUT/attention_tune_small.log" ] && awk '/^shape/{on=1; print; next} on && NF>3 {k=substr($0, 1, 41); if (n[k]++ < 3) print}' \
+[ -f "$OUT/attention_tune_small.log" ] && awk '/^shape/{on=1; print; next} on && NF>3 {k=substr($0, 1, 53); if (n[k]++ < 3) print}' \
   "$OUT/attention_tune_small.log"  # the best three per shape and kernel
+for f in "$OUT"/attention_tune_window.log "$OUT"/attention_tune_key_lengths.log; do [ -f "$f" ] && awk '/^shape/{on=1; print; next} on && NF>3 {k=substr($0, 1, 53); if (n[k]++ < 3) print}' "$f"; done
 [ -f "$OUT/attention_tune_one_tile.log" ] && grep -A60 "^shape" "$OUT/attention_tune_one_tile.log" | head -40
 [ -f "$OUT/attention_long.log" ] && grep -E "^(compile|compiled|FAILED)" "$OUT/attention_long.log" | cut -c1-200 | tail -15 \
   && tail -34 "$OUT/attention_long.log"

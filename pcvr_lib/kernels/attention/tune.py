@@ -3,6 +3,11 @@
 
     python -m pcvr_lib.kernels.attention.tune --shapes 16x8x1024x64,4x16x4096x128 --dtype bf16
     python -m pcvr_lib.kernels.attention.tune --one-tile-only --shapes 8x8x128x64,256x8x110x32,256x4x128x16,64x8x128x128
+    python -m pcvr_lib.kernels.attention.tune --skip-tilelang --mask window --shapes 256x4x320x16
+
+`--mask` times every candidate under one of the models' masks (default none): a tile that wins unmasked can lose
+where the mask skips tiles (session 6: D16's dK/dV tile (128, 128), tuned unmasked, made tokenformer's window
+backward 1.7x slower than (64, 64)).
 
 At S <= 128 it also times the one-tile backward's candidates (TRITON_ONE_TILE) against the two-kernel backward.
 
@@ -25,7 +30,9 @@ from ... import timing
 from .. import _tilelang, precompile
 from . import tilelang_impl as ti
 from . import triton_impl as tr
+from . import workload
 from .config import TRITON_BWD_DQ_CONFIGS, TRITON_BWD_KV_CONFIGS
+from .masks import MODE_CODE
 
 TRITON_DQ_DEFAULT = {D: TRITON_BWD_DQ_CONFIGS[(D, 0)] for D in (16, 32, 64, 128)}
 TRITON_KV_DEFAULT = {D: TRITON_BWD_KV_CONFIGS[(D, 0)] for D in (16, 32, 64, 128)}
@@ -64,6 +71,27 @@ TILELANG_BWD_LONG = {64: [(64, 128, 256, 2, "fused"), (128, 128, 256, 2, "fused"
                      128: [(64, 128, 256, 2, "fused"), (32, 128, 256, 2, "fused"), (64, 64, 128, 2, "fused")]}
 
 
+MASKS = ("none", "key_lengths", "window", "roles")
+
+
+def mask_args(mask: str, B: int, S: int, device) -> tuple:
+    """(key lengths, mode, extra) of the kernels for `mask` over a self-attention block of length S, as the models'
+    shapes in perf_tests use it: key lengths workload.key_lengths (an empty row, full, partial, over-long ones),
+    tokenformer's window (workload.PERF_WINDOW, the target as one global query) over those lengths, symbiosis'
+    roles with ~20% padding keys (workload.structured_mask)."""
+    if mask not in MASKS:
+        raise ValueError(f"tune: --mask must be one of {', '.join(MASKS)}, got {mask!r}")
+    if mask == "none":
+        return None, "none", None
+    if mask == "roles":
+        rm = workload.structured_mask("roles", B, S, device=device)["role_mask"]
+        return None, "roles", (0, 0, rm.codes, rm.words)
+    kl = workload.key_lengths(B, S).to(device)
+    if mask == "window":
+        return kl, "window", (workload.PERF_WINDOW, 1, None, None)
+    return kl, "key_lengths", None
+
+
 def _time(fn, reps=20, warm_s=0.1) -> float:
     # Warm the clocks first: without it, the first 2026-12-01 sweep timed the S1024 forward default at 164 us,
     # the warmed second sweep at 137 us, and ranked the candidates differently.
@@ -97,6 +125,8 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-tilelang", action="store_true")
     parser.add_argument("--one-tile-only", action="store_true",
                         help="only the one-tile backward's candidates against the two-kernel backward (S <= 128)")
+    parser.add_argument("--mask", default="none", choices=MASKS,
+                        help="the mask every candidate is timed under (the models' layouts; default none)")
     args = parser.parse_args(argv)
     if args.one_tile_only:
         args.skip_tilelang = True
@@ -106,9 +136,11 @@ def main(argv=None) -> int:
 
     if not args.skip_tilelang:
         keys = []
+        code, has_kl = MODE_CODE[args.mask], args.mask in ("key_lengths", "window")
         for *_, D in shapes:
-            keys += [("fwd", D, dtype, 1, False, False, c, arch) for c in TILELANG_FWD.get(D, [])]
-            keys += [(w, D, dtype, 1, False, False, c, arch) for c in TILELANG_BWD.get(D, []) for w in ("dq", "dkdv")]
+            keys += [("fwd", D, dtype, code, has_kl, False, c, arch) for c in TILELANG_FWD.get(D, [])]
+            keys += [(w, D, dtype, code, has_kl, False, c, arch) for c in TILELANG_BWD.get(D, [])
+                     for w in ("dq", "dkdv")]
         with mp.get_context("spawn").Pool(args.workers) as pool:
             for key, seconds, error in pool.imap_unordered(_compile_tl, keys):
                 print(f"tilelang compile {key[0]} D{key[1]} {key[-1]}: {seconds:.1f}s {error or ''}", flush=True)
@@ -119,9 +151,10 @@ def main(argv=None) -> int:
         q, k, v, do = (torch.randn(B, H, S, D, device="cuda", generator=g).to(dtype) for _ in range(4))
         scale = 1.0 / math.sqrt(D)
         flops = 4 * B * H * S * S * D
-        ref_o, ref_lse = tr.forward(q, k, v, None, "none", scale, 0, 0.0, True)
-        ref_g = tr.backward(do, q, k, v, ref_o, ref_lse, None, "none", scale, 0, 0.0)
-        shape = f"B{B}xH{H}xS{S}xD{D}"
+        kl, mode, extra = mask_args(args.mask, B, S, q.device)
+        ref_o, ref_lse = tr.forward(q, k, v, kl, mode, scale, 0, 0.0, True, extra=extra)
+        ref_g = tr.backward(do, q, k, v, ref_o, ref_lse, kl, mode, scale, 0, 0.0, extra=extra)
+        shape = f"B{B}xH{H}xS{S}xD{D}" + ("" if mode == "none" else f",{mode}")
 
         def record(name, cfg, fn, check, work):
             try:
@@ -136,40 +169,42 @@ def main(argv=None) -> int:
         def err_of(a, b):
             return float((a.float() - b.float()).abs().max())
 
+        def fwd(impl, store_lse=False, **config):  # the sweep's problem (mask included) through one backend
+            return impl.forward(q, k, v, kl, mode, scale, 0, 0.0, store_lse, extra=extra, **config)
+
+        def bwd(impl, o, lse, **config):
+            return impl.backward(do, q, k, v, o, lse, kl, mode, scale, 0, 0.0, extra=extra, **config)
+
+        def grads_err(out):
+            return max(err_of(a, b) for a, b in zip(out, ref_g, strict=True))
+
         for cfg in [] if args.one_tile_only else TRITON_FWD[D]:
-            record("triton fwd", cfg, lambda c=cfg: tr.forward(q, k, v, None, "none", scale, 0, 0.0, False, config=c),
-                   lambda out: err_of(out[0], ref_o), flops)
+            record("triton fwd", cfg, lambda c=cfg: fwd(tr, config=c), lambda out: err_of(out[0], ref_o), flops)
         for cfg in [] if args.one_tile_only else TRITON_DQ[D]:
-            record("triton bwd dq", cfg, lambda c=cfg: tr.backward(do, q, k, v, ref_o, ref_lse, None, "none", scale, 0,
-                                                                   0.0, dq_config=c),
+            record("triton bwd dq", cfg, lambda c=cfg: bwd(tr, ref_o, ref_lse, dq_config=c),
                    lambda out: err_of(out[0], ref_g[0]), 1.5 * flops)
         for cfg in [] if args.one_tile_only else TRITON_KV[D]:
-            record("triton bwd dq+dkdv", cfg, lambda c=cfg: tr.backward(do, q, k, v, ref_o, ref_lse, None, "none",
-                                                                        scale, 0, 0.0, kv_config=c),
+            record("triton bwd dq+dkdv", cfg, lambda c=cfg: bwd(tr, ref_o, ref_lse, kv_config=c),
                    lambda out: max(err_of(out[1], ref_g[1]), err_of(out[2], ref_g[2])), 2.5 * flops)
         if S <= 128:  # the one-tile backward against the two-kernel one at bucket 0's configs
             two = (TRITON_DQ_DEFAULT[D], TRITON_KV_DEFAULT[D])
-            record("triton bwd 2 kernels", two, lambda: tr.backward(do, q, k, v, ref_o, ref_lse, None, "none", scale,
-                                                                     0, 0.0, dq_config=two[0], kv_config=two[1]),
-                   lambda out: max(err_of(a, b) for a, b in zip(out, ref_g, strict=True)), 2.5 * flops)
+            record("triton bwd 2 kernels", two, lambda: bwd(tr, ref_o, ref_lse, dq_config=two[0], kv_config=two[1]),
+                   grads_err, 2.5 * flops)
             for cfg in [c for c in TRITON_ONE_TILE[D] if S <= c[0]]:
-                record("triton bwd one-tile", cfg, lambda c=cfg: tr.backward(do, q, k, v, ref_o, ref_lse, None, "none",
-                                                                             scale, 0, 0.0, one_tile_config=c),
-                       lambda out: max(err_of(a, b) for a, b in zip(out, ref_g, strict=True)), 2.5 * flops)
+                record("triton bwd one-tile", cfg, lambda c=cfg: bwd(tr, ref_o, ref_lse, one_tile_config=c),
+                       grads_err, 2.5 * flops)
         if args.skip_tilelang:
             continue
         for cfg in TILELANG_FWD.get(D, []):
-            record("tilelang fwd", cfg, lambda c=cfg: ti.forward(q, k, v, None, "none", scale, 0, 0.0, True, config=c),
+            record("tilelang fwd", cfg, lambda c=cfg: fwd(ti, store_lse=True, config=c),
                    lambda out: err_of(out[0], ref_o), flops)
-        tl_o, tl_lse = ti.forward(q, k, v, None, "none", scale, 0, 0.0, True)
+        tl_o, tl_lse = fwd(ti, store_lse=True)
         for cfg in TILELANG_BWD.get(D, []):
-            record("tilelang bwd", cfg, lambda c=cfg: ti.backward(do, q, k, v, tl_o, tl_lse, None, "none", scale, 0,
-                                                                  0.0, config=c),
-                   lambda out: max(err_of(a, b) for a, b in zip(out, ref_g, strict=True)), 2.5 * flops)
-    print(f"{'shape':<20} {'kernel':<20} {'config':<20} {'us':>9} {'TFLOP/s':>8} {'max err':>10}")
+            record("tilelang bwd", cfg, lambda c=cfg: bwd(ti, tl_o, tl_lse, config=c), grads_err, 2.5 * flops)
+    print(f"{'shape':<32} {'kernel':<20} {'config':<20} {'us':>9} {'TFLOP/s':>8} {'max err':>10}")
     for shape, name, cfg, us, tf, err in sorted(rows, key=lambda r: (r[0], r[1], r[3])):
         err_s = err if isinstance(err, str) else f"{err:.2e}"
-        print(f"{shape:<20} {name:<20} {str(cfg):<20} {us:9.1f} {tf:8.1f} {err_s:>10}")
+        print(f"{shape:<32} {name:<20} {str(cfg):<20} {us:9.1f} {tf:8.1f} {err_s:>10}")
     return 0
 
 
