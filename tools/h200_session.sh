@@ -36,9 +36,10 @@
 # ATTN_K / ATTN_S: perf_attention's -k selection (e.g. ATTN_K=model: the models' shapes) and time limit (150 s; the
 #   whole file, 144 cases, was 125 cases in at 127 s with its own warm-up in session 5; PCVR_ATTENTION_PRECOMPILED=1
 #   skips that warm-up when `warm` ran before).
-# SMOKE_JOBS: runs at once in each smoke step (default 1; the smoke's --jobs). More than one cuts a smoke's wall time
-#   (one run is mostly start-up and compiles, the GPU idles), but each run's train seconds then share the GPU and
-#   the CPUs with the smoke's other runs: compare costs only between smokes run with the same SMOKE_JOBS.
+# SMOKE_JOBS: runs at once in each smoke step (default 1; the smoke's --jobs: more than one runs each run in a fresh
+#   process). Session 6 with 4: Triton's smoke 125 s (serial: ~13 s a run, ~270 s estimated), TileLang's 139 s, but
+#   torch's 113 s against 114.6 s serial (session 3): a process start per run eats the gain. Each run's train
+#   seconds then share the GPU and the CPUs with the other runs: compare costs only between smokes with one value.
 # NOISE_K narrows the noise repetitions to a subset (e.g. NOISE_K=bf16) when the whole suite does not fit.
 # host_ab: tools/launch_host_ab.py between the tree in .trees/base (carry it) and this one.
 set -u
