@@ -3,7 +3,7 @@
 
     python -m pcvr_lib.kernels.attention.tune --shapes 16x8x1024x64,4x16x4096x128 --dtype bf16
     python -m pcvr_lib.kernels.attention.tune --one-tile-only --shapes 8x8x128x64,256x8x110x32,256x4x128x16,64x8x128x128
-    python -m pcvr_lib.kernels.attention.tune --skip-tilelang --mask window --shapes 256x4x320x16
+    python -m pcvr_lib.kernels.attention.tune --skip-tilelang --mask window --kernels dkdv --shapes 256x4x320x16
 
 `--mask` times every candidate under one of the models' masks (default none): a tile that wins unmasked can lose
 where the mask skips tiles (session 6: D16's dK/dV tile (128, 128), tuned unmasked, made tokenformer's window
@@ -125,11 +125,17 @@ def main(argv=None) -> int:
     parser.add_argument("--skip-tilelang", action="store_true")
     parser.add_argument("--one-tile-only", action="store_true",
                         help="only the one-tile backward's candidates against the two-kernel backward (S <= 128)")
+    parser.add_argument("--kernels", default="fwd,dq,dkdv",
+                        help="Triton kernels whose candidates are timed: fwd, dq, dkdv (comma-separated; default all)")
     parser.add_argument("--mask", default="none", choices=MASKS,
                         help="the mask every candidate is timed under (the models' layouts; default none)")
     args = parser.parse_args(argv)
+    kernels = set(args.kernels.split(","))
+    if not kernels <= {"fwd", "dq", "dkdv"}:
+        parser.error(f"--kernels: unknown {sorted(kernels - {'fwd', 'dq', 'dkdv'})}; choose from fwd, dq, dkdv")
     if args.one_tile_only:
         args.skip_tilelang = True
+        kernels = set()
     dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}[args.dtype]
     arch = _tilelang.arch(torch.device("cuda"), arch_specific=True)
     shapes = [tuple(int(x) for x in s.split("x")) for s in args.shapes.split(",")]
@@ -163,6 +169,7 @@ def main(argv=None) -> int:
                 err = check(out)
                 us = _time(fn)
                 rows.append((shape, name, cfg, us, work / (us * 1e-6) / 1e12, err))
+                print(f"timed {shape} {name} {cfg}: {us:.1f} us, max err {err:.2e}", flush=True)  # kept if cut
             except Exception as exc:  # noqa: BLE001 - e.g. out of shared memory: report, continue
                 rows.append((shape, name, cfg, float("nan"), float("nan"), f"{type(exc).__name__}"))
 
@@ -178,12 +185,12 @@ def main(argv=None) -> int:
         def grads_err(out):
             return max(err_of(a, b) for a, b in zip(out, ref_g, strict=True))
 
-        for cfg in [] if args.one_tile_only else TRITON_FWD[D]:
+        for cfg in TRITON_FWD[D] if "fwd" in kernels else []:
             record("triton fwd", cfg, lambda c=cfg: fwd(tr, config=c), lambda out: err_of(out[0], ref_o), flops)
-        for cfg in [] if args.one_tile_only else TRITON_DQ[D]:
+        for cfg in TRITON_DQ[D] if "dq" in kernels else []:
             record("triton bwd dq", cfg, lambda c=cfg: bwd(tr, ref_o, ref_lse, dq_config=c),
                    lambda out: err_of(out[0], ref_g[0]), 1.5 * flops)
-        for cfg in [] if args.one_tile_only else TRITON_KV[D]:
+        for cfg in TRITON_KV[D] if "dkdv" in kernels else []:
             record("triton bwd dq+dkdv", cfg, lambda c=cfg: bwd(tr, ref_o, ref_lse, kv_config=c),
                    lambda out: max(err_of(out[1], ref_g[1]), err_of(out[2], ref_g[2])), 2.5 * flops)
         if S <= 128:  # the one-tile backward against the two-kernel one at bucket 0's configs
