@@ -6,8 +6,9 @@
     python -m pcvr_lib.kernels.attention.tune --skip-tilelang --mask window --kernels dkdv --shapes 256x4x320x16
 
 `--mask` times every candidate under one of the models' masks (default none): a tile that wins unmasked can lose
-where the mask skips tiles (session 6: D16's dK/dV tile (128, 128), tuned unmasked, made tokenformer's window
-backward 1.7x slower than (64, 64)).
+where the mask skips tiles. Session 6: tokenformer's window fwd+bwd (B256 H4 S320 D16) went from 210 to 327 us of
+device time after D16's dK/dV tile became (128, 128), a tile tuned unmasked (the likely cause, not yet confirmed
+by this sweep: notes/attention.md). `--kernels dkdv` times only the dK/dV candidates.
 
 At S <= 128 it also times the one-tile backward's candidates (TRITON_ONE_TILE) against the two-kernel backward.
 
