@@ -160,6 +160,32 @@ def data_claims() -> list[str]:
     ]
 
 
-@pytest.mark.parametrize("claim", kernel_claims() + optim_claims() + data_claims(), ids=lambda c: c[:60])
+def model_claims() -> list[str]:
+    """The train-step table (models.json: per call and device ms, torch / the faster of ours) and the smoke's
+    worst paired AUC difference (smoke_s6/compare_*.json, every verdict `same`)."""
+    times = {}
+    for b in snapshot("h200/models.json"):
+        name = b["name"][b["name"].index("[") + 1:-1]
+        model, backend, phase = (part.split("=")[1] for part in name.split(","))
+        times[model, backend, phase] = (b["extra_info"]["per_call_us"] / 1e3, b["extra_info"]["device_us"] / 1e3)
+    claims = []
+    for model in ("baseline", "interformer", "onetrans", "tokenformer", "symbiosis", "dualq", "queryformer"):
+        torch_t, triton_t, tilelang_t = (times[model, b, "train_step"] for b in ("torch", "triton", "tilelang"))
+        per_call = torch_t[0] / min(triton_t[0], tilelang_t[0])
+        device = torch_t[1] / min(triton_t[1], tilelang_t[1])
+        cells = " | ".join(f"{t[0]:.1f} [{t[1]:.1f}]" for t in (torch_t, triton_t, tilelang_t))
+        claims.append(f"| {model} | {cells} | {per_call:.2f}x | {device:.2f}x |")
+    compares = [json.loads((ROOT / ".benchmarks/h200/smoke_s6" / f"compare_{b}.json").read_text())["models"]
+                for b in ("triton", "tilelang")]
+    verdicts = [v for c in compares for v in c.values()]
+    assert len(verdicts) == 14 and all(v["verdict"] == "same" for v in verdicts), "the README says: all seven, both"
+    worst = max(verdicts, key=lambda v: v["max_abs_auc_diff"])
+    claims.append(f"largest paired difference {worst['max_abs_auc_diff']:.4f} against that\n"
+                  f"model's seed SD {worst['seed_noise']:.4f}")
+    return claims
+
+
+@pytest.mark.parametrize("claim", kernel_claims() + optim_claims() + data_claims() + model_claims(),
+                         ids=lambda c: c[:60])
 def test_readme_figure_matches_the_snapshot(claim):
     assert claim in README, f"README.md does not say (from the committed snapshot):\n{claim}"
