@@ -114,7 +114,7 @@ for s in "$@"; do
         --shapes 256x4x256x16,256x4x512x16,256x8x110x32 --dtype bf16 ;;
     tune_masks)  # head dim 16 under the models' masks (session 6: the dK/dV tile tuned unmasked regressed the window
       # backward 1.7x): tokenformer's window at S320, then the key-length shapes
-      # (dK/dV candidates only, 11 per shape: each compiles in the sweep's one process, a few seconds apiece)
+      # (dK/dV candidates only, 11 per shape, each compiled in turn in the sweep's one process)
       step attention_tune_window ${TUNE_MASKS_S:-100} python3 -m pcvr_lib.kernels.attention.tune --skip-tilelang \
         --mask window --kernels dkdv --shapes 256x4x320x16 --dtype bf16
       step attention_tune_key_lengths ${TUNE_MASKS_S:-100} python3 -m pcvr_lib.kernels.attention.tune --skip-tilelang \
