@@ -160,6 +160,27 @@ def data_claims() -> list[str]:
     ]
 
 
+def attention_model_claims() -> list[str]:
+    """Issue 12's table at the models' attention shapes (attention_models.json): per shape and direction, the best
+    peer (SDPA or flex) and the best of ours by device time, their ratio, the per-call ratio, met at 1.5x."""
+    cases = {}
+    for b in snapshot("h200/attention_models.json"):
+        e = b["extra_info"]
+        cases.setdefault((e["shape"], e["dir"]), {})[e["backend"]] = (e["device_us"], e["per_call_us"])
+    claims = []
+    for (shape, direction), by in cases.items():
+        peers = {k: v for k, v in by.items() if k.startswith("sdpa") or k == "flex"}
+        ours = {k: v for k, v in by.items() if k in ("triton", "tilelang")}
+        peer = min(peers, key=lambda k: peers[k][0])
+        best = min(ours, key=lambda k: ours[k][0])
+        ratio = peers[peer][0] / ours[best][0]
+        per_call = min(v[1] for v in peers.values()) / min(v[1] for v in ours.values())
+        claims.append(f"| {shape} {direction} | {peers[peer][0]:.1f} ({peer}) | {ours[best][0]:.1f} ({best}) "
+                      f"| {ratio:.2f}x | {per_call:.2f}x | {'met' if ratio >= 1.5 else 'missed'} |")
+    assert len(claims) == 8, "four shapes, fwd and fwd+bwd"
+    return claims
+
+
 def model_claims() -> list[str]:
     """The train-step table (models.json: per call and device ms, torch / the faster of ours) and the smoke's
     worst paired AUC difference (smoke_s6/compare_*.json, every verdict `same`)."""
@@ -185,7 +206,9 @@ def model_claims() -> list[str]:
     return claims
 
 
-@pytest.mark.parametrize("claim", kernel_claims() + optim_claims() + data_claims() + model_claims(),
-                         ids=lambda c: c[:60])
+ALL_CLAIMS = kernel_claims() + optim_claims() + data_claims() + attention_model_claims() + model_claims()
+
+
+@pytest.mark.parametrize("claim", ALL_CLAIMS, ids=lambda c: c[:60])
 def test_readme_figure_matches_the_snapshot(claim):
     assert claim in README, f"README.md does not say (from the committed snapshot):\n{claim}"
