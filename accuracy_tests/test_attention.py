@@ -436,7 +436,7 @@ def test_triton_one_tile_sweep_configs_interpreter(D, monkeypatch):
 
 @pytest.mark.parametrize("mask", ["none", "key_lengths", "window", "roles"])
 def test_tune_mask_args_are_the_operators_masks(mask, monkeypatch):
-    """`tune --mask` times the kernels under the mask the operator builds from the perf suite's keyword arguments
+    """`tune --mask` times the kernels under the mask the operator builds from the same keyword arguments
     (workload.key_lengths, tokenformer's window with one global query, symbiosis' roles): its kernel-level call gives
     flash_attention's output bit for bit (interpreter; S 96 > the window of 64, so the window cuts)."""
     _interpret(monkeypatch)

@@ -33,7 +33,6 @@ from . import tilelang_impl as ti
 from . import triton_impl as tr
 from . import workload
 from .config import TRITON_BWD_DQ_CONFIGS, TRITON_BWD_KV_CONFIGS
-from .masks import MODE_CODE
 
 TRITON_DQ_DEFAULT = {D: TRITON_BWD_DQ_CONFIGS[(D, 0)] for D in (16, 32, 64, 128)}
 TRITON_KV_DEFAULT = {D: TRITON_BWD_KV_CONFIGS[(D, 0)] for D in (16, 32, 64, 128)}
@@ -76,10 +75,10 @@ MASKS = ("none", "key_lengths", "window", "roles")
 
 
 def mask_args(mask: str, B: int, S: int, device) -> tuple:
-    """(key lengths, mode, extra) of the kernels for `mask` over a self-attention block of length S, as the models'
-    shapes in perf_tests use it: key lengths workload.key_lengths (an empty row, full, partial, over-long ones),
-    tokenformer's window (workload.PERF_WINDOW, the target as one global query) over those lengths, symbiosis'
-    roles with ~20% padding keys (workload.structured_mask)."""
+    """(key lengths, mode, extra) of the kernels for `mask` over a self-attention block of length S: key lengths
+    workload.key_lengths (an empty row, full, partial, over-long ones; the perf suite draws its lengths at random
+    instead), tokenformer's window as the perf suite's model case sets it (workload.PERF_WINDOW, the target as one
+    global query) over those lengths, symbiosis' roles with ~20% padding keys (workload.structured_mask)."""
     if mask not in MASKS:
         raise ValueError(f"tune: --mask must be one of {', '.join(MASKS)}, got {mask!r}")
     if mask == "none":
@@ -143,7 +142,7 @@ def main(argv=None) -> int:
 
     if not args.skip_tilelang:
         keys = []
-        code, has_kl = MODE_CODE[args.mask], args.mask in ("key_lengths", "window")
+        has_kl, code = workload.mask_spec(args.mask)
         for *_, D in shapes:
             keys += [("fwd", D, dtype, code, has_kl, False, c, arch) for c in TILELANG_FWD.get(D, [])]
             keys += [(w, D, dtype, code, has_kl, False, c, arch) for c in TILELANG_BWD.get(D, [])
