@@ -24,7 +24,7 @@ from pcvr_lib.kernels import compile_log, flash_attention, key_lengths_from_mask
 from pcvr_lib.kernels.attention import allowed_mask, config, dropout_keep_mask, role_mask, workload
 from pcvr_lib.kernels.attention.masks import draw_seed
 from pcvr_lib.kernels.testing import poisoned_outputs, triton_interpreter_problem
-from pcvr_lib.kernels.tolerance import flash_rule, max_abs_error
+from pcvr_lib.kernels.tolerance import assert_close, flash_rule, max_abs_error
 
 CUDA = torch.cuda.is_available()
 DT = workload.DTYPES
@@ -500,7 +500,9 @@ def test_triton_long_interpreter_odd_shapes(B, Sq, Skv, D, mode, p, seed, monkey
 @pytest.mark.parametrize("config,bwd_config", [((128, 64, 8, 3, True, False), (32, 128, 4, 3, True)),
                                                ((64, 64, 4, 3, True, True), (64, 64, 4, 2, True))])
 def test_triton_long_tma_configs_interpreter(config, bwd_config, monkeypatch):
-    """The TMA-descriptor (and warp-specialised) configs of the sweep give the default configs' results."""
+    """The TMA-descriptor (and warp-specialised) configs of the sweep give the default configs' results, within
+    fp16's tolerance: another tile order sums the scores in another order (numpy under the interpreter rounds
+    those sums differently from machine to machine)."""
     _interpret(monkeypatch)
     from pcvr_lib.kernels.attention import triton_long
 
@@ -509,7 +511,7 @@ def test_triton_long_tma_configs_interpreter(config, bwd_config, monkeypatch):
     for mode, lengths in (("key_lengths", kl), ("causal", None), ("causal_valid", kl)):
         o_ref, lse_ref = triton_long.forward(q, k, v, lengths, mode, 0.125, 0, 0.0, True)
         o, lse = triton_long.forward(q, k, v, lengths, mode, 0.125, 0, 0.0, True, config=config)
-        assert torch.equal(o, o_ref), f"{mode} {config}: output differs from the default config's"
+        assert_close(o, o_ref.double(), torch.float16, what=f"{mode} {config}: output against the default config's")
         assert torch.allclose(lse, lse_ref, rtol=0, atol=1e-5), f"{mode} {config}: LSE differs"
         g_ref = triton_long.backward(do, q, k, v, o_ref, lse_ref, lengths, mode, 0.125, 0, 0.0)
         g = triton_long.backward(do, q, k, v, o_ref, lse_ref, lengths, mode, 0.125, 0, 0.0, config=bwd_config)
