@@ -90,8 +90,11 @@ report: setup
 data: setup
 	$(PYTHON) -m pcvr_lib generate --schema fixtures/sample_1000_raw.schema.json --rows 1000 --multiplier 30
 
+# ruff, then the import contracts of pyproject.toml's [tool.importlinter], then the module-level import cycles
 lint: setup
 	$(PYTHON) -m ruff check .
+	$(VENV)/bin/lint-imports --no-cache --no-logo
+	$(PYTHON) tools/check_import_cycles.py pcvr_lib
 
 clean:
 	rm -rf $(RESULTS) .cache .pytest_cache .hypothesis

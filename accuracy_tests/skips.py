@@ -3,7 +3,7 @@
 import pytest
 import torch
 
-from pcvr_lib.kernels import registry
+from pcvr_lib.kernels import dispatch
 
 
 def require_cuda_backend(op: str, backend: str) -> None:
@@ -11,6 +11,6 @@ def require_cuda_backend(op: str, backend: str) -> None:
     answers for the device named, present or not, so the device check comes first)."""
     if not torch.cuda.is_available():
         pytest.skip(f"{backend}: no CUDA device")
-    ok, reason = registry.backend_status(op, backend, "cuda")
+    ok, reason = dispatch.backend_status(op, backend, "cuda")
     if not ok:
         pytest.skip(reason)

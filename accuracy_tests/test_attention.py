@@ -10,7 +10,7 @@ the same keep mask (for dropout, "torch" is the torch backend's explicit path in
 
 CPU (CI): the torch backend, Triton under its interpreter (TRITON_INTERPRET=1 set per test with monkeypatch,
 never leaked), TileLang lowered and compiled for sm_90a (forward and backward). GPU: everything, outputs
-poisoned first. Cases, inputs and the fp64 reference come from pcvr_lib.kernels.attention.workload; the rule
+poisoned first. Cases, inputs and the fp64 reference come from pcvr_lib.workloads.attention; the rule
 is tolerance.flash_rule.
 """
 
@@ -19,93 +19,21 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from accuracy_tests.skips import require_cuda_backend
-from pcvr_lib.kernels import compile_log, flash_attention, key_lengths_from_mask, registry
-from pcvr_lib.kernels.attention import allowed_mask, config, dropout_keep_mask, role_mask, workload
-from pcvr_lib.kernels.attention.masks import draw_seed
-from pcvr_lib.kernels.testing import poisoned_outputs, triton_interpreter_problem
-from pcvr_lib.kernels.tolerance import assert_close, flash_rule, max_abs_error
-
-CUDA = torch.cuda.is_available()
-DT = workload.DTYPES
-MODES = workload.MODES
-
-
-_lengths = workload.key_lengths
-_inputs = workload.inputs
-reference = workload.reference
-
-
-def _on(kw, device):
-    """flash_attention's mask keyword arguments with their tensors moved to `device`."""
-    out = dict(kw)
-    if out.get("key_lengths") is not None:
-        out["key_lengths"] = out["key_lengths"].to(device)
-    rm = out.get("role_mask")
-    if rm is not None:
-        out["role_mask"] = role_mask(rm.roles.to(device), rm.visibility.to(device),
-                                     None if rm.key_valid is None else rm.key_valid.to(device))
-    return out
-
-
-def _run(backend, q, k, v, do, device, kw, p, seed):
-    q, k, v = (t.to(device).requires_grad_() for t in (q, k, v))
-    out = flash_attention(q, k, v, **_on(kw, device), dropout_p=p, training=p > 0,
-                          generator=torch.Generator().manual_seed(seed), backend=backend)
-    grads = torch.autograd.grad(out, (q, k, v), do.to(device))
-    return [t.detach().cpu() for t in (out, *grads)]
-
-
-def mask_kwargs(mode, B, Sq, Skv, seed=0):
-    """(flash_attention's mask keyword arguments, the equivalent boolean (B, 1, Sq, Skv) mask) of a mode."""
-    if mode in workload.STRUCTURED:
-        kw = workload.structured_mask(mode, B, Sq, seed)
-    else:
-        use_kl, causal, causal_valid = MODES[mode]
-        kw = {"key_lengths": _lengths(B, Skv) if use_kl else None, "causal": causal, "causal_valid": causal_valid}
-    return kw, workload.reference_mask(B, Sq, Skv, kw)
-
-
-def check_case(backend, B, H, Sq, Skv, D, dtype, mode, p=0.0, device="cpu", seed=0):
-    """Output and dq, dk, dv of `backend` against fp64, judged by torch's own error in the same dtype."""
-    q, k, v, do = _inputs(B, H, Sq, Skv, D, dtype, seed)
-    kw, mask = mask_kwargs(mode, B, Sq, Skv, seed)
-    theirs = _run("torch", q, k, v, do, device, kw, p, seed)
-    if device != "cpu":
-        with poisoned_outputs(device):
-            ours = _run(backend, q, k, v, do, device, kw, p, seed)
-    else:
-        ours = _run(backend, q, k, v, do, device, kw, p, seed)
-    keep = None
-    if p > 0:
-        keep = dropout_keep_mask(draw_seed(torch.Generator().manual_seed(seed)), B, H, Sq, Skv, p)
-    q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    ref = reference(q64, k64, v64, None, False, False, keep, p, mask=mask)
-    ref_grads = torch.autograd.grad(ref, (q64, k64, v64), do.double())
-    inherent = dict(zip(("dq", "dk"), flash_delta_error(q64, k64, ref.detach(), do, dtype, mask), strict=True))
-    for name, a, b, r in zip(("out", "dq", "dk", "dv"), ours, theirs, (ref.detach(), *ref_grads), strict=True):
-        baseline = max(max_abs_error(b, r), inherent.get(name, 0.0))
-        flash_rule(a, r, baseline, dtype, f"{backend} {mode} {name} B{B} H{H} Sq{Sq} Skv{Skv} D{D} p={p}")
-
-
-def flash_delta_error(q64, k64, out64, do, dtype, mask):
-    """(max error in dQ, in dK) that a flash backward cannot avoid in delta = rowsum(dO * O), to first order:
-    it keeps O in `dtype` (|rowsum(dO * (round(O) - O))|) and forms delta and dP = dO . V as two fp32 dot products
-    (each within D * 2^-24 * rowsum|dO * O|, the standard bound). An error e in delta moves dS by -P * e, so dQ by
-    up to scale * e * (P |K|) and dK by up to scale * P^T (e * |Q|). torch's SDPA has no delta: where P is
-    one-hot (a padded query that sees only itself under causal-valid, exact dQ 0) its error is 0 while every flash
-    implementation's is this, so the rule's baseline for dq and dk is the larger of the two (notes/attention.md
-    "Tests")."""
-    dO, D = do.double(), q64.shape[-1]
-    e = ((dO * (out64.to(dtype).double() - out64)).sum(-1, keepdim=True).abs()
-         + 2 * D * 2.0**-24 * (dO * out64).abs().sum(-1, keepdim=True))
-    q, k = q64.detach(), k64.detach()
-    probe = k.abs().requires_grad_()  # the reference with |K| as the values gives P |K|; its vjp gives P^T X
-    pk = reference(q, k, probe, None, False, False, mask=mask)
-    (pt,) = torch.autograd.grad(pk, probe, e * q.abs())
-    scale = D ** -0.5
-    return float((scale * e * pk.detach()).max()), float((scale * pt).max())
-
+from accuracy_tests.attention_checks import (
+    CUDA,
+    DT,
+    MODES,
+    check_case,
+    inputs,
+    interpret_triton,
+    mask_kwargs,
+)
+from pcvr_lib.kernels import dispatch, flash_attention, key_lengths_from_mask
+from pcvr_lib.kernels.attention import allowed_mask, dropout_keep_mask, role_mask
+from pcvr_lib.kernels.attention.reference import reference
+from pcvr_lib.kernels.testing import poisoned_outputs
+from pcvr_lib.kernels.tolerance import assert_close
+from pcvr_lib.workloads import attention as workload
 
 # ----------------------------------------------------------------------------------------------- helpers
 
@@ -201,7 +129,7 @@ def test_errors():
         flash_attention(q, q, q, key_lengths=torch.ones(2, dtype=torch.int32))
     with pytest.raises(ValueError, match="dropout_p"):
         flash_attention(q, q, q, dropout_p=1.0, training=True)
-    if not registry.triton_interpret_enabled():
+    if not dispatch.triton_interpret_enabled():
         with pytest.raises(RuntimeError, match="requires CUDA tensors"):
             flash_attention(q, q, q, backend="triton")
         with pytest.raises(RuntimeError, match="requires CUDA tensors"):
@@ -226,7 +154,7 @@ def test_empty_sequences_give_zeros(backend):
 
 
 def test_fp32_inputs_run_in_bf16_and_return_fp32():
-    q, k, v, _ = _inputs(2, 2, 9, 11, 32, torch.float32, seed=3)
+    q, k, v, _ = inputs(2, 2, 9, 11, 32, torch.float32, seed=3)
     kl = torch.tensor([4, 11], dtype=torch.int32)
     out = flash_attention(q, k, v, key_lengths=kl)
     assert out.dtype == torch.float32
@@ -235,7 +163,7 @@ def test_fp32_inputs_run_in_bf16_and_return_fp32():
 
 
 def test_dropout_only_in_training_and_reproducible():
-    q, k, v, _ = _inputs(1, 2, 16, 16, 32, torch.float32, seed=4)
+    q, k, v, _ = inputs(1, 2, 16, 16, 32, torch.float32, seed=4)
     plain = flash_attention(q, k, v)
     assert torch.equal(flash_attention(q, k, v, dropout_p=0.5, training=False), plain)
     a = flash_attention(q, k, v, dropout_p=0.5, training=True, generator=torch.Generator().manual_seed(9))
@@ -254,8 +182,8 @@ def test_torch_backend_cpu(mode, dtype):
     from pcvr_lib.kernels.tolerance import assert_close
 
     use_kl, causal, causal_valid = MODES[mode]
-    q, k, v, _ = _inputs(5, 2, 13, 19, 32, DT[dtype], seed=1)
-    kl = _lengths(5, 19) if use_kl else None
+    q, k, v, _ = inputs(5, 2, 13, 19, 32, DT[dtype], seed=1)
+    kl = workload.key_lengths(5, 19) if use_kl else None
     out = flash_attention(q, k, v, key_lengths=kl, causal=causal, causal_valid=causal_valid, backend="torch")
     ref = reference(q.double(), k.double(), v.double(), kl, causal, causal_valid)
     assert_close(out, ref, DT[dtype], what=f"torch {mode}")
@@ -269,7 +197,7 @@ def test_torch_backend_structured_masks_cpu(mode, dtype):
     """The torch backend (SDPA with the equivalent boolean mask) for the window and roles masks."""
     from pcvr_lib.kernels.tolerance import assert_close
 
-    q, k, v, _ = _inputs(5, 2, 23, 23, 16, DT[dtype], seed=2)
+    q, k, v, _ = inputs(5, 2, 23, 23, 16, DT[dtype], seed=2)
     kw, mask = mask_kwargs(mode, 5, 23, 23)
     out = flash_attention(q, k, v, backend="torch", **kw)
     ref = reference(q.double(), k.double(), v.double(), None, False, False, mask=mask)
@@ -286,7 +214,7 @@ INTERP_SHAPES = [(5, 2, 17, 17, 32), (5, 1, 33, 70, 64), (5, 1, 70, 33, 32)]
 @pytest.mark.parametrize("shape", INTERP_SHAPES, ids=lambda s: "B{}xH{}xSq{}xSkv{}xD{}".format(*s))
 def test_triton_interpreter_case(shape, mode, p, monkeypatch):
     """The Triton kernels under Triton's interpreter on CPU tensors (the shared launcher interprets them)."""
-    _interpret(monkeypatch)
+    interpret_triton(monkeypatch)
     check_case("triton", *shape, torch.float16, mode, p=p, device="cpu")
 
 
@@ -303,18 +231,9 @@ NEW_CASES = (
 )
 
 
-def _interpret(monkeypatch):
-    if CUDA:
-        pytest.skip("triton: on a GPU test_gpu_accuracy checks the compiled kernels")
-    problem = registry.package_problem("triton") or triton_interpreter_problem()
-    if problem:
-        pytest.fail(f"triton: {problem}: the Triton attention kernels cannot be checked on this machine")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")  # restored after the test
-
-
 @pytest.mark.parametrize("case", NEW_CASES, ids=lambda c: "B{}xH{}xSq{}xSkv{}xD{}-{}-p{}".format(*c))
 def test_triton_interpreter_head_dims_and_masks(case, monkeypatch):
-    _interpret(monkeypatch)
+    interpret_triton(monkeypatch)
     B, H, Sq, Skv, D, mode, p = case
     check_case("triton", B, H, Sq, Skv, D, torch.float16, mode, p=p, device="cpu")
 
@@ -325,33 +244,8 @@ def test_triton_interpreter_head_dims_and_masks(case, monkeypatch):
 def test_triton_interpreter_odd_shapes(B, H, S, D, mode, seed, monkeypatch):
     """Odd self-attention shapes (hypothesis): lengths around the tile edges, every head size, the masks (B 1
     included: batch row 0 has key length 0, all queries padding under causal-valid; see flash_delta_error)."""
-    _interpret(monkeypatch)
+    interpret_triton(monkeypatch)
     check_case("triton", B, H, S, S, D, torch.float16, mode, device="cpu", seed=seed)
-
-
-@pytest.fixture
-def one_tile_routed(monkeypatch):
-    """Route the one-tile backward for every head dim it has a tile for, whatever the default
-    (config.TRITON_ONE_TILE_DEFAULT_DIMS) says."""
-    from pcvr_lib.kernels.attention import triton_impl
-
-    monkeypatch.setattr(triton_impl, "TRITON_ONE_TILE_DEFAULT_DIMS", frozenset(triton_impl.TRITON_BWD_ONE_TILE_CONFIGS))
-
-
-@pytest.fixture
-def launched_kernels(monkeypatch):
-    """The names of the Triton attention kernels launched during the test, in order ("fwd", "bwd_dq", ...)."""
-    from pcvr_lib.kernels import _triton
-
-    launched = []
-    jit = _triton.Launcher.jit
-
-    def record(self, *args, **kwargs):
-        launched.append(self.name.removeprefix("flash_attention."))
-        return jit(self, *args, **kwargs)
-
-    monkeypatch.setattr(_triton.Launcher, "jit", record)
-    return launched
 
 
 # The one-tile backward (config.TRITON_BWD_ONE_TILE_CONFIGS) routed: every mask, dropout, Sq != Skv where the mask
@@ -366,7 +260,7 @@ ONE_TILE_CASES = (
 
 @pytest.mark.parametrize("case", ONE_TILE_CASES, ids=lambda c: "B{}xH{}xSq{}xSkv{}xD{}-{}-p{}".format(*c))
 def test_triton_interpreter_one_tile_backward(case, monkeypatch, one_tile_routed):
-    _interpret(monkeypatch)
+    interpret_triton(monkeypatch)
     B, H, Sq, Skv, D, mode, p = case
     check_case("triton", B, H, Sq, Skv, D, torch.float16, mode, p=p, device="cpu")
 
@@ -377,7 +271,7 @@ def test_triton_interpreter_one_tile_backward(case, monkeypatch, one_tile_routed
        p=st.sampled_from([0.0, 0.25]), seed=st.integers(0, 99))
 def test_triton_interpreter_one_tile_odd_shapes(B, H, Sq, Skv, D, mode, p, seed, monkeypatch, one_tile_routed):
     """Odd one-tile shapes (hypothesis), routed: every head dim and mask, Sq != Skv where the mask allows it."""
-    _interpret(monkeypatch)
+    interpret_triton(monkeypatch)
     if mode in ("causal_valid", *workload.STRUCTURED):
         Skv = Sq  # self-attention masks
     check_case("triton", B, H, Sq, Skv, D, torch.float16, mode, p=p, device="cpu", seed=seed)
@@ -393,7 +287,7 @@ def test_triton_interpreter_one_tile_odd_shapes(B, H, Sq, Skv, D, mode, p, seed,
 def test_triton_backward_routing(Sq, Skv, D, expected, routed, monkeypatch, request, launched_kernels):
     """Which kernels one forward + backward launches: routed, the one-tile backward where Sq and Skv fit the head
     dim's BLOCK_M (128), the two-kernel one past it; by default (config.TRITON_ONE_TILE_DEFAULT_DIMS) as set."""
-    _interpret(monkeypatch)
+    interpret_triton(monkeypatch)
     from pcvr_lib.kernels.attention.config import TRITON_BWD_ONE_TILE_CONFIGS, TRITON_ONE_TILE_DEFAULT_DIMS
 
     block = TRITON_BWD_ONE_TILE_CONFIGS[D][0]
@@ -403,7 +297,7 @@ def test_triton_backward_routing(Sq, Skv, D, expected, routed, monkeypatch, requ
     elif D not in TRITON_ONE_TILE_DEFAULT_DIMS:
         expected = ["fwd", "bwd_dq", "bwd_dkdv"]
     launched = launched_kernels
-    q, k, v, do = _inputs(1, 1, Sq, Skv, D, torch.float16, seed=5)
+    q, k, v, do = inputs(1, 1, Sq, Skv, D, torch.float16, seed=5)
     q, k, v = (t.requires_grad_() for t in (q, k, v))
     length = min(Skv, 20)  # keys from 20 on are padding: whole key tiles nobody sees (zero dK/dV, never computed)
     with poisoned_outputs("cpu"):  # new tensors start as NaN: an unwritten gradient shows
@@ -416,17 +310,17 @@ def test_triton_backward_routing(Sq, Skv, D, expected, routed, monkeypatch, requ
 
 @pytest.mark.parametrize("D", [32, 128])
 def test_triton_one_tile_sweep_configs_interpreter(D, monkeypatch):
-    """The sweep's one-tile candidates (tune.TRITON_ONE_TILE) give the default config's gradients (dropout and key
+    """The sweep's one-tile candidates (workload.TRITON_ONE_TILE) give the default config's gradients (dropout and key
     lengths, S 60 so that the BLOCK_M 64 candidates run too); a config the shape does not fit is refused."""
-    _interpret(monkeypatch)
-    from pcvr_lib.kernels.attention import triton_impl, tune
+    interpret_triton(monkeypatch)
+    from pcvr_lib.kernels.attention import triton_impl
 
-    q, k, v, do = _inputs(2, 2, 60, 60, D, torch.float16, seed=8)
+    q, k, v, do = inputs(2, 2, 60, 60, D, torch.float16, seed=8)
     kl = torch.tensor([60, 23], dtype=torch.int32)
     scale = D ** -0.5
     o, lse = triton_impl.forward(q, k, v, kl, "causal_valid", scale, 77, 0.2, True)
     ref = triton_impl.backward(do, q, k, v, o, lse, kl, "causal_valid", scale, 77, 0.2)
-    for cfg in tune.TRITON_ONE_TILE[D]:
+    for cfg in workload.TRITON_ONE_TILE[D]:
         got = triton_impl.backward(do, q, k, v, o, lse, kl, "causal_valid", scale, 77, 0.2, one_tile_config=cfg)
         for name, a, b in zip(("dq", "dk", "dv"), got, ref, strict=True):
             assert torch.allclose(a.float(), b.float(), rtol=0, atol=2e-3), f"{cfg}: {name} differs from the default's"
@@ -439,13 +333,14 @@ def test_tune_mask_args_are_the_operators_masks(mask, monkeypatch):
     """`tune --mask` times the kernels under the mask the operator builds from the same keyword arguments
     (workload.key_lengths, tokenformer's window with one global query, symbiosis' roles): its kernel-level call gives
     flash_attention's output bit for bit (interpreter; S 96 > the window of 64, so the window cuts)."""
-    _interpret(monkeypatch)
-    from pcvr_lib.kernels.attention import triton_impl, tune
+    interpret_triton(monkeypatch)
+    from pcvr_lib.kernels.attention import triton_impl
+    from pcvr_lib.tune import attention as tune
 
     B, H, S, D = 3, 2, 96, 16
-    q, k, v, _ = _inputs(B, H, S, S, D, torch.float16, seed=5)
-    kl, mode, extra = tune.mask_args(mask, B, S, q.device)
-    got = triton_impl.forward(q, k, v, kl, mode, D ** -0.5, 0, 0.0, False, extra=extra)[0]
+    q, k, v, _ = inputs(B, H, S, S, D, torch.float16, seed=5)
+    kl, mode, structured = tune.mask_args(mask, B, S, q.device)
+    got = triton_impl.forward(q, k, v, kl, mode, D ** -0.5, 0, 0.0, False, structured=structured)[0]
     if mask == "roles":
         kw = workload.structured_mask("roles", B, S)
     else:
@@ -462,7 +357,7 @@ def test_tune_mask_args_are_the_operators_masks(mask, monkeypatch):
                                                   (64, "key_lengths", True, False), (128, "causal_valid", True, True)])
 def test_triton_one_tile_backward_compiles_for_sm90(D, mode, has_kl, dropout):
     """The one-tile backward builds for sm_90 at every head size with the models' masks and uses wgmma."""
-    problem = registry.package_problem("triton")
+    problem = dispatch.package_problem("triton")
     if problem:
         pytest.skip(f"triton: {problem}")
     from pcvr_lib.kernels.attention import triton_impl
@@ -480,7 +375,7 @@ LONG_CASES = [(2, 1, 600, 600, 64, "causal_valid", 0.0), (2, 1, 520, 530, 64, "n
 
 @pytest.mark.parametrize("case", LONG_CASES, ids=lambda c: "B{}xH{}xSq{}xSkv{}xD{}-{}-p{}".format(*c))
 def test_triton_long_interpreter_case(case, monkeypatch):
-    _interpret(monkeypatch)
+    interpret_triton(monkeypatch)
     B, H, Sq, Skv, D, mode, p = case
     check_case("triton", B, H, Sq, Skv, D, torch.float16, mode, p=p, device="cpu")
 
@@ -491,7 +386,7 @@ def test_triton_long_interpreter_case(case, monkeypatch):
 def test_triton_long_interpreter_odd_shapes(B, Sq, Skv, D, mode, p, seed, monkeypatch):
     """Odd long shapes (hypothesis): every mask of the long kernels, Sq != Skv, dropout, B 1 included (batch row
     0 has key length 0: under causal-valid its padded queries see only themselves; see flash_delta_error)."""
-    _interpret(monkeypatch)
+    interpret_triton(monkeypatch)
     if mode == "causal_valid":
         Skv = Sq  # causal-valid is a self-attention mask
     check_case("triton", B, 1, Sq, Skv, D, torch.float16, mode, p=p, device="cpu", seed=seed)
@@ -503,10 +398,10 @@ def test_triton_long_tma_configs_interpreter(config, bwd_config, monkeypatch):
     """The TMA-descriptor (and warp-specialised) configs of the sweep give the default configs' results, within
     fp16's tolerance: another tile order sums the scores in another order (numpy under the interpreter rounds
     those sums differently from machine to machine)."""
-    _interpret(monkeypatch)
+    interpret_triton(monkeypatch)
     from pcvr_lib.kernels.attention import triton_long
 
-    q, k, v, do = _inputs(2, 1, 600, 530, 64, torch.float16, 3)
+    q, k, v, do = inputs(2, 1, 600, 530, 64, torch.float16, 3)
     kl = torch.tensor([530, 301], dtype=torch.int32)
     for mode, lengths in (("key_lengths", kl), ("causal", None), ("causal_valid", kl)):
         o_ref, lse_ref = triton_long.forward(q, k, v, lengths, mode, 0.125, 0, 0.0, True)
@@ -521,10 +416,10 @@ def test_triton_long_tma_configs_interpreter(config, bwd_config, monkeypatch):
 
 def test_tune_long_sweep_under_interpreter(monkeypatch, tmp_path):
     """The H200 sweep's CPU path: every candidate checked (flash rule) before it is timed, JSON and summary."""
-    _interpret(monkeypatch)
+    interpret_triton(monkeypatch)
     import json
 
-    from pcvr_lib.kernels.attention import tune_long
+    from pcvr_lib.tune import attention_long as tune_long
 
     out = tmp_path / "attention_long.json"
     tune_long.main(["--device", "cpu", "--shapes", "1x1x520x64:causal", "--dtypes", "fp16", "--workers", "0",
@@ -541,7 +436,7 @@ def test_tune_long_sweep_under_interpreter(monkeypatch, tmp_path):
                                           ("bwd", (64, 128, 8, 2, True))])
 def test_triton_long_compiles_for_sm90(which, config):
     """The long kernels build for sm_90 with wgmma; the TMA configs read through cp.async.bulk.tensor."""
-    problem = registry.package_problem("triton")
+    problem = dispatch.package_problem("triton")
     if problem:
         pytest.skip(f"triton: {problem}")
     from pcvr_lib.kernels.attention import triton_long
@@ -557,7 +452,7 @@ def test_triton_long_compiles_for_sm90(which, config):
 @pytest.mark.parametrize("mode,D", [("window", 16), ("roles", 32)])
 def test_triton_structured_masks_compile_for_sm90(which, mode, D):
     """The window and roles kernels (models' head sizes) compile for sm_90 and use wgmma."""
-    problem = registry.package_problem("triton")
+    problem = dispatch.package_problem("triton")
     if problem:
         pytest.skip(f"triton: {problem}")
     from pcvr_lib.kernels.attention import triton_impl
@@ -571,14 +466,14 @@ def test_triton_helpers_restored_after_an_interpreted_launch(monkeypatch):
     """The kernels call the @helper functions of triton_common, which call helpers of their own; an interpreted
     launch swaps all of them (kernel modules' and triton_common's namespaces) for interpreted twins and must
     put every JITFunction back, or a later sm_90 compile in this process would fail."""
-    problem = registry.package_problem("triton")
+    problem = dispatch.package_problem("triton")
     if problem:
         pytest.skip(f"triton: {problem}")
     from triton.runtime.jit import JITFunction
 
     from pcvr_lib.kernels.attention import triton_common, triton_impl, triton_long
 
-    _interpret(monkeypatch)
+    interpret_triton(monkeypatch)
     check_case("triton", 1, 1, 17, 17, 16, torch.float16, "window", p=0.3, device="cpu")
     names = [n for n, v in vars(triton_common).items() if hasattr(v, "fn") and not n.startswith("__")]
     assert {"_mix", "_rows", "_keys", "element_mask", "dropout_keep"} <= set(names)
@@ -593,7 +488,7 @@ def test_triton_helpers_restored_after_an_interpreted_launch(monkeypatch):
 @pytest.mark.parametrize("which", ["fwd", "dq", "dkdv"])
 def test_triton_compiles_for_sm90(which):
     """The compiled (not interpreted) kernels build for sm_90 without a GPU and use Hopper's wgmma."""
-    problem = registry.package_problem("triton")
+    problem = dispatch.package_problem("triton")
     if problem:
         pytest.skip(f"triton: {problem}")
     from pcvr_lib.kernels.attention import triton_impl
@@ -609,11 +504,10 @@ def test_triton_compiles_for_sm90(which):
 def _tilelang_sm90_compile_only():
     """These tests build kernels for sm_90a on machines without a GPU, and CI runs them on every commit. On a CUDA
     host they are skipped (the GPU cases compile the kernels the suites use for the device and check them
-    numerically): on the H200, with 8 workers, they were the suite's three longest tests (129, 100 and 60 s,
-    session 6), compiling beside the GPU cases."""
+    numerically): on the H200 they were the suite's three longest tests, compiling beside the GPU cases."""
     if CUDA:
         pytest.skip("tilelang: a check for machines without a GPU (CI runs it); here the GPU cases compile and run")
-    problem = registry.package_problem("tilelang")
+    problem = dispatch.package_problem("tilelang")
     if problem:
         pytest.skip(f"tilelang: {problem}")
     import shutil
@@ -658,20 +552,21 @@ def test_tilelang_structured_masks_compile_for_sm90(D, mode, has_kl, bucket):
 
 @pytest.mark.slow
 def test_tilelang_long_schedules_compile_for_sm90():
-    """The long-sequence candidates (tune.TILELANG_*_LONG, first of each): the forward with the Hopper
+    """The long-sequence candidates (workload.TILELANG_*_LONG, first of each): the forward with the Hopper
     example's ordered pipeline and the fused backward (dK/dV per key block, dQ by atomics) lower and compile
     for sm_90a, here with causal-valid and key lengths (the fused one with dropout too; fa3 refuses it). D64 only: D128
     is the same code at other sizes (its unmasked candidates compile in the precompile manifest), and each
     of these costs about a minute of CI."""
     D = 64
     _tilelang_sm90_compile_only()
-    from pcvr_lib.kernels.attention import tilelang_impl, tune
+    from pcvr_lib.kernels.attention import tilelang_impl
 
     # fa3 refuses dropout (wrong on the H200): it compiles masked without; the fused backward with dropout
     fa3 = tilelang_impl.compile_only("sm_90a", D=D, dtype="bfloat16", mode=3, has_kl=True, dropout=False,
-                                     fwd_config=tune.TILELANG_FWD_LONG[D][0], bwd_config=tune.TILELANG_BWD_LONG[D][0])
+                                     fwd_config=workload.TILELANG_FWD_LONG[D][0],
+                                     bwd_config=workload.TILELANG_BWD_LONG[D][0])
     fused = tilelang_impl.compile_only("sm_90a", D=D, dtype="bfloat16", mode=3, has_kl=True, dropout=True,
-                                       fwd_config=(128, 128, 256, 2), bwd_config=tune.TILELANG_BWD_LONG[D][0])
+                                       fwd_config=(128, 128, 256, 2), bwd_config=workload.TILELANG_BWD_LONG[D][0])
     for sources in (fa3, fused):
         assert sources["cubin_bytes"] > 0
         assert set(sources) == {"fwd", "fused", "cubin_bytes"}
@@ -680,102 +575,6 @@ def test_tilelang_long_schedules_compile_for_sm90():
         assert "AtomicAdd" in sources["fused"], "fused: dQ is not accumulated with atomics"
     for which in ("fwd", "fused"):
         assert str(0x21F0AAAD) in fused[which], f"{which}: the dropout hash is missing"
-
-
-# -------------------------------------------------------------------------------------------------- GPU
-
-GPU_BACKENDS = ["triton", "tilelang"]
-GPU_CASES = workload.GPU_CASES
-TILELANG_CASES = workload.TILELANG_CASES
-
-
-def _gpu_case_id(c):
-    return "B{}xH{}xSq{}xSkv{}xD{}-{}-{}-p{}".format(*c)
-
-
-GPU_PARAMS = [pytest.param("triton", c, id=f"triton-{_gpu_case_id(c)}") for c in GPU_CASES] + [
-    pytest.param("tilelang", c, id=f"tilelang-{_gpu_case_id(c)}") for c in TILELANG_CASES]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend,case", GPU_PARAMS)
-def test_gpu_accuracy(backend, case):
-    require_cuda_backend("flash_attention", backend)
-    B, H, Sq, Skv, D, dt, mode, p = case
-    check_case(backend, B, H, Sq, Skv, D, DT[dt], mode, p=p, device="cuda")
-
-
-# A head dim whose backward takes the one-tile kernel by default runs these cases in test_gpu_accuracy already
-# (GPU_CASES holds them); only the others need the kernel routed explicitly (none while every dim is routed).
-ONE_TILE_ROUTED_ONLY = [c for c in workload.ONE_TILE_GPU_CASES if c[4] not in config.TRITON_ONE_TILE_DEFAULT_DIMS]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", ONE_TILE_ROUTED_ONLY, ids=_gpu_case_id)
-def test_gpu_triton_one_tile(case, one_tile_routed):
-    """The one-tile backward, routed for a head dim whose default backward is the two-kernel one, against fp64."""
-    require_cuda_backend("flash_attention", "triton")
-    B, H, Sq, Skv, D, dt, mode, p = case
-    check_case("triton", B, H, Sq, Skv, D, DT[dt], mode, p=p, device="cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case,fwd_config,bwd_config", workload.TILELANG_LONG_CASES,
-                         ids=[_gpu_case_id(c) for c, _, _ in workload.TILELANG_LONG_CASES])
-def test_gpu_tilelang_long_candidates(case, fwd_config, bwd_config, monkeypatch):
-    """The long-sequence candidates (ordered forward pipeline, fused backward) against fp64, through the
-    operator with the bucket's TileLang configs replaced."""
-    require_cuda_backend("flash_attention", "tilelang")
-    from pcvr_lib.kernels.attention.masks import length_bucket
-
-    B, H, Sq, Skv, D, dt, mode, p = case
-    monkeypatch.setitem(config.TILELANG_FWD_CONFIGS, (D, length_bucket(Sq)), fwd_config)
-    monkeypatch.setitem(config.TILELANG_BWD_CONFIGS, (D, length_bucket(Sq)), bwd_config)
-    check_case("tilelang", B, H, Sq, Skv, D, DT[dt], mode, p=p, device="cuda")
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", GPU_BACKENDS)
-def test_gpu_no_recompile_within_bucket(backend):
-    require_cuda_backend("flash_attention", backend)
-    B, H, S, _, D, dt, _, _ = workload.RECOMPILE_CASE
-
-    def call(s):
-        q = torch.randn(B, H, s, D, device="cuda", dtype=DT[dt])
-        flash_attention(q, q, q, key_lengths=torch.tensor([s, s - 1], device="cuda", dtype=torch.int32),
-                        backend=backend)
-        torch.cuda.synchronize()
-
-    call(S)
-    before = _compiled_count(backend)
-    for s in (101, 117, 127, 128, 64, 33):
-        call(s)
-    assert _compiled_count(backend) == before, "a sequence length inside the bucket recompiled"
-
-
-def _compiled_count(backend):
-    count = compile_log.count(backend, "flash_attention")
-    if backend == "triton":  # triton's own count too: a recompile the launcher's key missed would be stale
-        from pcvr_lib.kernels import _triton
-
-        count += _triton.compiled_variants("flash_attention")
-    return count
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("backend", GPU_BACKENDS)
-def test_gpu_dropout_same_mask_as_torch(backend):
-    """The same seed drops the same weights on every backend: our kernels against the torch backend."""
-    require_cuda_backend("flash_attention", backend)
-    q, k, v, _ = _inputs(3, 2, 40, 40, 64, torch.bfloat16, seed=7)
-    q, k, v = q.cuda(), k.cuda(), v.cuda()
-    kl = torch.tensor([40, 13, 0], device="cuda", dtype=torch.int32)
-    outs = {}
-    for name in ("torch", backend):
-        outs[name] = flash_attention(q, k, v, key_lengths=kl, causal_valid=True, dropout_p=0.4, training=True,
-                                     backend=name, generator=torch.Generator().manual_seed(11)).float()
-    err = float((outs[backend] - outs["torch"]).abs().max())
-    assert err < 0.05, f"{backend} dropout differs from torch's with the same seed by {err}"
 
 
 def test_tilelang_fa3_schedule_refuses_dropout():
@@ -789,8 +588,8 @@ def test_tilelang_fa3_schedule_refuses_dropout():
 
 
 def test_precompile_runs_every_triton_variant_through_run_once():
-    """`precompile --run-triton` calls workload.run_once(backend, *variant) for each Triton variant (an H200 run
-    of session 3 found it deleted: every warm-up failed and the accuracy suite compiled in its tests)."""
+    """`precompile --run-triton` calls workload.run_once(backend, *variant) for each Triton variant (without it
+    every warm-up fails and the accuracy suite compiles in its tests)."""
     import inspect
 
     signature = inspect.signature(workload.run_once)
@@ -810,7 +609,7 @@ def test_precompile_warms_both_bucket0_backwards(mode, expected, routed, monkeyp
     launches the backward(s) the variant takes: routed, the one-tile backward and, where the mask allows Skv past
     its tile, the two-kernel one too; not routed (a head dim outside config.TRITON_ONE_TILE_DEFAULT_DIMS), the
     two-kernel one."""
-    _interpret(monkeypatch)
+    interpret_triton(monkeypatch)
     from pcvr_lib.kernels.attention import triton_impl
 
     if routed:
@@ -821,3 +620,26 @@ def test_precompile_warms_both_bucket0_backwards(mode, expected, routed, monkeyp
     launched = launched_kernels
     workload.run_once("triton", 32, torch.float16, mode, True, 0, device="cpu")
     assert launched == expected
+
+
+@pytest.mark.parametrize("mode,expected", [("window", (64, 64)), ("key_lengths", (128, 128))])
+def test_triton_dkdv_tile_per_mask(mode, expected, monkeypatch):
+    """The dK/dV tile of head dim 16, bucket 1 follows the mask: the window's own (config.TRITON_BWD_KV_MASK_CONFIGS),
+    the bucket's for the other masks."""
+    interpret_triton(monkeypatch)
+    from pcvr_lib.kernels.attention import triton_impl
+
+    tiles = []
+    jit = triton_impl._launch_dkdv.jit
+
+    def record(grid, args, *rest):
+        tiles.append(tuple(args[-3:-1]))  # (BLOCK_M, BLOCK_N)
+        return jit(grid, args, *rest)
+
+    monkeypatch.setattr(triton_impl._launch_dkdv, "jit", record)
+    B, S, D = 1, 200, 16
+    q, k, v, do = inputs(B, 1, S, S, D, torch.float16, 5)
+    kw = workload.structured_mask("window", B, S) if mode == "window" else {"key_lengths": workload.key_lengths(B, S)}
+    q.requires_grad_()
+    flash_attention(q, k, v, backend="triton", **kw).backward(do)
+    assert tiles == [expected]

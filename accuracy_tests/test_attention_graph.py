@@ -1,7 +1,6 @@
 """flash_attention inside a CUDA graph: the whole forward + backward captured once, replayed on new values.
 
-Issue 12's PCVR-shape host path: "CUDA-graph capture of the whole forward+backward must work". At the PCVR
-shape (B8 H8 S128 D64) the kernels take a few microseconds and the host path (checks, autograd, launches)
+At the PCVR shape (B8 H8 S128 D64) the kernels take a few microseconds and the host path (checks, autograd, launches)
 the rest; a caller that captures the step removes that host cost, so capture must be supported, not luck.
 
 Protocol (torch's documented one): static inputs; three warm-up calls on a side stream (compiles, the
@@ -26,7 +25,7 @@ import torch
 
 from accuracy_tests.skips import require_cuda_backend
 from pcvr_lib.kernels import flash_attention
-from pcvr_lib.kernels.attention import workload
+from pcvr_lib.workloads import attention as workload
 
 CUDA = torch.cuda.is_available()
 DT = workload.DTYPES

@@ -12,7 +12,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from accuracy_tests.convert_reference import ReferenceNonMonotonic, ReferenceOOB, reference_convert, row_order
-from pcvr_lib.data import convert as convert_module
+from pcvr_lib.data import convert_numpy
 from pcvr_lib.data.convert import (
     LIST_ORDERS,
     NON_MONOTONIC_POLICIES,
@@ -153,7 +153,7 @@ def test_strict_filter_on_evaluation_only_when_asked(backend, demo_schema, demo_
 
 def test_numpy_strict_rows_rescanned_in_full(demo_schema, demo_batches, monkeypatch):
     # with no slack every row whose tail window lacks L valid events takes the whole-list path
-    monkeypatch.setattr(convert_module, "STRICT_SLACK", 0)
+    monkeypatch.setattr(convert_numpy, "STRICT_SLACK", 0)
     rb = demo_batches[1]
     batch = Converter(demo_schema, backend="numpy", strict_time_filter=True)(rb)
     compare(batch, reference_convert(rb, demo_schema, strict=True), demo_schema)

@@ -9,7 +9,9 @@ import sys
 import pytest
 import torch
 
-from pcvr_lib.kernels import _tilelang, _triton, compile_log, precompile
+from pcvr_lib import precompile
+from pcvr_lib.kernels import _tilelang, _triton, compile_log
+from pcvr_lib.kernels.testing import count_host_reads
 
 
 def _fake_launcher(monkeypatch):
@@ -41,41 +43,13 @@ def _python_calls(fn) -> list[str]:
     return names[1:]  # drop fn itself
 
 
-def _old_embedding_launch(compiled, raw_run, stream, name, kernel, grid, args, key, num_warps):
-    """The embedding's direct path before the shared launcher (baa6a65), for the call count comparison."""
-    ck = compiled.get(key)
-    if ck is not None:
-        if raw_run[0]:
-            try:
-                ck.run(grid, 1, 1, stream(args[0].get_device()), ck.function, ck.packed_metadata, None, None,
-                       None, *args)
-                return
-            except TypeError:
-                raw_run[0] = False
-
-
 def test_direct_launch_is_one_python_call(monkeypatch):
-    """A cached key costs one Python frame (Launcher.__call__) besides the kernel's own launcher: no
-    more than the embedding's old direct path (its function and a stream helper) or attention's (_launch)."""
+    """A cached key costs one Python frame (Launcher.__call__) besides the kernel's own launcher."""
     launcher, calls = _fake_launcher(monkeypatch)
     x = torch.zeros(4)
     names = _python_calls(lambda: launcher((7,), (3, 2, 1), (x, 5), 4))
     assert names == ["__call__", "fake_run"]
     assert calls[0][:6] == (3, 2, 1, 0, "function", "packed") and calls[0][9:] == (x, 5)
-
-    class Compiled:
-        function, packed_metadata = "function", "packed"
-
-        def run(self, *args):
-            calls.append(args)
-
-    def stream(device):
-        return 0
-
-    old = _python_calls(lambda: _old_embedding_launch({(7,): Compiled()}, [True], stream, "fwd", None, 3, (x, 5),
-                                                      (7,), 4))
-    assert old == ["_old_embedding_launch", "stream", "run"]
-    assert len(names) < len(old)
 
 
 def test_launcher_falls_back_to_jit_on_a_foreign_launcher_signature(monkeypatch):
@@ -155,3 +129,19 @@ def test_no_launch_hook_by_default_so_keys_are_cached(monkeypatch):
     assert _triton._hooks_set()
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", None)
     assert not _triton._hooks_set()
+
+
+def test_count_host_reads_sees_every_kind_of_read():
+    """The host-read counter (the CPU stand-in for torch.cuda.set_sync_debug_mode) records what would sync on a
+    GPU and nothing else."""
+    x = torch.arange(6.0)
+    with count_host_reads() as reads:
+        y = (x * 2 + 1).sum()
+    assert reads == []
+    with count_host_reads() as reads:
+        float(y)
+        bool(x.any())
+        x.nonzero()
+        torch.unique(x)
+        x[x > 2]
+    assert reads == ["_local_scalar_dense", "_local_scalar_dense", "nonzero", "_unique2", "index by a boolean mask"]

@@ -17,18 +17,17 @@ import torch
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from pcvr_lib.kernels import compile_log, layer_norm, registry, rms_norm
-from pcvr_lib.kernels.rms_norm import common as norm_common
-from pcvr_lib.kernels.rms_norm import workload
-from pcvr_lib.kernels.rms_norm.workload import layer_norm_reference
+from pcvr_lib.kernels import compile_log, dispatch, layer_norm, rms_norm
+from pcvr_lib.kernels.norms.reference import layer_norm_reference
 from pcvr_lib.kernels.testing import grad_input_term_scale, grad_param_term_scale, poisoned_outputs, randn
 from pcvr_lib.kernels.tolerance import DTYPE_NAMES, assert_close, tolerance
+from pcvr_lib.workloads import norms as workload
 
 CUDA = torch.cuda.is_available()
 BACKENDS = ["torch", "triton", "tilelang"]
 DTYPES = [torch.float32, torch.float16, torch.bfloat16]
 OPS = ["rms_norm", "layer_norm"]
-# the workload's shapes (its manifest is what `python -m pcvr_lib.kernels.precompile` builds for TileLang)
+# the workload's shapes (its manifest is what `python -m pcvr_lib.precompile` builds for TileLang)
 SHAPES = workload.ACCURACY_SHAPES
 GPU_SHAPES = workload.GPU_SHAPES
 
@@ -46,13 +45,13 @@ def device_for(monkeypatch):
     """The device a backend's case runs on here, or a skip with the reason it cannot."""
     def pick(backend: str) -> torch.device:
         if CUDA:
-            ok, reason = registry.backend_status("rms_norm", backend, "cuda")
+            ok, reason = dispatch.backend_status("rms_norm", backend, "cuda")
             if not ok:
                 pytest.skip(reason)
             return torch.device("cuda")
         if backend == "triton":
             monkeypatch.setenv("TRITON_INTERPRET", "1")  # restored after the test
-        ok, reason = registry.backend_status("rms_norm", backend, "cpu")
+        ok, reason = dispatch.backend_status("rms_norm", backend, "cpu")
         if not ok:
             pytest.skip(f"{reason} (TileLang's C target cannot run these kernels; compiled for sm_90 below)")
         return torch.device("cpu")
@@ -239,22 +238,22 @@ def test_errors_are_clear(op, monkeypatch):
     with pytest.raises(TypeError, match="dtype float64 not supported"):
         fn(x.double(), *[p.double() for p in params], backend="torch")
     # a missing package names itself
-    monkeypatch.setattr(registry, "package_problem", lambda pkg: "package not installed")
-    norm_common.forget_backends()
+    monkeypatch.setattr(dispatch, "package_problem", lambda pkg: "package not installed")
+    dispatch.forget_implementations()
     with pytest.raises(RuntimeError, match="backend 'tilelang' cannot run here: tilelang: package not installed"):
         if CUDA:
             fn(x.cuda(), *[p.cuda() for p in params], backend="tilelang")
         else:  # on CPU the CUDA-tensor check fires first; ask the registry directly
-            registry.require_backend(op, "tilelang", "cpu")
+            dispatch.require_backend(op, "tilelang", "cpu")
 
 
 def test_backend_status_reasons():
     for op in OPS:
-        assert registry.op_backends(op) == ("torch", "triton", "tilelang")
-        assert registry.backend_status(op, "torch", "cpu") == (True, "ok")
+        assert dispatch.op_backends(op) == ("torch", "triton", "tilelang")
+        assert dispatch.backend_status(op, "torch", "cpu") == (True, "ok")
         if not CUDA:
-            assert registry.backend_status(op, "tilelang", "cpu") == (False, "tilelang: no CUDA device")
-            assert registry.backend_status(op, "triton", "cpu") == (False, "triton: no CUDA device")
+            assert dispatch.backend_status(op, "tilelang", "cpu") == (False, "tilelang: no CUDA device")
+            assert dispatch.backend_status(op, "triton", "cpu") == (False, "triton: no CUDA device")
 
 
 # ------------------------------------------------------------------ Triton: compile for sm_90 (no GPU)
@@ -266,15 +265,14 @@ def test_triton_kernels_compile_for_sm90_after_a_launch(device_for):
     kernels' namespaces and must put the JITFunction back, or the compile would fail."""
     from triton.runtime.jit import JITFunction
 
-    from pcvr_lib.kernels.layer_norm import triton_impl as ln_triton
-    from pcvr_lib.kernels.rms_norm import triton_impl as rms_triton
+    from pcvr_lib.kernels.norms import triton_impl as norms_triton
 
     device = device_for("triton")
     for op in OPS:
         check_backward(op, "triton", (3, 127), torch.float32, device)
-    assert isinstance(rms_triton.row_tile, JITFunction) and ln_triton.row_tile is rms_triton.row_tile
+    assert isinstance(norms_triton.row_tile, JITFunction)
     for name in ("rms_fwd", "rms_bwd", "ln_fwd", "ln_bwd"):
-        ptx = rms_triton.compile_for(90, name, 333, "bf16").asm["ptx"]
+        ptx = norms_triton.compile_for(90, name, 333, "bf16").asm["ptx"]
         assert f".entry _{name}(" in ptx, name
 
 
@@ -285,7 +283,7 @@ def _compile_tilelang(spec):
     """Compile one TileLang kernel for sm_90 in a worker; returns (name, source length, seconds)."""
     import time
 
-    from pcvr_lib.kernels import precompile
+    from pcvr_lib import precompile
 
     op, kind, width, dtype = spec
     t0 = time.perf_counter()
@@ -295,7 +293,7 @@ def _compile_tilelang(spec):
 
 def test_tilelang_kernels_compile_for_sm90():
     """Every TileLang kernel (inference, training forward, backward) lowers and compiles for sm_90."""
-    problem = registry.package_problem("tilelang") or (None if CUDA else registry.nvcc_problem(torch.device("cpu")))
+    problem = dispatch.package_problem("tilelang") or (None if CUDA else dispatch.nvcc_problem(torch.device("cpu")))
     if problem:
         pytest.skip(f"tilelang: {problem}")
     # 385 exercises the padded, guarded path; bf16 the conversions

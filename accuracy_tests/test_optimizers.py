@@ -10,6 +10,7 @@ import pytest
 import torch
 from torch import nn
 
+from pcvr_lib.kernels.testing import count_host_reads
 from pcvr_lib.optim import (
     CUBIC,
     QUINTIC,
@@ -30,7 +31,7 @@ from pcvr_lib.optim import (
     train_step,
 )
 from pcvr_lib.optim.newton_schulz import muon_scale, scalar_map
-from pcvr_lib.optim.workloads import make_task, pcvr_dense_shapes
+from pcvr_lib.workloads.optim import make_task, pcvr_dense_shapes
 
 CUDA = torch.cuda.is_available()
 needs_cuda = pytest.mark.skipif(not CUDA, reason="optim: no CUDA device (CUDA graph / bf16 path)")
@@ -347,6 +348,26 @@ def test_sparse_adagrad_merges_duplicates_before_squaring():
     opt.step()
     assert opt.state[w]["sum"][2, 0] == 4.0
     assert w[2, 0] == -1.0  # -lr * 2 / sqrt(4)
+    others = torch.tensor([0, 1, 3])
+    assert torch.equal(w.detach()[others], torch.zeros(3, 1)), "rows without a gradient must not move (eps 0)"
+    assert torch.equal(opt.state[w]["sum"][others], torch.zeros(3, 1))
+
+
+def test_the_sparse_step_reads_nothing_back_from_the_device():
+    """Clipping and the sparse Adagrad step merge a sparse gradient's duplicate rows on the device (fixed-size
+    slots), so neither asks for a value on the host (which would be a sync on a GPU)."""
+    table = nn.Parameter(torch.zeros(12, 3))
+    opt = SparseAdagrad([table], lr=0.1)
+    for step in range(2):
+        table.grad = torch.sparse_coo_tensor(torch.tensor([[3, 7, 3, 0, 11]]), torch.randn(5, 3, generator=_gen(step)),
+                                             (12, 3), check_invariants=True)
+        expected = table.grad.coalesce()
+        with count_host_reads() as reads:
+            clip_global_grad_norm([table], 0.5)
+            opt.step()
+        assert reads == [], reads
+        torch.testing.assert_close(table.grad.coalesce().to_dense(), expected.to_dense() * min(
+            1.0, 0.5 / float(expected.values().norm() + 1e-6)), rtol=1e-5, atol=1e-6)
 
 
 # ---------------------------------------------------------------- clipping and the training step
@@ -446,7 +467,7 @@ def test_one_dense_options_dict_fits_every_dense_optimizer(name):
 
 def test_pcvr_dense_shapes_are_muon_buckets():
     shapes = pcvr_dense_shapes()
-    # baseline's RankMixer is parameter-free since issue 11 (as the reference), so no 3-D stacks remain
+    # baseline's RankMixer is parameter-free (as the reference's), so no 3-D stacks remain
     assert any(len(s) == 2 for s in shapes) and any(len(s) == 1 for s in shapes)
     task = make_task("pcvr_dense")
     opt = build_optimizer("muon", task.parameters(), lr=0.02)

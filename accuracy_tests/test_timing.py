@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from pcvr_lib import timing
-from pcvr_lib.kernels import registry
+from pcvr_lib.kernels import dispatch
 from pcvr_lib.kernels.tolerance import assert_close, max_errors
 
 
@@ -191,7 +191,7 @@ def test_bench_cpu_puts_cpu_time_into_the_statistics():
 def test_bench_cpu_passes_setup_arguments():
     bench = _FakeBenchmark()
     seen = []
-    timing.bench_cpu(bench, lambda x: seen.append(x), setup=lambda: ((7,), {}), rounds=2, clock=timing.time.thread_time)
+    timing.bench_cpu(bench, lambda x: seen.append(x), setup=lambda: ((7,), {}), rounds=2, clock=time.thread_time)
     assert seen == [7, 7, 7]  # one warm-up round and two timed
     assert bench.extra_info["timer"].startswith("thread_time x 0.006 s / calibration probe")
 
@@ -225,18 +225,18 @@ def test_tolerance_table_by_dtype():
 
 def test_registry_errors():
     with pytest.raises(ValueError, match="unknown backend 'cuda'.*known backends: torch, triton"):
-        registry.validate_backend("rms_norm", "cuda")
+        dispatch.validate_backend("rms_norm", "cuda")
     with pytest.raises(ValueError, match="unknown operator"):
-        registry.backend_status("no_such_op", "torch")
+        dispatch.backend_status("no_such_op", "torch")
     with pytest.raises(RuntimeError, match="rms_norm requires CUDA tensors"):
-        registry.check_inputs("rms_norm", torch.ones(2), backend="tilelang")
+        dispatch.check_inputs("rms_norm", torch.ones(2), backend="tilelang")
     with pytest.raises(TypeError, match="share one dtype"):
-        registry.check_inputs("rms_norm", torch.ones(2), torch.ones(2, dtype=torch.float16), backend="torch")
+        dispatch.check_inputs("rms_norm", torch.ones(2), torch.ones(2, dtype=torch.float16), backend="torch")
     with pytest.raises(TypeError, match="dtype float64 not supported"):
-        registry.check_inputs("rms_norm", torch.ones(2, dtype=torch.float64), backend="torch")
+        dispatch.check_inputs("rms_norm", torch.ones(2, dtype=torch.float64), backend="torch")
     if not torch.cuda.is_available():
-        assert registry.backend_status("rms_norm", "tilelang", "cpu") == (False, "tilelang: no CUDA device")
-        assert registry.backend_status("rms_norm", "torch", "cpu") == (True, "ok")
+        assert dispatch.backend_status("rms_norm", "tilelang", "cpu") == (False, "tilelang: no CUDA device")
+        assert dispatch.backend_status("rms_norm", "torch", "cpu") == (True, "ok")
 
 
 @pytest.mark.gpu
@@ -309,7 +309,7 @@ class _FakeGpu:
                             "stream": lambda s: contextlib.nullcontext(), "current_stream": lambda: stream(),
                             "synchronize": lambda: None, "_sleep": lambda cycles: self.launch(0.5e-3)}.items():
             monkeypatch.setattr(torch.cuda, name, value, raising=False)
-        monkeypatch.setattr(timing, "flush_l2", lambda device=None, size=0: self.launch(40e-6))
+        monkeypatch.setattr(timing.gpu, "flush_l2", lambda device=None, size=0: self.launch(40e-6))
 
     def launch(self, seconds):
         if self.capturing is not None:

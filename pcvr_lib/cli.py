@@ -22,20 +22,23 @@ import os
 import sys
 import traceback
 
+from pcvr_lib.errors import CommandError, Interrupted
+
 # subcommand -> (module, one-line help)
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("pcvr_lib.data.generate", "write demo-like PCVR parquet data from a schema"),
     "inspect": ("pcvr_lib.data.inspect_file", "what a parquet file holds: rows, list order, nulls, out-of-vocab"),
     "report": ("pcvr_lib.report", "print a pytest-benchmark JSON file as a table (--view summary|cases|optim|data)"),
-    "diff": ("pcvr_lib.compare", "compare two stored benchmark runs against the noise floor (exit 1: regressed)"),
-    "noise": ("pcvr_lib.compare", "run the suite N times (or read runs) and store the noise floor"),
-    "compare": ("pcvr_lib.compare", "interleaved A-B-B-A runs of a base tree and this one, with bootstrap intervals"),
-    "train": ("pcvr_lib.train", "train a PCVR model: checkpoints, training_summary/telemetry JSON"),
-    "val": ("pcvr_lib.train", "evaluate a checkpoint: evaluation.json, validation_predictions.jsonl"),
-    "infer": ("pcvr_lib.train", "score every row with a checkpoint: predictions.json"),
+    "diff": ("pcvr_lib.compare.diff", "compare two stored benchmark runs against the noise floor (exit 1: regressed)"),
+    "noise": ("pcvr_lib.compare.noise", "run the suite N times (or read runs) and store the noise floor"),
+    "compare": ("pcvr_lib.compare.interleaved",
+                "interleaved A-B-B-A runs of a base tree and this one, with bootstrap intervals"),
+    "train": ("pcvr_lib.train.commands", "train a PCVR model: checkpoints, training_summary/telemetry JSON"),
+    "val": ("pcvr_lib.train.commands", "evaluate a checkpoint: evaluation.json, validation_predictions.jsonl"),
+    "infer": ("pcvr_lib.train.commands", "score every row with a checkpoint: predictions.json"),
     "plot-diagnostics": ("pcvr_lib.diagnostics", "the five smoke diagnostic figures + summary JSON"),
     "smoke": ("pcvr_lib.smoke", "every model x seed: train, val, infer, then the diagnostics"),
-    "models": ("pcvr_lib.models.counts", "the registered models' parameter counts (total, tables, dense)"),
+    "models": ("pcvr_lib.model_counts", "the registered models' parameter counts (total, tables, dense)"),
 }
 
 EXIT_ERROR = 2  # bad input, refused request (argparse uses 2 too)
@@ -43,38 +46,11 @@ EXIT_BUG = 1
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as a shell reports it
 
 
-class CommandError(Exception):
-    """A known failure of a command (bad input, refused request); the message says what and where."""
-
-
-class Interrupted(KeyboardInterrupt):
-    """Ctrl-C caught by a command that knows where it stopped; the message says so."""
-
-
 class _Parser(argparse.ArgumentParser):
     """argparse with the boundary's one-line error form (argparse prints the usage first)."""
 
     def error(self, message: str):
         self.exit(EXIT_ERROR, f"{self.prog}: error: {message} (see {self.prog} --help)\n")
-
-
-def check_writable(folder, option: str) -> None:
-    """Create `folder` if needed and prove a file can be written there: commands call this before any long
-    work, so that a locked or impossible output path fails in the first second, not after the work."""
-    import tempfile
-    from pathlib import Path
-
-    folder = Path(folder)
-    for parent in (folder, *folder.parents):
-        if parent.exists() and not parent.is_dir():
-            raise CommandError(f"{option} {folder}: {parent} is a file, not a folder; choose another path")
-    try:
-        folder.mkdir(parents=True, exist_ok=True)
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".pcvr-write-check-"):
-            pass
-    except OSError as exc:
-        raise CommandError(f"{option} {folder} is not writable ({exc.strerror or exc}); choose a writable "
-                           "path") from exc
 
 
 def _version() -> str:

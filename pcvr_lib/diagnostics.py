@@ -16,8 +16,8 @@ with sample SD and min-max whiskers; prediction seed drift = per-sample sample S
 Quality metrics come from training_summary.json's validation_metrics (metric_source
 "training_validation") and fall back to evaluation.json's metrics ("evaluation").
 
-Fixed relative to the reference: sample SD (ddof=1) where it computed the population SD, and Spearman
-where it computed Pearson, as its documentation says.
+Where this differs from the reference: sample SD (ddof=1) where it computes the population SD, and
+Spearman where it computes Pearson (its documentation says Spearman).
 """
 
 from __future__ import annotations
@@ -615,7 +615,7 @@ def plot_diagnostics(
     summary = summarise(runs, groups, group_by, warnings)
     summary["partial"] = bool(warnings and allow_partial)
     out = Path(output_dir)
-    from pcvr_lib.cli import check_writable
+    from pcvr_lib.errors import check_writable
 
     check_writable(out, "--output-dir")
     if figures:

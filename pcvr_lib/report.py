@@ -3,7 +3,7 @@
 Views: `summary` (every case, the extra_info columns it has), `cases` (kernels: one row per case with
 every backend's per-call [device] time and the ratios), `optim` (optimizers), `data` (data pipeline),
 `models` (model x backend x phase).
-Comparisons of runs live in pcvr_lib/compare.py (`pcvr diff`, `pcvr compare`, `pcvr noise`).
+Comparisons of runs live in pcvr_lib/compare/ (`pcvr diff`, `pcvr compare`, `pcvr noise`).
 """
 
 from __future__ import annotations
@@ -236,7 +236,7 @@ def data_view(data: dict) -> str:
 
 def models_view(data: dict) -> str:
     """Markdown, one row per (model, phase) of perf_tests/test_models.py: each backend's per-call us [device
-    us], and the fastest of triton/tilelang against torch (per call: what the issue's 1.2x target reads)."""
+    us], and the fastest of triton/tilelang against torch (per call: the time the 1.2x target is set on)."""
     cases: dict = {}
     notes: dict = {}
     for b in data["benchmarks"]:

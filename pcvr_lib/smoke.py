@@ -176,8 +176,9 @@ def smoke(
     stream=sys.stdout,
 ) -> dict[str, Any]:
     from pcvr_lib.data.generate import generate_dataset
+    from pcvr_lib.errors import check_writable
     from pcvr_lib.models import model_class
-    from pcvr_lib.train import check_writable, resolve_device
+    from pcvr_lib.train import resolve_device
 
     resolve_device(device)
     schema = load_smoke_schema()

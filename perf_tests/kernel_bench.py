@@ -1,13 +1,13 @@
 """Shared case runner for the kernel benchmarks (norms, embedding bag, attention).
 
-Every case: skip with the registry's reason when the backend cannot run here; check the result
+Every case: skip with the dispatcher's (or the peers table's) reason when the backend cannot run here; check the result
 against the fp64 reference FIRST (a mismatch fails the case, nothing is timed); time with
 `pcvr_lib.timing.bench_gpu`; fill `extra_info` with bytes, GB/s, fraction of the measured copy ceiling,
 speedup vs torch eager measured in the same run, speedup vs the best peer measured in the same run,
 max errors and compile seconds.
 
-Speedups need the baselines' times: parametrize so that "torch" comes first and the peers
-("torch_compile", "liger") before our backends. When torch eager has not run yet for a case key (e.g.
+Speedups need the baselines' times: parametrize so that "torch" comes first and the other peers
+(perf_tests/peers.py) before our backends. When torch eager has not run yet for a case key (e.g.
 `-k triton`), the runner times it itself with the same timer, untouched by pytest-benchmark.
 """
 
@@ -22,11 +22,10 @@ import pytest
 import torch
 
 from pcvr_lib import timing
-from pcvr_lib.kernels import registry
+from pcvr_lib.kernels import dispatch
 from pcvr_lib.kernels.tolerance import DTYPE_NAMES
+from perf_tests import peers
 
-# every peer name of conftest.PEERS: the attention ones too (SDPA forced or with its boolean mask, flex)
-PEERS = ("torch", "torch_compile", "liger", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flex")
 DTYPES = {name: dtype for dtype, name in DTYPE_NAMES.items() if dtype != torch.float64}  # "fp16" -> torch.float16
 
 
@@ -59,20 +58,16 @@ def require_gpu_backend(op: str, backend: str) -> torch.device:
         pytest.skip("time budget of this run (PCVR_BENCH_DEADLINE) used up")
     if not torch.cuda.is_available():
         pytest.skip(f"{backend}: no CUDA device (GPU benchmark)")
-    ok, reason = registry.backend_status(op, backend, "cuda") if backend in registry.op_backends(op) else (
-        _peer_status(backend))
+    if backend in dispatch.op_backends(op):
+        ok, reason = dispatch.backend_status(op, backend, "cuda")
+    elif peers.is_peer(backend):
+        ok, reason = peers.status(backend, "cuda")
+    else:
+        raise ValueError(f"{op}: {backend!r} is neither a backend of ours ({', '.join(dispatch.op_backends(op))}) "
+                         f"nor a peer ({', '.join(peers.PEERS)})")
     if not ok:
         pytest.skip(reason)
     return torch.device("cuda")
-
-
-def _peer_status(backend: str) -> tuple[bool, str]:
-    info = registry.BACKENDS[backend]
-    if info.package:
-        problem = registry.package_problem(info.package)
-        if problem:
-            return False, f"{backend}: {problem}"
-    return True, "ok"
 
 
 def quick_time(fn: Callable[[], object]) -> float:
@@ -107,10 +102,7 @@ def run_case(benchmark, *, key: CaseKey, backend: str, call: Callable[[], object
     max_abs, max_rel = check()
     benchmark.extra_info.update({"max_abs_error": max_abs, "max_rel_error": max_rel})
 
-    # torch.compile (also the flex_attention peer) recompiles and autotunes in every process: its device time is
-    # informational, never gated
-    timing_info = timing.bench_gpu(benchmark, call, rounds=rounds, graph=graph,
-                                   gated=backend not in ("torch_compile", "flex"))
+    timing_info = timing.bench_gpu(benchmark, call, rounds=rounds, graph=graph, gated=peers.gated(backend))
     if not benchmark.enabled:
         return dict(benchmark.extra_info)
     per_call_s = timing_info["per_call_us"] / 1e6
@@ -138,12 +130,12 @@ def run_case(benchmark, *, key: CaseKey, backend: str, call: Callable[[], object
     if "torch" in _TIMES[key]:
         info["torch_us"] = round(_TIMES[key]["torch"] * 1e6, 3)
         info["speedup_vs_torch"] = round(_TIMES[key]["torch"] / per_call_s, 3)
-    peers = {b: t for b, t in _TIMES[key].items() if b in PEERS and b != backend}
-    if peers and backend not in PEERS:
-        best = min(peers, key=peers.get)
+    peer_times = {b: t for b, t in _TIMES[key].items() if peers.is_peer(b) and b != backend}
+    if peer_times and not peers.is_peer(backend):
+        best = min(peer_times, key=peer_times.get)
         info["best_peer"] = best
-        info["best_peer_us"] = round(peers[best] * 1e6, 3)
-        info["speedup_vs_best_peer"] = round(peers[best] / per_call_s, 3)
+        info["best_peer_us"] = round(peer_times[best] * 1e6, 3)
+        info["speedup_vs_best_peer"] = round(peer_times[best] / per_call_s, 3)
     benchmark.extra_info.update(info)
     return dict(benchmark.extra_info)
 

@@ -10,7 +10,7 @@ Standalone, the numbers in notes/data-convert.md (--multiplier defaults to 30):
 the last one the cost of telling the order per row: list_order="auto" against the order given, interleaved
 in one process (which converter reads a batch first alternates, so neither always gets a warm source).
     python perf_tests/test_converter_micro.py --ab-rev REV [--data-order newest-first] [--strict] [--json X]
-the converter of git revision REV (its convert.py and C source, imported under another name) against the
+the converter of git revision REV (its pcvr_lib/data modules and C source, imported for the A side) against the
 checkout's, same batches, one process, interleaved A-B-B-A, thread CPU time, with the copy floor and the
 bytes each side must move measured in the same run, and the outputs checked bit-identical.
 """
@@ -18,11 +18,13 @@ bytes each side must move measured in the same run, and the outputs checked bit-
 from __future__ import annotations
 
 import argparse
-import importlib.util
+import importlib
+import io
 import json
 import os
 import subprocess
 import sys
+import tarfile
 import tempfile
 import time
 from pathlib import Path
@@ -197,19 +199,29 @@ def ab_list_order(schema, batches, data_order: str, strict: bool, passes: int) -
 
 
 def converter_at(rev: str):
-    """The Converter class of pcvr_lib/data/convert.py at git revision `rev`, with that revision's C source
-    beside it (compiled into its own cached library), imported as a separate module."""
+    """The Converter class of git revision `rev`: that revision's pcvr_lib/data (the converter's modules and
+    their C source) imported in place of the checkout's while the converter is imported, then the checkout's
+    modules put back (the revision's stay reachable only through the class returned)."""
     folder = Path(tempfile.mkdtemp(prefix="pcvr-convert-"))
-    for name in ("convert.py", "convert_native.c"):
-        text = subprocess.run(
-            ["git", "show", f"{rev}:pcvr_lib/data/{name}"], cwd=ROOT, capture_output=True, text=True, check=True
-        ).stdout
-        (folder / name).write_text(text)
-    spec = importlib.util.spec_from_file_location(f"pcvr_convert_at_{rev}", folder / "convert.py")
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = module  # dataclasses look their module up
-    spec.loader.exec_module(module)
-    return module.Converter
+    archive = subprocess.run(["git", "archive", rev, "pcvr_lib/data"], cwd=ROOT, capture_output=True, check=True)
+    with tarfile.open(fileobj=io.BytesIO(archive.stdout)) as tar:
+        tar.extractall(folder, filter="data")
+    package = sys.modules["pcvr_lib.data"]
+    saved_path = package.__path__
+    saved = {name: module for name, module in sys.modules.items() if name.startswith("pcvr_lib.data.")}
+    saved_attrs = {name.rsplit(".", 1)[1]: getattr(package, name.rsplit(".", 1)[1], None) for name in saved}
+    try:
+        for name in saved:
+            del sys.modules[name]
+        package.__path__ = [str(folder / "pcvr_lib" / "data")]
+        return importlib.import_module("pcvr_lib.data.convert").Converter
+    finally:
+        for name in [name for name in sys.modules if name.startswith("pcvr_lib.data.")]:
+            del sys.modules[name]
+        sys.modules.update(saved)
+        package.__path__ = saved_path
+        for attr, module in saved_attrs.items():
+            setattr(package, attr, module)
 
 
 def ab_revisions(schema, batches, rev: str, strict: bool, passes: int) -> dict:

@@ -7,7 +7,7 @@ torch whatever the switch is listed in notes/models.md (queryformer's per-column
 GPU: batch 256 at the reference's sequence lengths (the demo schema's 256/256/512/512), reference widths
 and depths, tables capped at `GPU_TABLE_CAP` rows per feature (a step touches only the batch's rows; the
 reference's 2.2B-parameter queryformer tables would take minutes to build per case). The batch is a
-seeded random one (`smoke_tests.model_checks.random_batch`). CPU: a tiny config, torch only (the Triton
+seeded random one (`pcvr_lib.workloads.models.random_batch`). CPU: a tiny config, torch only (the Triton
 interpreter cannot run the fp32 models' bf16 attention; smoke_tests/test_model_backends.py checks the
 norms and the embedding in the models, and every attention call site in fp16), run once under
 --benchmark-disable in CI.
@@ -38,12 +38,12 @@ import torch
 import torch.nn.functional as F
 
 from pcvr_lib import timing
-from pcvr_lib.kernels import registry
+from pcvr_lib.kernels import dispatch
 from pcvr_lib.kernels.tolerance import ULP, flash_rule, max_abs_error
 from pcvr_lib.models import model_names
 from pcvr_lib.models.step import ModelStep
 from pcvr_lib.schema import load_schema
-from smoke_tests.model_checks import DEMO_SCHEMA, GPU_BATCH, GPU_TABLE_CAP, demo_schema, random_batch
+from pcvr_lib.workloads.models import DEMO_SCHEMA, GPU_BATCH, GPU_TABLE_CAP, demo_schema, random_batch
 
 CUDA = torch.cuda.is_available()
 BACKENDS = ("torch", "triton", "tilelang")
@@ -184,7 +184,7 @@ def test_model(benchmark, name, backend, phase):
         if not CUDA:
             pytest.skip(f"{backend}: no CUDA device (the CPU checks on Triton's interpreter are in "
                         "smoke_tests/test_model_backends.py)")
-        ok, why = registry.backend_status("flash_attention", backend, "cuda")
+        ok, why = dispatch.backend_status("flash_attention", backend, "cuda")
         if not ok:
             pytest.skip(f"{backend}: {why}")
     benchmark.group = f"model={name},phase={phase}"

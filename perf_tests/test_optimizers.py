@@ -1,6 +1,6 @@
 """Optimizer benchmarks: optimizer x device x workload, `optimizer.step` alone and the whole train step.
 
-Workloads (pcvr_lib.optim.workloads): the reference's synthetic MLP (batch 512, features 2x128, hidden 512,
+Workloads (pcvr_lib.workloads.optim): the reference's synthetic MLP (batch 512, features 2x128, hidden 512,
 depth 4) and `pcvr_dense`, the dense parameter shapes of a representative PCVR model. With data scale "ci"
 (env CI set) both are shrunk so that every case runs once quickly; the ids stay the same.
 
@@ -29,7 +29,7 @@ import torch
 from pcvr_lib import timing
 from pcvr_lib.optim import OptimizerSet, build_optimizer, orthogonality_error, orthogonalize, train_step
 from pcvr_lib.optim.newton_schulz import resolve_coefficients
-from pcvr_lib.optim.workloads import make_task, pcvr_dense_shapes
+from pcvr_lib.workloads.optim import make_task, pcvr_dense_shapes
 
 # id -> (registry name, options, lr, devices it is a distinct variant on)
 VARIANTS = {

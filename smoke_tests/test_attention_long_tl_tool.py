@@ -10,10 +10,11 @@ import types
 import torch
 import torch.nn.functional as F
 
-from pcvr_lib.kernels.attention import config, tune
+from pcvr_lib.kernels.attention import config
+from pcvr_lib.workloads import attention as workload
 from smoke_tests.tool_loader import load_tool
 
-WRONG_FWD = tune.TILELANG_FWD_LONG[64][1]
+WRONG_FWD = workload.TILELANG_FWD_LONG[64][1]
 
 
 def _stand_in(wrong_config=None):
@@ -40,14 +41,14 @@ def test_sweep_case_checks_before_timing(tmp_path, monkeypatch):
 
     rows = {(r["dir"], r["backend"], r["config"]): r for r in record.rows}
     fwd_tl = [r for r in record.rows if r["dir"] == "fwd" and r["backend"] == "tilelang"]
-    fwd_configs = {config.TILELANG_FWD_CONFIGS[(64, 2)], *tune.TILELANG_FWD_LONG[64]}
+    fwd_configs = {config.TILELANG_FWD_CONFIGS[(64, 2)], *workload.TILELANG_FWD_LONG[64]}
     assert len(fwd_tl) == len(fwd_configs)  # the default, then every other candidate
     wrong = rows[("fwd", "tilelang", str(WRONG_FWD))]
     assert "max error" in wrong["error"] and "device_us" not in wrong
     good = [r for r in record.rows if r["backend"] in ("triton", "tilelang") and r["config"] != str(WRONG_FWD)]
     assert all(r.get("device_us") == 1000.0 and r["max_err"] >= 0 for r in good), good
     bwd_tl = [r for r in record.rows if r["dir"] == "fwd+bwd" and r["backend"] == "tilelang"]
-    assert len(bwd_tl) == len({config.TILELANG_BWD_CONFIGS[(64, 2)], *tune.TILELANG_BWD_LONG[64]})
+    assert len(bwd_tl) == len({config.TILELANG_BWD_CONFIGS[(64, 2)], *workload.TILELANG_BWD_LONG[64]})
     assert len(timed) == len(good)  # the wrong candidate was never timed; cuDNN fails on the CPU
     assert json.loads((tmp_path / "attention_long_tl.json").read_text())["rows"] == record.rows
     table = tool.table(record.rows)

@@ -118,7 +118,7 @@ def test_dry_run_checks_first_and_writes_json(tmp_path, monkeypatch):
     assert result["summary"][case]["best_sdpa"] == "sdpa_math"
     assert result["summary"][case]["ours"]["torch"]["verdict"] in ("met", "missed", "unclear")
 
-    from perf_tests import test_kernels_attention as bench
+    from perf_tests import test_attention as bench
 
     real = bench.flash_attention
 

@@ -1,4 +1,4 @@
-"""The command line keeps its word (issue 14): every case a new user hit, run in-process through
+"""The command line keeps its word: every case a new user hit, run in-process through
 `pcvr_lib.cli.main`. Bad input ends in exit 2 and one line `pcvr <command>: error: ...` naming the file or
 option at fault, before any long work; never a traceback, a hang or a wrong number."""
 
@@ -19,7 +19,8 @@ import pcvr_lib.train as trainer
 from pcvr_lib.cli import COMMANDS, build_parser
 from pcvr_lib.cli import main as cli_main
 from pcvr_lib.data.generate import generate_dataset
-from smoke_tests.model_checks import DEMO_SCHEMA
+from pcvr_lib.train import commands, evaluate, loop
+from pcvr_lib.workloads.models import DEMO_SCHEMA
 
 ROWS = 120
 MAX_LENS = "seq_a:6,seq_b:6,seq_c:6,seq_d:6"
@@ -96,7 +97,7 @@ def test_unexpected_errors_are_labelled_bugs(capsys, monkeypatch, data, tmp_path
     def boom(*args, **kwargs):
         raise RuntimeError("a bug")
 
-    monkeypatch.setattr(trainer, "train", boom)
+    monkeypatch.setattr(commands, "train", boom)
     assert cli_main(["train", *TRAIN, "--data", str(data), "--run-dir", str(tmp_path / "r")]) == 1
     err = capsys.readouterr().err
     assert err.strip() == ("pcvr train: internal error RuntimeError: a bug (a bug; rerun with --debug for the "
@@ -242,7 +243,7 @@ def test_random_bytes_as_checkpoint(payload, run, tmp_path, capsys):
     shutil.copytree(_checkpoint(run), folder)
     (folder / trainer.MODEL_FILE).write_bytes(payload)
     manifest = json.loads((folder / trainer.MANIFEST_FILE).read_text())
-    manifest["sha256"][trainer.MODEL_FILE] = trainer._sha256(folder / trainer.MODEL_FILE)
+    manifest["sha256"][trainer.MODEL_FILE] = trainer.file_sha256(folder / trainer.MODEL_FILE)
     (folder / trainer.MANIFEST_FILE).write_text(json.dumps(manifest))
     assert cli_main(["infer", "--checkpoint", str(folder), "--result-dir", str(tmp_path / "res")]) == 2
     one_error_line(capsys, "infer", str(folder / trainer.MODEL_FILE))
@@ -272,8 +273,8 @@ def test_unwritable_outputs_fail_before_the_work(run, data, tmp_path, capsys, mo
     def no_work(*args, **kwargs):
         raise AssertionError("the work started although the output cannot be written")
 
-    monkeypatch.setattr(trainer, "_train", no_work)
-    monkeypatch.setattr(trainer, "predict_batches", no_work)
+    monkeypatch.setattr(loop, "_train", no_work)
+    monkeypatch.setattr(evaluate, "predict_batches", no_work)
     assert cli_main(["train", *TRAIN, "--data", str(data), "--run-dir", str(blocker / "run")]) == 2
     one_error_line(capsys, "train", "--run-dir", f"{blocker} is a file, not a folder")
     assert cli_main(["infer", "--checkpoint", str(run), "--result-dir", str(blocker / "out")]) == 2
@@ -343,9 +344,7 @@ def test_resume_refuses_other_options(run_copy, data, capsys):
 
 
 def test_ctrl_c_says_where_it_stopped(data, tmp_path, capsys, monkeypatch):
-    from pcvr_lib import optim
-
-    real = optim.train_step
+    real = loop.train_step
     calls = {"n": 0}
 
     def interrupted_at_step_3(*args, **kwargs):
@@ -354,7 +353,7 @@ def test_ctrl_c_says_where_it_stopped(data, tmp_path, capsys, monkeypatch):
             raise KeyboardInterrupt
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(optim, "train_step", interrupted_at_step_3)
+    monkeypatch.setattr(loop, "train_step", interrupted_at_step_3)
     run_dir = tmp_path / "stopped"
     assert cli_main(["train", *TRAIN, "--data", str(data), "--run-dir", str(run_dir), "--steps", "4",
                      "--eval-every", "2"]) == 130
@@ -431,7 +430,7 @@ def test_disk_errors_are_not_blamed_on_the_data(data, tmp_path, capsys, monkeypa
     def disk_full(*args, **kwargs):
         raise OSError(28, "No space left on device", str(tmp_path / "r" / "x"))
 
-    monkeypatch.setattr(trainer, "save_checkpoint", disk_full)
+    monkeypatch.setattr(loop, "save_checkpoint", disk_full)
     assert cli_main(["train", *TRAIN, "--data", str(data), "--run-dir", str(tmp_path / "r"), "--steps", "1"]) == 2
     line = one_error_line(capsys, "train", f"{tmp_path / 'r' / 'x'}: no space left on device")
     assert str(data) not in line

@@ -14,12 +14,12 @@ import argparse
 import pytest
 import torch
 
-from pcvr_lib.kernels import registry
+from pcvr_lib.kernels import dispatch
 from pcvr_lib.kernels.tolerance import assert_close
 from pcvr_lib.models import model_names
 from pcvr_lib.models.step import ModelStep
 from pcvr_lib.train import TrainError, add_backend_arguments, backend_overrides
-from smoke_tests.model_checks import demo_schema, random_batch
+from pcvr_lib.workloads.models import demo_schema, random_batch
 
 TINY = {"vocab_cap": 64, "d_model": 48, "num_heads": 2, "num_blocks": 1, "emb_dim": 16}
 
@@ -38,8 +38,8 @@ def _logits(name, schema, batch, **backends):
 def test_triton_norms_and_embedding_give_the_torch_loss(name, monkeypatch):
     if torch.cuda.is_available():
         pytest.skip("CPU interpreter check; on a GPU perf_tests/test_models.py checks every backend")
-    if registry.package_problem("triton"):
-        pytest.skip(f"triton: {registry.package_problem('triton')}")
+    if dispatch.package_problem("triton"):
+        pytest.skip(f"triton: {dispatch.package_problem('triton')}")
     monkeypatch.setenv("TRITON_INTERPRET", "1")  # restored after the test
     schema = demo_schema(max_len=6)
     batch = random_batch(schema, batch=2, seed=3)
@@ -79,8 +79,8 @@ def test_models_report_view_compares_the_fastest_backend_with_torch():
 
 
 def _kernel_and_torch(monkeypatch, **args):
-    """common.attention on the Triton kernels (interpreter, fp16) and on torch (fp32 of the same inputs)."""
-    from pcvr_lib.models.common import attention
+    """kernel_ops.attention on the Triton kernels (interpreter, fp16) and on torch (fp32 of the same inputs)."""
+    from pcvr_lib.models.kernel_ops import attention
 
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     gen = torch.Generator().manual_seed(0)
@@ -106,7 +106,7 @@ def test_attention_call_sites_on_the_kernels_match_torch(case, monkeypatch):
     """Each mask the models pass (baseline/queryformer/dualq cross, onetrans, tokenformer's two kinds of
     block, symbiosis' roles) gives torch's output on valid queries through the Triton kernels (fp16 under
     the interpreter: the models' fp32 calls run in bf16, which the interpreter cannot)."""
-    if torch.cuda.is_available() or registry.package_problem("triton"):
+    if torch.cuda.is_available() or dispatch.package_problem("triton"):
         pytest.skip("CPU interpreter check")
     from pcvr_lib.kernels.attention import role_mask
 
@@ -158,7 +158,7 @@ def test_every_switch_on_triton_gives_the_torch_loss_by_the_benchmarks_rule(name
     torch's own error when its SDPA runs in the same precision (its own masks, so a routing bug of the
     kernels' path cannot widen the bound), plus one fp16 ulp of the largest logit. Fails when symbiosis
     sends its role mask without the key validity (checked by hand)."""
-    if torch.cuda.is_available() or registry.package_problem("triton"):
+    if torch.cuda.is_available() or dispatch.package_problem("triton"):
         pytest.skip("CPU interpreter check")
     from pcvr_lib.kernels.tolerance import flash_rule, max_abs_error
 

@@ -13,7 +13,7 @@ from pcvr_lib.data.batch import SequenceBlock
 from pcvr_lib.models import build_model, model_names
 from pcvr_lib.models.symbiosis import select_events
 from pcvr_lib.optim import build_optimizer_set, train_step
-from smoke_tests.model_checks import demo_schema, random_batch
+from pcvr_lib.workloads.models import demo_schema, random_batch
 
 MODELS = model_names()
 TINY = {"vocab_cap": 64}

@@ -10,7 +10,7 @@ import torch
 
 from pcvr_lib.models import build_model, model_class, model_names
 from pcvr_lib.train import TrainConfig, load_checkpoint, save_checkpoint
-from smoke_tests.model_checks import demo_schema, random_batch
+from pcvr_lib.workloads.models import demo_schema, random_batch
 
 MODELS = model_names()
 

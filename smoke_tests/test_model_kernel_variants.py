@@ -1,7 +1,7 @@
 """The carried TileLang cache must hold every variant the model-level benchmark uses: on the H200 a
-missing one compiles inside the test for 30-80 s (issue 12: dualq's TileLang case did not finish).
+missing one compiles inside the test for 30-80 s (a model case can then run out of its time).
 
-The models' calls are recorded on CPU (pcvr_lib.models.kernel_variants: every switch on tilelang, the
+The models' calls are recorded on CPU (pcvr_lib.workloads.model_kernels: every switch on tilelang, the
 kernel entry points replaced by recorders that run torch) and compared with the committed list the
 precompile manifest adds."""
 
@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-from pcvr_lib.kernels.precompile import OPS, tilelang_jobs
-from pcvr_lib.models.kernel_variants import MODEL_VARIANTS, Recorder, record
+from pcvr_lib.precompile import OPS, tilelang_jobs
+from pcvr_lib.workloads.model_kernels import MODEL_VARIANTS, Recorder, record
 
 
 def test_the_committed_model_variants_are_what_the_models_call():
@@ -20,7 +20,7 @@ def test_the_committed_model_variants_are_what_the_models_call():
         unused = sorted(set(MODEL_VARIANTS[op]) - set(recorded[op]), key=str)
         assert not missing and not unused, (
             f"{op}: the models now call TileLang variants {missing} not in MODEL_VARIANTS, and no longer "
-            f"{unused}; regenerate with `python3 -m pcvr_lib.models.kernel_variants` and rebuild the pack")
+            f"{unused}; regenerate with `python3 -m pcvr_lib.workloads.model_kernels` and rebuild the pack")
 
 
 def test_the_precompile_manifest_holds_every_model_variant():

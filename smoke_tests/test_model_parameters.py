@@ -8,8 +8,8 @@ import json
 import pytest
 
 from pcvr_lib.cli import main as cli_main
+from pcvr_lib.model_counts import REFERENCE_PARAMETERS, format_table, parameter_rows
 from pcvr_lib.models import model_names
-from pcvr_lib.models.counts import REFERENCE_PARAMETERS, format_table, parameter_rows
 
 
 @pytest.fixture(scope="module")

@@ -7,18 +7,11 @@ import pytest
 import torch
 
 from pcvr_lib.data.batch import SequenceBlock
-from pcvr_lib.models.common import (
-    TIME_BOUNDARIES_SEC,
-    FeatureEmbeddings,
-    attention,
-    pack_segments,
-    rms_norm,
-    sequence_stats,
-    time_buckets,
-    trim_sequence,
-)
+from pcvr_lib.models.common import FeatureEmbeddings
+from pcvr_lib.models.kernel_ops import attention, rms_norm
 from pcvr_lib.models.onetrans import dedup_tail, keep_newest
-from smoke_tests.model_checks import demo_schema, random_batch
+from pcvr_lib.models.sequences import TIME_BOUNDARIES_SEC, pack_segments, sequence_stats, time_buckets, trim_sequence
+from pcvr_lib.workloads.models import demo_schema, random_batch
 
 
 def test_time_buckets_match_the_rule():

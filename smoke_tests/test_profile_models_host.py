@@ -13,7 +13,7 @@ TINY = {"vocab_cap": 64, "d_model": 48, "num_heads": 2, "num_blocks": 1, "emb_di
 
 def test_host_profile_cpu(tmp_path, capsys):
     tool = load_tool("profile_models")
-    from smoke_tests.model_checks import demo_schema, random_batch
+    from pcvr_lib.workloads.models import demo_schema, random_batch
 
     schema = demo_schema(8)
     batch = random_batch(schema, batch=4, seed=3)

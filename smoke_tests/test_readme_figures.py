@@ -118,7 +118,7 @@ def optim_claims() -> list[str]:
     muon, ortho = step(main, "muon", "mlp"), step(main, "orthogonal_adamw", "mlp")
     muon_d, ortho_d = step(main, "muon", "pcvr_dense"), step(main, "orthogonal_adamw", "pcvr_dense")
     ortho_follow = step(follow, "orthogonal_adamw", "pcvr_dense")
-    current = "h200/optim_current.json"  # stats hold device time since issue 10; per-call in extra_info
+    current = "h200/optim_current.json"  # stats hold device time; per-call in extra_info
 
     def now(variant):
         b = named(current, f"test_optimizer_step[optimizer={variant},device=cuda,workload=pcvr_dense]")
@@ -161,7 +161,7 @@ def data_claims() -> list[str]:
 
 
 def attention_model_claims() -> list[str]:
-    """Issue 12's table at the models' attention shapes (attention_models.json): per shape and direction, the best
+    """The table at the models' attention shapes (attention_models.json): per shape and direction, the best
     peer (SDPA or flex) and the best of ours by device time, their ratio, the per-call ratio, met at 1.5x."""
     cases = {}
     for b in snapshot("h200/attention_models.json"):

@@ -142,7 +142,7 @@ def _host_verdicts(rows):
 
 
 def test_host_time_is_compared_on_the_base_runs_host_speed(tmp_path):
-    """Another session's host issues every call 2x slower: with the host probe 2x slower too, nothing is
+    """Another host issues every call 2x slower: with the host probe 2x slower too, nothing is
     flagged; a launcher 1.5x slower on an unchanged host (probe the same) is flagged in every case and shows as
     the group's host shift; without a probe the group's median ratio is the factor, so a common shift is no
     per-case alarm but its own `host shift` row, while one case out of line is still flagged."""
@@ -154,7 +154,7 @@ def test_host_time_is_compared_on_the_base_runs_host_speed(tmp_path):
     (shift,) = [r for r in rows if r.verdict == "host shift"]
     assert shift.case == "group rms_norm fwd" and shift.change == pytest.approx(0.0) and "probe" in shift.why
     assert not compare.failed(rows)
-    assert compare.failed(compare.diff_runs(base, slower_host, None, normalise_host=False))  # the rule before
+    assert compare.failed(compare.diff_runs(base, slower_host, None, normalise_host=False))  # gated as measured
     launcher = _host_run(tmp_path / "c.json", [1.5 * h for h in hosts], probe_us=5.0)
     rows = compare.diff_runs(base, launcher, None)
     assert set(_host_verdicts(rows).values()) == {"REGRESSED"}

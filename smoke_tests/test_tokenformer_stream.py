@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from pcvr_lib.models import build_model
-from smoke_tests.model_checks import demo_schema, random_batch
+from pcvr_lib.workloads.models import demo_schema, random_batch
 
 WINDOW = 4  # events per domain in the stream (and the top blocks' sliding window): shorter than the rows
 

@@ -15,8 +15,8 @@ import pcvr_lib.train as trainer
 from pcvr_lib.cli import main as cli_main
 from pcvr_lib.data.generate import generate_dataset
 from pcvr_lib.metrics import auc
-from pcvr_lib.train import TrainConfig, TrainError, infer, train, validate
-from smoke_tests.model_checks import DEMO_SCHEMA
+from pcvr_lib.train import TrainConfig, TrainError, infer, loop, train, validate
+from pcvr_lib.workloads.models import DEMO_SCHEMA
 
 ROWS = 120
 MAX_LENS = "seq_a:6,seq_b:6,seq_c:6,seq_d:6"
@@ -97,7 +97,7 @@ def test_same_seed_same_training(data, tmp_path, finished_run):
 
 
 def test_non_finite_loss_skips_the_step(data, tmp_path, monkeypatch):
-    real = trainer.F.binary_cross_entropy_with_logits
+    real = loop.F.binary_cross_entropy_with_logits
     calls = {"n": 0}
 
     def poisoned(logits, target, *a, **k):
@@ -105,7 +105,7 @@ def test_non_finite_loss_skips_the_step(data, tmp_path, monkeypatch):
         loss = real(logits, target, *a, **k)
         return loss * float("nan") if calls["n"] == 2 else loss
 
-    monkeypatch.setattr(trainer.F, "binary_cross_entropy_with_logits", poisoned)
+    monkeypatch.setattr(loop.F, "binary_cross_entropy_with_logits", poisoned)
     summary = train(_config(data, tmp_path / "nan", steps=3))
     assert summary["skipped_steps"] == 1
     assert summary["losses"][1] is None and summary["losses"][0] is not None

@@ -1,4 +1,4 @@
-"""H200 sweep of the TileLang long-sequence candidates against Triton and cuDNN (issue 12, session 3).
+"""H200 sweep of the TileLang long-sequence candidates against Triton and cuDNN.
 
     python tools/attention_long_tl.py [--out DIR] [--shapes 16x8x1024x64,4x16x4096x128] [--dtypes fp16,bf16]
 
@@ -9,7 +9,7 @@ tune.py), through the backends' kernel entry points (no autograd), so the host's
 cuDNN through SDPA with autograd (its kernels only are counted). fwd+bwd = forward + backward kernels of one
 step (TileLang: the default forward with each backward candidate, and the best forward with the best
 backward). Every TileLang candidate must be in the carried disk cache (a compile on the H200 host costs
-30-80 s each): `python -m pcvr_lib.kernels.precompile flash_attention --arch sm_90a --tune`. A candidate
+30-80 s each): `python -m pcvr_lib.precompile flash_attention --arch sm_90a --tune`. A candidate
 that fails the check or raises is reported and never timed. Writes `attention_long_tl.json` to `--out`
 (default $OUT, else .), rewritten after every row, and prints one table last.
 """
@@ -30,11 +30,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pcvr_lib import timing  # noqa: E402
 from pcvr_lib.kernels import compile_log  # noqa: E402
-from pcvr_lib.kernels.attention import config, tune, workload  # noqa: E402
+from pcvr_lib.kernels.attention import config  # noqa: E402
 from pcvr_lib.kernels.attention import tilelang_impl as ti  # noqa: E402
 from pcvr_lib.kernels.attention import triton_impl as tr  # noqa: E402
 from pcvr_lib.kernels.attention.masks import length_bucket  # noqa: E402
+from pcvr_lib.kernels.attention.reference import reference  # noqa: E402
 from pcvr_lib.kernels.tolerance import flash_rule, max_abs_error  # noqa: E402
+from pcvr_lib.workloads import attention as workload  # noqa: E402
 
 DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
 
@@ -91,7 +93,7 @@ def sweep_case(record: Recorder, B: int, H: int, S: int, D: int, dname: str, dev
     q, k, v, do = (torch.randn(B, H, S, D, generator=g, device=device).to(dt) for _ in range(4))
     # fp64 reference and the error of SDPA's default dispatch in this dtype (the flash rule's baseline)
     q64, k64, v64 = (t.double().requires_grad_() for t in (q, k, v))
-    ref_o = workload.reference(q64, k64, v64, None, False, False)
+    ref_o = reference(q64, k64, v64, None, False, False)
     ref = [ref_o.detach(), *torch.autograd.grad(ref_o, (q64, k64, v64), do.double())]
     del q64, k64, v64, ref_o
     qs, ks, vs = (t.detach().requires_grad_() for t in (q, k, v))
@@ -131,7 +133,7 @@ def sweep_case(record: Recorder, B: int, H: int, S: int, D: int, dname: str, dev
     record(case, "triton", "default", fwd(tr), check)  # the long bucket's dispatch (triton_long where it applies)
     fwd_default = config.TILELANG_FWD_CONFIGS[(D, bucket)]
     best_fwd = None
-    for cfg in [fwd_default, *[c for c in tune.TILELANG_FWD_LONG.get(D, []) if c != fwd_default]]:
+    for cfg in [fwd_default, *[c for c in workload.TILELANG_FWD_LONG.get(D, []) if c != fwd_default]]:
         row = record(case, "tilelang", cfg, fwd(ti, cfg), check)
         if "device_us" in row and (best_fwd is None or row["device_us"] < best_fwd[1]):
             best_fwd = (cfg, row["device_us"])
@@ -141,7 +143,7 @@ def sweep_case(record: Recorder, B: int, H: int, S: int, D: int, dname: str, dev
     record(case, "triton", "default", step(tr), check)
     bwd_default = config.TILELANG_BWD_CONFIGS[(D, bucket)]
     best_bwd = None
-    for cfg in [bwd_default, *[c for c in tune.TILELANG_BWD_LONG.get(D, []) if c != bwd_default]]:
+    for cfg in [bwd_default, *[c for c in workload.TILELANG_BWD_LONG.get(D, []) if c != bwd_default]]:
         row = record(case, "tilelang", f"fwd {fwd_default}, bwd {cfg}", step(ti, fwd_default, cfg), check)
         if "device_us" in row and (best_bwd is None or row["device_us"] < best_bwd[1]):
             best_bwd = (cfg, row["device_us"])

@@ -3,10 +3,10 @@
     python3 tools/attention_pcvr_ab.py [--seconds 70] [--rounds 400] [--calls 40] [--dtypes bf16,fp16]
                                        [--masks key_lengths] [--directions fwd,fwd+bwd] [--out DIR]
 
-Issue 12's PCVR-shape target: forward+backward per call at most the best SDPA backend's per call, measured in
+The PCVR-shape target: forward+backward per call at most the best SDPA backend's per call, measured in
 one interleaved run. Implementations: ours (`triton`, `tilelang`) and SDPA forced to each backend with
 `torch.nn.attention.sdpa_kernel` (`sdpa_flash`, `sdpa_efficient`, `sdpa_cudnn`, `sdpa_math`), SDPA given the
-equivalent boolean mask built once outside the call (perf_tests/test_kernels_attention.py's `problem` and
+equivalent boolean mask built once outside the call (perf_tests/test_attention.py's `problem` and
 `make_call`: the same inputs, key lengths and mask as the benchmark). SDPA's flash kernel takes no mask and
 is left out of masked cases; a backend that refuses an input ("No available kernel") is reported and left out.
 
@@ -170,7 +170,7 @@ def build_blocks(device: str, dtypes, masks, directions, impls, shape=PCVR_SHAPE
 
     from pcvr_lib.kernels.testing import poisoned_outputs
     from pcvr_lib.kernels.tolerance import flash_rule
-    from perf_tests import test_kernels_attention as bench
+    from perf_tests import test_attention as bench
 
     blocks, skipped, wrong = {}, {}, {}
     for dtype in dtypes:

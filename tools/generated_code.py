@@ -10,7 +10,7 @@ files, so TREE must not change while it runs) and writes to OUT:
   key lengths and dropout, four tile configs: 320 files) and of every norm kernel of the workload manifest;
   with --cuda also the lowered sm_90a CUDA of 28 attention variants (about 4 s each here).
 - Triton: sm_90 PTX of the four norm kernels (widths 96 / 333 / 1024 / 16384, fp16 / bf16 / fp32, save flag).
-  It uses `rms_norm.triton_impl.compile_for`; a TREE from before it (5cc3ee7) gets this checkout's copy of it.
+  It uses the norms' `triton_impl.compile_for` (the norms package, or the rms_norm package of an older TREE).
 - Triton attention: sm_90 PTX of every kernel variant the workload can launch (`_triton_attention_variants`):
   triton_impl's fwd / dq / dkdv at each distinct tile config of head dims 16 / 32 / 64 / 128 and the one-tile
   backward, triton_long's fwd and bwd at their configs; every mask (none, key lengths, causal with and
@@ -20,13 +20,12 @@ files, so TREE must not change while it runs) and writes to OUT:
   disk-cached one takes milliseconds).
 `compare` sorts every file of OLD_OUT into identical / identical but for debug info (PTX `.loc` and `.file`
 lines, `$L__tmp` labels, `.debug` sections: line numbers move with any edit) / different, and lists the latter.
-Written for session 4's folding of repeated kernel code (notes/architecture.md).
+Use it around any change that moves kernel code without meaning to change it (notes/architecture.md).
 """
 
 from __future__ import annotations
 
 import argparse
-import ast
 import itertools
 import os
 import re
@@ -98,17 +97,21 @@ def _dump_triton_attention(write) -> None:
         write(f"ptx_attn_{tag}.ptx", compiled.asm["ptx"])
 
 
-def _norm_compile_for():
-    """compile_for of TREE's norm Triton module, or this checkout's copy of it run in TREE's module."""
-    from pcvr_lib.kernels.rms_norm import triton_impl
+def _norm_modules():
+    """(Triton module with compile_for, {op: TileLang KERNELS}, the norm workload) of TREE: the norms package, or the
+    separate rms_norm / layer_norm packages of a tree before it."""
+    try:
+        from pcvr_lib.kernels.norms import OPS, tilelang_impl, triton_impl
+        from pcvr_lib.workloads import norms as workload
 
-    if hasattr(triton_impl, "compile_for"):
-        return triton_impl.compile_for
-    with open(os.path.join(HERE, "pcvr_lib/kernels/rms_norm/triton_impl.py")) as f:
-        tree = ast.parse(f.read())
-    node = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "compile_for")
-    exec(compile(ast.Module([node], []), "compile_for", "exec"), vars(triton_impl))
-    return triton_impl.compile_for
+        return triton_impl, {op: tilelang_impl.KERNELS for op in OPS}, workload
+    except ModuleNotFoundError:
+        import importlib
+
+        from pcvr_lib.kernels.rms_norm import triton_impl, workload
+
+        kernels = {op: importlib.import_module(f"pcvr_lib.kernels.{op}.tilelang_impl").KERNELS for op in workload.OPS}
+        return triton_impl, kernels, workload
 
 
 def _dump(out: str, cuda: bool, only_triton_attention: bool = False) -> None:
@@ -129,8 +132,8 @@ def _dump(out: str, cuda: bool, only_triton_attention: bool = False) -> None:
 
     from pcvr_lib.kernels._tilelang import tl_dtype
     from pcvr_lib.kernels.attention import tilelang_impl as attention
-    from pcvr_lib.kernels.rms_norm import workload
 
+    norm_triton, norm_kernels, workload = _norm_modules()
     for which, D, dt, mode, kl, drop, cfg in _attention_variants():
         tag = f"attn_{which}_{D}_{dt}_{mode}_{kl}_{drop}_{'-'.join(map(str, cfg))}"
         write(f"tir_{tag}.txt", attention._PROGRAMS[which](D, dt, mode, kl, drop, *cfg).script(show_meta=True))
@@ -138,8 +141,7 @@ def _dump(out: str, cuda: bool, only_triton_attention: bool = False) -> None:
                 and (which == "dkdv" or cfg[0] == 128):
             write(f"cuda_{tag}.cu", attention.lower_source(which, D, dt, mode, kl, drop, cfg,
                                                            {"kind": "cuda", "arch": "sm_90a"}))
-    for op in workload.OPS:
-        kernels = __import__(f"pcvr_lib.kernels.{op}.tilelang_impl", fromlist=["KERNELS"]).KERNELS
+    for op, kernels in norm_kernels.items():
         for kind, n, dtype in workload.tilelang_variants(op):
             program = kernels.build((f"{op}.{kind}", n, dtype))()
             tag = f"{op}_{kind}_{n}_{tl_dtype(dtype)}"
@@ -148,7 +150,7 @@ def _dump(out: str, cuda: bool, only_triton_attention: bool = False) -> None:
                 with tvm.target.Target({"kind": "cuda", "arch": "sm_90"}):
                     lowered = tilelang.lower(program, target={"kind": "cuda", "arch": "sm_90"})
                 write(f"cuda_{tag}.cu", lowered.kernel_source)
-    compile_for = _norm_compile_for()
+    compile_for = norm_triton.compile_for
     for name, n, dt, flag in itertools.product(("rms_fwd", "rms_bwd", "ln_fwd", "ln_bwd"), (96, 333, 1024, 16384),
                                                ("fp16", "bf16", "fp32"), (True, False)):
         if name.endswith("bwd") and not flag:

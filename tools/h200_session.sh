@@ -18,7 +18,7 @@
 # noise: the gated kernel suite (torch.compile peers, sweeps and host parts left out) REPS times, one JSON
 #   per repetition ($OUT/noise_repN.json), then `pcvr noise --from` them into $OUT/noise_h200.json. Every GPU
 #   run's JSON holds the host-speed probe (machine_info.host_probe, timing.host_probe; noise.log prints it),
-#   which `pcvr diff` divides host-time ratios by across sessions (notes/comparison.md).
+#   which `pcvr diff` divides host-time ratios by between runs on different hosts (notes/comparison.md).
 # planted: the Triton RMSNorm cases with PCVR_PLANTED_NORM_TILE=256 (256 elements per program instead of
 #   2048: perf_tests/conftest.py), $OUT/planted_tile256.json, and `pcvr diff` of it against noise_rep1.
 #   (First, so that a budget cut falls on the last noise repetition, not on the planted run.)
@@ -26,19 +26,19 @@
 # committed noise file and fixtures.
 #
 # .cache/tlpack/tl.tar.xz is TileLang's disk cache built on a CPU machine for sm_90/sm_90a:
-#   TILELANG_CACHE_DIR=$PWD/.cache/tilelang python3 -m pcvr_lib.kernels.precompile --arch sm_90a --tune --workers 2
+#   TILELANG_CACHE_DIR=$PWD/.cache/tilelang python3 -m pcvr_lib.precompile --arch sm_90a --tune --workers 2
 #   mkdir -p .cache/tlpack && tar -C .cache -cJf .cache/tlpack/tl.tar.xz tilelang
-# REP_FROM numbers the noise repetitions from there (a second call in one lease: REP_FROM=3).
+# REP_FROM numbers the noise repetitions from there (a second call on the same machine: REP_FROM=3).
 # ACC_PATHS / ACC_S: the accuracy_parallel step's test paths and time limit (default: all, 300 s; the whole suite
-#   took 344-372 s with 8 workers in session 5, so give it a call of its own: ACC_S=480 ... warm accuracy_parallel).
+#   takes 344-372 s with 8 workers, so give it a call of its own: ACC_S=480 ... warm accuracy_parallel).
 # ACC_TODO=FILE: run only the node ids in FILE, the $OUT/accuracy_todo.txt of a call whose accuracy step was cut
 #   (copy it into the checkout first); the new accuracy_todo.txt lists what is still left.
-# ATTN_K / ATTN_S: perf_attention's -k selection (e.g. ATTN_K=model: the models' shapes) and time limit (150 s; the
-#   whole file, 144 cases, was 125 cases in at 127 s with its own warm-up in session 5; PCVR_ATTENTION_PRECOMPILED=1
-#   skips that warm-up when `warm` ran before).
+# ATTN_K / ATTN_S: perf_attention's -k selection (e.g. ATTN_K=model: the models' shapes) and time limit (150 s; with
+#   its own warm-up the whole file, 144 cases, needs about that: 125 of them are done after 127 s;
+#   PCVR_ATTENTION_PRECOMPILED=1 skips that warm-up when `warm` ran before).
 # SMOKE_JOBS: runs at once in each smoke step (default 1; the smoke's --jobs: more than one runs each run in a fresh
-#   process). Session 6 with 4: Triton's smoke 125 s (serial: ~13 s a run, ~270 s estimated), TileLang's 139 s, but
-#   torch's 113 s against 114.6 s serial (session 3): a process start per run eats the gain. Each run's train
+#   process). With 4: Triton's smoke 125 s (serial: ~13 s a run, ~270 s), TileLang's 139 s, but torch's 113 s
+#   against 114.6 s serial: a process start per run eats the gain. Each run's train
 #   seconds then share the GPU and the CPUs with the other runs: compare costs only between smokes with one value.
 # NOISE_K narrows the noise repetitions to a subset (e.g. NOISE_K=bf16) when the whole suite does not fit.
 # host_ab: tools/launch_host_ab.py between the tree in .trees/base (carry it) and this one.
@@ -51,8 +51,8 @@ mkdir -p .cache
 nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem,clocks.max.sm --format=csv > "$OUT/gpu.txt" 2>&1
 PYTEST="python3 -m pytest -q -p no:cacheprovider --tb=short"
 
-KERNEL_SUITE=(perf_tests/test_kernels.py perf_tests/test_kernels_embedding.py perf_tests/test_kernels_attention.py)
-GATED="not exploration and not host_part and not torch_compile"  # torch.compile peers are never gated
+KERNEL_SUITE=(perf_tests/test_norms.py perf_tests/test_embedding_bag.py perf_tests/test_attention.py)
+GATED="not torch_compile"  # torch.compile peers are never gated; sweeps and host probes are -m explore
 BUDGET=${BUDGET:-585}  # seconds for the whole command (the run tool's limit is 600)
 step() {  # step NAME SECONDS COMMAND...: run with a limit (cut to what is left of BUDGET), log to $OUT/NAME.log
   local name=$1 limit=$2; shift 2
@@ -67,9 +67,9 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit (cut to what is left 
 for s in "$@"; do
   case $s in
     warm)
-      step precompile 180 python3 -m pcvr_lib.kernels.precompile --workers 16 --run-triton ;;
+      step precompile 180 python3 -m pcvr_lib.precompile --workers 16 --run-triton ;;
     warm_norms)
-      step precompile 90 python3 -m pcvr_lib.kernels.precompile rms_norm layer_norm --workers 16 ;;
+      step precompile 90 python3 -m pcvr_lib.precompile rms_norm layer_norm --workers 16 ;;
     gpu_timer)
       step gpu_timer 60 $PYTEST accuracy_tests/test_timing.py ;;
     host_ab)
@@ -78,7 +78,7 @@ for s in "$@"; do
       step smoke 150 python3 -m pcvr_lib smoke --models all --seeds 17,42,97 --steps 20 --device cuda \
         --jobs "${SMOKE_JOBS:-1}" --out "$OUT/smoke_h200" ;;
     norm_sweep)
-      step norm_sweep 150 $PYTEST perf_tests/test_kernels.py -k "exploration or copy_rate" --benchmark-only \
+      step norm_sweep 150 $PYTEST perf_tests/test_norms.py -m "explore or not explore" -k "exploration or copy_rate" --benchmark-only \
         --benchmark-json="$OUT/norm_sweep.json" ;;
     accuracy)
       step accuracy 330 $PYTEST accuracy_tests --durations=15 ;;
@@ -104,35 +104,35 @@ for s in "$@"; do
     accuracy_attention)
       step accuracy 120 $PYTEST accuracy_tests/test_attention.py ;;
     sweep)
-      step norm_sweep 150 $PYTEST perf_tests/test_kernels.py -k "exploration or copy_rate" --benchmark-only \
+      step norm_sweep 150 $PYTEST perf_tests/test_norms.py -m "explore or not explore" -k "exploration or copy_rate" --benchmark-only \
         --benchmark-json="$OUT/norm_sweep.json"
-      step attention_tune 150 python3 -m pcvr_lib.kernels.attention.tune --workers 16 ;;
+      step attention_tune 150 python3 -m pcvr_lib.tune.attention --workers 16 ;;
     tune)
-      step attention_tune 150 python3 -m pcvr_lib.kernels.attention.tune --workers 16 ;;
-    tune_small)  # the models' head sizes 16 and 32 (issue 12's shapes): Triton tile candidates, unmasked
-      step attention_tune_small ${TUNE_SMALL_S:-130} python3 -m pcvr_lib.kernels.attention.tune --skip-tilelang \
+      step attention_tune 150 python3 -m pcvr_lib.tune.attention --workers 16 ;;
+    tune_small)  # the models' head sizes 16 and 32 at the models' shapes: Triton tile candidates, unmasked
+      step attention_tune_small ${TUNE_SMALL_S:-130} python3 -m pcvr_lib.tune.attention --skip-tilelang \
         --shapes 256x4x256x16,256x4x512x16,256x8x110x32 --dtype bf16 ;;
-    tune_masks)  # head dim 16 under the models' masks (session 6: the dK/dV tile tuned unmasked regressed the window
-      # backward 1.7x): tokenformer's window at S320, then the key-length shapes
+    tune_masks)  # head dim 16 under the models' masks (a dK/dV tile tuned without a mask can be far slower under
+      # one: 1.7x on the window backward): tokenformer's window at S320, then the key-length shapes
       # (dK/dV candidates only, 11 per shape, each compiled in turn in the sweep's one process)
-      step attention_tune_window ${TUNE_MASKS_S:-100} python3 -m pcvr_lib.kernels.attention.tune --skip-tilelang \
+      step attention_tune_window ${TUNE_MASKS_S:-100} python3 -m pcvr_lib.tune.attention --skip-tilelang \
         --mask window --kernels dkdv --shapes 256x4x320x16 --dtype bf16
-      step attention_tune_key_lengths ${TUNE_MASKS_S:-100} python3 -m pcvr_lib.kernels.attention.tune --skip-tilelang \
+      step attention_tune_key_lengths ${TUNE_MASKS_S:-100} python3 -m pcvr_lib.tune.attention --skip-tilelang \
         --mask key_lengths --kernels dkdv --shapes 256x4x256x16,256x4x512x16 --dtype bf16 ;;
-    tune_one_tile)  # the one-tile backward (Sq, Skv <= 128) against the two-kernel one, per head dim (session 4)
-      step attention_tune_one_tile 120 python3 -m pcvr_lib.kernels.attention.tune --skip-tilelang --one-tile-only \
+    tune_one_tile)  # the one-tile backward (Sq, Skv <= 128) against the two-kernel one, per head dim
+      step attention_tune_one_tile 120 python3 -m pcvr_lib.tune.attention --skip-tilelang --one-tile-only \
         --shapes 8x8x128x64,256x8x110x32,256x4x128x16,64x8x128x128 --dtype bf16 ;;
-    tune_long)  # the long-sequence Triton kernels vs the old ones vs cuDNN (notes/attention.md, session 3)
-      step attention_long 290 python3 -m pcvr_lib.kernels.attention.tune_long --workers 15 \
+    tune_long)  # the long-sequence Triton kernels (triton_long) vs triton_impl's vs cuDNN (notes/attention.md)
+      step attention_long 290 python3 -m pcvr_lib.tune.attention_long --workers 15 \
         --out "$OUT/attention_long.json" ;;
     host)
-      step host_parts 60 $PYTEST perf_tests/test_kernels.py -k host_part --benchmark-only \
+      step host_parts 60 $PYTEST perf_tests/test_norms.py -m explore -k host_part --benchmark-only \
         --benchmark-json="$OUT/host_parts.json" ;;
     perf_norms)
-      step perf_norms 240 $PYTEST perf_tests/test_kernels.py -k "not exploration" --benchmark-only \
+      step perf_norms 240 $PYTEST perf_tests/test_norms.py --benchmark-only \
         --benchmark-json="$OUT/kernels_norms.json" ;;
     perf_embedding)
-      step perf_embedding 150 $PYTEST perf_tests/test_kernels_embedding.py --benchmark-only \
+      step perf_embedding 150 $PYTEST perf_tests/test_embedding_bag.py --benchmark-only \
         --benchmark-json="$OUT/kernels_embedding.json" ;;
     noise)
       for i in $(seq "${REP_FROM:-1}" $(( ${REP_FROM:-1} + ${REPS:-3} - 1 ))); do
@@ -141,25 +141,25 @@ for s in "$@"; do
       done
       python3 -m pcvr_lib noise --from "$OUT"/noise_rep*.json --out "$OUT/noise_h200.json" > "$OUT/noise.log" 2>&1 ;;
     planted)
-      PCVR_PLANTED_NORM_TILE=256 step planted 90 $PYTEST perf_tests/test_kernels.py \
+      PCVR_PLANTED_NORM_TILE=256 step planted 90 $PYTEST perf_tests/test_norms.py \
         -k "test_norm and rms_norm and triton" --benchmark-only \
         --benchmark-json="$OUT/planted_tile256.json" ;;
     optim)
       step optim 150 $PYTEST perf_tests/test_optimizers.py -k cuda --benchmark-only --benchmark-json="$OUT/optim.json" ;;
     perf_attention)
-      step perf_attention "${ATTN_S:-150}" $PYTEST perf_tests/test_kernels_attention.py ${ATTN_K:+-k "$ATTN_K"} \
+      step perf_attention "${ATTN_S:-150}" $PYTEST perf_tests/test_attention.py ${ATTN_K:+-k "$ATTN_K"} \
         --benchmark-only --benchmark-json="$OUT/attention.json" ;;
     perf_models)  # model x backend x phase (perf_tests/test_models.py), checked against torch first.
       # The models' TileLang variants load from the carried pack (a variant missing from it compiles here in
       # 16 processes, not one by one inside a test); then every case's outcome is logged as it ends (-v), a
       # failed check's reason at once (the test writes it past the capture), tracebacks of a case stuck 90 s.
-      step precompile_models 120 python3 -m pcvr_lib.kernels.precompile --models --workers 16
+      step precompile_models 120 python3 -m pcvr_lib.precompile --models --workers 16
       step perf_models 300 python3 -m pytest -v -p no:cacheprovider --tb=short -rfE --capture=sys \
         -o faulthandler_timeout=90 perf_tests/test_models.py --benchmark-only --durations=10 \
         --benchmark-json="$OUT/models.json" ;;
     smoke_triton|smoke_tilelang)  # the smoke with every operator switch on one backend (numerics end to end;
       # run `smoke` first in the same call: the summary then compares them, tools/smoke_compare.py);
-      # session 5: smoke_triton's first 6 of 21 runs took 79 s (symbiosis ~7 s a run, queryformer ~12), so ~300 s
+      # smoke_triton's 21 runs take about 300 s (symbiosis ~7 s a run, queryformer ~12 s)
       b=${s#smoke_}
       step "$s" 330 python3 -m pcvr_lib smoke --models all --seeds 17,42,97 --steps 20 --device cuda \
         --jobs "${SMOKE_JOBS:-1}" --attention-backend "$b" --rms-norm-backend "$b" --embedding-backend "$b" \

@@ -8,8 +8,8 @@ with no synchronisation inside a batch: thread CPU time per call is the host tim
 argument checks, the launch), wall time per call with one synchronise per batch is the per-call time. The
 device work of these cases is shorter than their host work, so the GPU queue never fills and blocks the
 host. Median over batches; the ratio NEW/BASE per case is over all rounds' medians.
-Written for issue 13: did moving the embedding and attention kernels onto the shared Triton launcher cost
-host time? (a0b27f4 reverted an earlier attempt whose only H200 run could not tell.)
+Use it to tell whether a change to a launch path (e.g. moving a kernel onto the shared Triton launcher) costs
+host time: one run of each tree cannot tell such a difference from the host's drift, hence A-B-B-A rounds.
 """
 
 from __future__ import annotations

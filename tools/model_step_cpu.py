@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from pcvr_lib.models import build_model, model_names
 from pcvr_lib.optim import build_optimizer_set, train_step
 from pcvr_lib.smoke import DEFAULT_MAX_LEN, SMOKE_MODEL_CONFIG
-from smoke_tests.model_checks import demo_schema, random_batch
+from pcvr_lib.workloads.models import demo_schema, random_batch
 
 
 def main() -> None:

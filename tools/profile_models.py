@@ -1,4 +1,4 @@
-"""Where a model's training step spends its time, per operator backend (GPU; issue 12's model-level note).
+"""Where a model's training step spends its time, per operator backend (GPU; results in notes/models.md).
 
     python tools/profile_models.py [--models all] [--backends torch,triton] [--steps 3] [--top 12] [--out DIR]
     python tools/profile_models.py --host [--device cuda|cpu] [--batch 256] ...   # host time instead
@@ -46,7 +46,7 @@ from pcvr_lib.models import model_names  # noqa: E402
 from pcvr_lib.models.step import ModelStep  # noqa: E402
 from pcvr_lib.schema import load_schema  # noqa: E402
 from pcvr_lib.timing import is_kernel_event  # noqa: E402
-from smoke_tests.model_checks import DEMO_SCHEMA, GPU_BATCH, GPU_TABLE_CAP, random_batch  # noqa: E402
+from pcvr_lib.workloads.models import DEMO_SCHEMA, GPU_BATCH, GPU_TABLE_CAP, random_batch  # noqa: E402
 
 
 def profile_step(name: str, backend: str, schema, batch, steps: int) -> dict:

@@ -8,7 +8,7 @@ a smoke cut short still compares the runs it finished (a run in only one of the 
 Per model, over the seeds both ran:
 - AUC of each seed in both, the paired difference (same seed, data and steps: only the numerics differ) and
   the seed noise: the sample SD of BASE's AUC over those seeds.
-- Verdict (issue 12: "same AUC as the torch backend within seed noise"): `same` when every paired |difference|
+- Verdict (the target: "same AUC as the torch backend within seed noise"): `same` when every paired |difference|
   is below the seed noise, `differs` otherwise, `unclear` with fewer than two seeds (no noise estimate).
 - The training losses step by step: the largest |difference| relative to BASE's loss at that step (the first
   steps show numerics before the trajectories are allowed to drift apart).

@@ -21,8 +21,8 @@ How: sequence transforms do not move event data. Each domain carries a small pla
 source row each output row reads, which source position each output position reads ([B, L] int64), and
 the new lengths. A crop shifts the position map, the feature mask compacts it, a dropout sets lengths to
 0; only at the end is each domain's [B, F, L] block gathered once and zeroed past its length. One gather
-instead of one or two full passes per transform: the benchmark chain (crop x2, mask, dropout) on a
-256-row demo batch went from about 115 ms to the cost of a single gather (see notes/data-pipeline.md).
+instead of one or two full passes per transform: the benchmark chain (crop x2, mask, dropout) costs about
+one gather (measurements in notes/data-pipeline.md).
 Running one transform alone (`transform(batch, gen)`) is the same code with a plan of one step.
 """
 

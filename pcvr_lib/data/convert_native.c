@@ -1,5 +1,5 @@
 /* Native kernels of pcvr_lib.data.convert (the "native" backend); built on first use by
-   convert.native_library() with the system C compiler and loaded with ctypes. */
+   convert_native.native_library() with the system C compiler and loaded with ctypes. */
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
@@ -61,8 +61,8 @@ static inline int64_t put_tokens(const int64_t *x, int64_t k, int64_t L, int64_t
 #if defined(__AVX512F__)
 /* put_tokens_avx512 reading x backwards: o[j] = rule(x[k - 1 - j]). Lanes before x[0] are masked out of
    the load (masked lanes never fault). The blocks go from the last output block to the first, so the
-   source is read in ascending addresses (read descending, the hardware prefetcher lost the stream: 1.7x
-   slower per batch on the 2-core VM). */
+   source is read in ascending addresses, the direction the hardware prefetcher follows (notes/data-convert.md
+   has the descending read's cost). */
 static inline int64_t put_tokens_rev_avx512(const int64_t *x, int64_t k, int64_t L, int64_t voc, int32_t *o) {
     const __m512i zero = _mm512_setzero_si512(), vv = _mm512_set1_epi64(voc);
     const __m512i rev = _mm512_set_epi64(0, 1, 2, 3, 4, 5, 6, 7);

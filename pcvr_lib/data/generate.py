@@ -16,8 +16,8 @@ Shapes (see notes/data-convert.md for the numbers):
 - sequences: per row a heavy-tailed (lognormal) length capped at 4000; the last domain (sorted by name,
   seq_d in the demo) averages about 2.5x its max_len (~1,300 events), the others about 0.7x theirs, so many
   rows are longer than max_len. Lists are chronological, newest LAST by default (`list_order`:
-  "newest-first" reverses every row's sequence lists, the order of the independent data the reference was
-  also fed; "mixed" reverses a seeded half of the rows); event times lie before the request except for about
+  "newest-first" reverses every row's sequence lists, the order of the independent data the reference
+  also reads; "mixed" reverses a seeded half of the rows); event times lie before the request except for about
   10% of rows whose newest events come a little after it; some event times are 0. A side column is null for
   0.2% of rows (a rare ragged domain).
 
@@ -339,7 +339,7 @@ def default_cache_dir() -> Path:
 def cache_key(
     schema: Schema, rows: int, multiplier: int, seed: int, row_group_size: int, list_order: str = "newest-last"
 ) -> str:
-    # list_order enters the key only when not the default, so files made before it existed stay cached
+    # list_order enters the key only when not the default: a default file's key is the same without it
     order = {} if list_order == "newest-last" else {"list_order": list_order}
     payload = json.dumps(
         {
@@ -479,7 +479,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pcvr_lib.cli import CommandError, check_writable
+    from pcvr_lib.errors import CommandError, check_writable
     from pcvr_lib.progress import interactive
 
     # argument errors before any work (the schema is checked by generate_dataset before it generates)

@@ -18,8 +18,8 @@ Methods (see data.md section 3):
 `train_ratio` < 1 limits the training side:
 - timestamp_auto keeps the newest round(n_train * train_ratio) train rows (by timestamp, then row
   position), i.e. the training rows closest to the validation period;
-- row_group_tail keeps the last max(1, int(G_train * train_ratio)) training groups. Fixed quirk: the
-  reference let the dropped training groups fall into the validation side; here they are in neither;
+- row_group_tail keeps the last max(1, int(G_train * train_ratio)) training groups; the dropped training
+  groups are in neither side (the reference puts them on the validation side);
 - the hash splits keep the rows whose score lies in the first round(train_ratio * rest) of the scores
   above the validation threshold, so the choice is stable per key like the split itself.
 Rows on neither side are counted in `dropped_rows`. An empty side is an error.

@@ -121,3 +121,49 @@ def triton_interpreter_problem() -> str | None:
 
     last = (proc.stderr.strip().splitlines() or ["?"])[-1]
     return f"triton {triton.__version__}'s interpreter cannot run a loop with a runtime bound ({last[:160]})"
+
+
+# aten ops whose result a CUDA device must hand to the host (an implicit device-to-host sync there)
+HOST_READ_OPS = frozenset({"_local_scalar_dense", "nonzero", "nonzero_static", "masked_select", "unique_dim",
+                           "_unique", "_unique2", "unique_consecutive", "unique_dim_consecutive", "item",
+                           "repeat_interleave"})
+
+
+@contextlib.contextmanager
+def count_host_reads():
+    """Within the block, record every aten op that reads device values back to the host (`HOST_READ_OPS`: .item(),
+    bool()/int()/float() of a tensor, nonzero, masked_select, unique, repeat_interleave of a tensor; indexing by a
+    boolean mask; copies from a CUDA tensor to the CPU). Yields the list of their names. It sees the ops of CPU
+    tensors too, where torch.cuda.set_sync_debug_mode sees only CUDA ones (`tolist()` of a CPU tensor calls no
+    op: on CUDA it is a copy to the CPU, caught there)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    reads: list[str] = []
+
+    class _Mode(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            name = func._schema.name.split("::")[-1]
+            if name in HOST_READ_OPS:
+                reads.append(name)
+            elif name in ("index", "index_put", "index_put_") and _boolean_index(args):
+                reads.append(f"{name} by a boolean mask")
+            elif name in ("_to_copy", "copy_") and _cuda_to_cpu(func, args, kwargs or {}):
+                reads.append(f"{name} to cpu")
+            return func(*args, **(kwargs or {}))
+
+    with _Mode():
+        yield reads
+
+
+def _boolean_index(args) -> bool:
+    indices = args[1] if len(args) > 1 else ()
+    return any(isinstance(i, torch.Tensor) and i.dtype == torch.bool for i in (indices or ()))
+
+
+def _cuda_to_cpu(func, args, kwargs) -> bool:
+    name = func._schema.name.split("::")[-1]
+    if name == "_to_copy":
+        src, device = args[0], kwargs.get("device")
+        return src.is_cuda and device is not None and torch.device(device).type == "cpu"
+    dst, src = args[0], args[1]
+    return isinstance(src, torch.Tensor) and src.is_cuda and not dst.is_cuda

@@ -1,4 +1,5 @@
-"""PCVR models: the shared primitives (common.py), one module per model, and a registry by name."""
+"""PCVR models: the shared building blocks (common.py, sequences.py), the operator call sites on each backend
+(kernel_ops.py), one module per model, and a registry by name."""
 
 from pcvr_lib.models import (  # noqa: F401 - registers the models
     baseline,

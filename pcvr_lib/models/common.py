@@ -1,5 +1,7 @@
-"""Shared model primitives: the model contract, bounded embedding tables, tokenizers, time buckets,
-sequence statistics, the dense projector, and the two operator call sites (attention, RMSNorm).
+"""Shared model building blocks: the model config and contract, attention / feed-forward / mixing layers,
+bounded embedding tables, the sequence tokenizer, the dense projector and the feature encoder. Time buckets
+and sequence helpers are in `sequences`; the operator call sites (attention, norms, embedding bags, each on
+its backend) in `kernel_ops`.
 
 Every model takes a `pcvr_lib.data.batch.Batch` and returns logits [B, 1]. Embedding tables are the
 "sparse" parameters (sparse gradients, Adagrad); everything else is "dense" (AdamW).
@@ -20,18 +22,15 @@ import math
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from pcvr_lib.data.batch import Batch, SequenceBlock
-from pcvr_lib.kernels.rms_norm import rms_norm_formula
+from pcvr_lib.models.kernel_ops import RMSNorm, attention, field_means
+from pcvr_lib.models.sequences import NUM_SEQ_STATS, NUM_TIME_BUCKETS, sequence_stats, time_buckets, trim_sequence
 from pcvr_lib.schema import Schema
 
-NUM_TIME_BUCKETS = 64  # 0 = padding, 1..63 = request - event time classes
-TIME_BOUNDARIES_SEC = np.geomspace(5.0, 31_536_000.0, NUM_TIME_BUCKETS - 1)
-NUM_SEQ_STATS = 6
 BACKENDS = ("torch", "triton", "tilelang")
 BACKEND_OPTIONS = ("attention_backend", "rms_norm_backend", "embedding_backend")  # model options naming one
 
@@ -91,175 +90,7 @@ class ModelConfig:
         return config
 
 
-# ------------------------------------------------------------------------------------ operator sites
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, backend: str = "torch") -> torch.Tensor:
-    """RMSNorm over the last dim. The one place models call it: switch backends here. The torch backend is
-    the kernels package's fp32 eager formula (the models' numerics since the start), not F.rms_norm."""
-    if backend == "torch":
-        return rms_norm_formula(x, weight, eps)
-    from pcvr_lib import kernels  # GPU backends live in the kernels package
-
-    return kernels.rms_norm(x, weight, eps, backend=backend)
-
-
-def attention(
-    q: torch.Tensor,
-    k: torch.Tensor,
-    v: torch.Tensor,
-    *,
-    key_lengths: torch.Tensor | None = None,
-    causal: bool = False,
-    window: int | None = None,
-    global_last: bool = False,
-    mask: torch.Tensor | None = None,
-    role_mask=None,
-    backend: str = "torch",
-) -> torch.Tensor:
-    """Multi-head attention on (B, H, S, D) tensors. The one place models call it.
-
-    key_lengths [B]: keys at positions >= length are padding (prefix-valid; a length of 0 counts as 1).
-    causal: query i sees keys <= i. Outputs at padded query positions (>= length) are unspecified and
-    never read by the models; the explicit mask lets a padded query see itself so that no row is empty.
-    window: sliding window, query i sees keys in (i - window, i]. global_last: the last valid query of
-    each row (the target token) sees every valid key regardless of causal/window.
-    mask: a precomputed `attention_mask(...)` (or its additive form) of exactly these arguments, or
-    symbiosis' role mask; a model with several layers builds it once per forward; torch backend only.
-    role_mask: `kernels.attention.role_mask(roles, visibility, key_valid)`, the same role mask for the
-    kernels (self-attention, no key lengths); other backends only.
-    """
-    if backend != "torch":
-        if mask is not None:
-            raise ValueError(f"attention backend {backend!r}: a precomputed mask tensor is for the torch backend; "
-                             "pass role_mask= (or the key lengths / window arguments) instead")
-        from pcvr_lib import kernels
-
-        if role_mask is not None:
-            return kernels.flash_attention(q, k, v, role_mask=role_mask, backend=backend)
-        if key_lengths is not None:  # the kernels' length 0 gives zeros; here it counts as 1 (as on torch)
-            key_lengths = key_lengths.clamp(min=1)
-        if window is not None:
-            if not causal or key_lengths is None:
-                raise ValueError("attention: a sliding window needs causal=True and key_lengths")
-            # the kernels' window mode: causal window over valid queries, the last G = 1 valid query global
-            return kernels.flash_attention(q, k, v, key_lengths=key_lengths, window=window,
-                                           global_queries=1 if global_last else 0, backend=backend)
-        # without a window the last valid query already sees every valid key under causal_valid
-        return kernels.flash_attention(
-            q, k, v, key_lengths=key_lengths, causal=causal, causal_valid=causal and key_lengths is not None,
-            backend=backend,
-        )
-    if role_mask is not None:
-        raise ValueError("attention backend 'torch': pass the role mask as mask= (a boolean or additive tensor)")
-    if mask is None and causal and window is None and q.shape[2] == k.shape[2]:
-        # prefix-valid keys under a causal mask: a valid query i < length only sees keys <= i, all valid,
-        # so the key-length mask changes nothing it computes (and the target token, the last valid one,
-        # already sees every valid key). Padded queries' outputs are never read. SDPA's causal path needs
-        # no mask tensor and is the fastest on CPU.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
-    if mask is None:
-        target = None
-        if global_last and key_lengths is not None:
-            target = key_lengths.to(device=q.device, dtype=torch.long).clamp(min=1) - 1
-        mask = attention_mask(q.shape[0], q.shape[2], k.shape[2], q.device, key_lengths, causal, window, target)
-    elif mask.dtype != torch.bool and mask.dtype != q.dtype:
-        mask = mask.to(q.dtype)  # an additive mask follows the (autocast) dtype of the queries
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
-
-
-def additive_mask(mask: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
-    """A boolean attention mask as 0 / -inf (SDPA on CPU runs about 25% faster with it, built once)."""
-    if mask is None:
-        return None
-    return torch.zeros(mask.shape, dtype=dtype, device=mask.device).masked_fill_(~mask, float("-inf"))
-
-
-def attention_mask(
-    batch: int,
-    q_len: int,
-    k_len: int,
-    device: torch.device,
-    key_lengths: torch.Tensor | None,
-    causal: bool,
-    window: int | None,
-    global_query: torch.Tensor | None,
-) -> torch.Tensor | None:
-    """Boolean mask [B or 1, 1, Sq, Sk], True = attend; None when nothing is masked."""
-    if key_lengths is None and not causal and window is None:
-        return None
-    if not causal and window is None and global_query is None:
-        # key padding only: one [B, 1, 1, Sk] row broadcast over the queries
-        ki = torch.arange(k_len, device=device)
-        return (ki[None] < key_lengths.to(device=device, dtype=torch.long).clamp(min=1)[:, None])[:, None, None]
-    qi = torch.arange(q_len, device=device)[:, None]
-    ki = torch.arange(k_len, device=device)[None, :]
-    mask = torch.ones(1, q_len, k_len, dtype=torch.bool, device=device)
-    if causal:
-        mask = mask & (ki <= qi)
-    if window is not None:
-        mask = mask & (ki > qi - window)
-    if key_lengths is not None:
-        lengths = key_lengths.to(device=device, dtype=torch.long).clamp(min=1)
-        valid = ki[None] < lengths[:, None, None]  # [B, 1, Sk]
-        mask = mask & valid
-        if global_query is not None:
-            is_global = qi[None] == global_query.to(device=device, dtype=torch.long)[:, None, None]
-            mask = mask | (is_global & valid)
-        if q_len == k_len:  # padded queries attend to themselves so that no row is empty
-            mask = mask | ((qi == ki)[None] & ~(qi[None] < lengths[:, None, None]))
-    elif global_query is not None:
-        mask = mask | (qi[None] == global_query.to(device=device, dtype=torch.long)[:, None, None])
-    return mask[:, None]
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float = 1e-6, backend: str = "torch"):
-        super().__init__()
-        self.weight = nn.Parameter(torch.ones(dim))
-        self.eps = eps
-        self.backend = backend
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return rms_norm(x, self.weight, self.eps, backend=self.backend)
-
-
-def bag_mean(table: nn.Embedding, rows: torch.Tensor, backend: str = "torch") -> torch.Tensor:
-    """[..., L] table rows (0 = padding / no id) -> [..., E]: the mean embedding of each bag's non-zero
-    rows, 0 for an empty bag. The one place models switch the embedding-bag backend."""
-    if backend == "torch":
-        return masked_mean(table(rows), rows > 0, dim=-2)
-    from pcvr_lib import kernels
-
-    mean = kernels.embedding_bag_mean(table.weight, rows.reshape(-1, rows.shape[-1]), backend=backend,
-                                      sparse_grad=table.sparse)
-    return mean.view(*rows.shape[:-1], table.embedding_dim)
-
-
-class LayerNorm(nn.LayerNorm):
-    """nn.LayerNorm whose forward runs `pcvr_lib.kernels.layer_norm` with the model's norm backend (same
-    parameters and state-dict keys, so checkpoints do not depend on the backend)."""
-
-    backend: str = "torch"
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.backend == "torch":
-            return super().forward(x)
-        from pcvr_lib import kernels
-
-        return kernels.layer_norm(x, self.weight, self.bias, self.eps, backend=self.backend)
-
-
-def route_layer_norms(model: nn.Module, backend: str) -> None:
-    """Make every affine nn.LayerNorm over one dimension in `model` a `LayerNorm` on `backend`, in place
-    (the models build plain nn.LayerNorm; `build_model` calls this). Parameters and hooks are unchanged."""
-    for parent in model.modules():
-        for child in parent.children():
-            if type(child) is nn.LayerNorm and child.elementwise_affine and child.bias is not None \
-                    and len(child.normalized_shape) == 1:
-                child.__class__ = LayerNorm  # same attributes and parameters; only forward differs
-            if isinstance(child, LayerNorm):
-                child.backend = backend
-
-
+# ---------------------------------------------------------------------------------------------- layers
 class MultiHeadAttention(nn.Module):
     """Projections + `attention()`; optional QK-RMSNorm and rotary positions (for TokenFormer)."""
 
@@ -374,142 +205,6 @@ class PerTokenLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return torch.einsum("btd,tde->bte", x, self.weight.to(x.dtype)) + self.bias.to(x.dtype)
 
-
-# ------------------------------------------------------------------------------- time and sequences
-_TIME_BOUNDARIES: dict[torch.device, torch.Tensor] = {}
-
-
-def _time_boundaries(device: torch.device) -> torch.Tensor:
-    """TIME_BOUNDARIES_SEC as an fp64 tensor on `device`, built once per device (on CUDA a fresh one
-    would be a blocking host-to-device copy on every call, twice per domain per forward)."""
-    boundaries = _TIME_BOUNDARIES.get(device)
-    if boundaries is None:
-        boundaries = torch.as_tensor(TIME_BOUNDARIES_SEC, dtype=torch.float64, device=device)
-        _TIME_BOUNDARIES[device] = boundaries
-    return boundaries
-
-
-def time_buckets(request_ts: torch.Tensor, event_ts: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
-    """Bucket of (request - event) seconds: 63 log-spaced boundaries 5 s .. 1 year, searchsorted + 1
-    capped at 63; padding positions get 0. request_ts [B], event_ts [B, L], valid [B, L] -> long [B, L]."""
-    boundaries = _time_boundaries(event_ts.device)
-    delta = (request_ts[:, None] - event_ts).to(torch.float64)
-    bucket = (torch.searchsorted(boundaries, delta.contiguous()) + 1).clamp(max=NUM_TIME_BUCKETS - 1)
-    return torch.where(valid, bucket, torch.zeros_like(bucket))
-
-
-def sequence_stats(seq: SequenceBlock, request_ts: torch.Tensor) -> torch.Tensor:
-    """Six per-row statistics of one domain, each scaled to about [0, 1]: length / max_len, active
-    fraction (events with any non-zero feature), unique fraction (distinct first-feature ids among
-    active events), duplicate ratio (1 - unique), non-zero fraction of all feature slots, and the
-    time bucket of the newest event / 63. Returns float32 [B, 6]."""
-    values, lengths = seq.values, seq.lengths.long()
-    b, f, length = values.shape
-    valid = seq.valid_mask()
-    nonzero = (values != 0) & valid[:, None, :]
-    active = nonzero.any(dim=1)
-    n_active = active.sum(-1)
-    # distinct ids of the first side feature among active events: sort, count value changes
-    first = torch.where(active, values[:, 0, :].long(), torch.full_like(values[:, 0, :].long(), -1))
-    ordered = first.sort(dim=-1).values
-    changes = (ordered[:, 1:] != ordered[:, :-1]) & (ordered[:, 1:] >= 0)
-    unique = changes.sum(-1) + (ordered[:, 0] >= 0).long()
-    unique = torch.where(n_active > 0, unique.clamp(min=1), torch.zeros_like(unique))
-    newest = (lengths - 1).clamp(min=0)
-    newest_ts = seq.timestamps.gather(1, newest[:, None])
-    last_gap = time_buckets(request_ts, newest_ts, (lengths > 0)[:, None])[:, 0]
-    active_f = n_active.float()
-    unique_frac = unique.float() / active_f.clamp(min=1)
-    stats = torch.stack(
-        [
-            lengths.float() / max(length, 1),
-            active_f / lengths.float().clamp(min=1),
-            unique_frac,
-            torch.where(n_active > 0, 1.0 - unique_frac, torch.zeros_like(unique_frac)),
-            nonzero.sum((1, 2)).float() / (lengths.float() * f).clamp(min=1),
-            last_gap.float() / (NUM_TIME_BUCKETS - 1),
-        ],
-        dim=-1,
-    )
-    return stats
-
-
-def trim_sequence(seq: SequenceBlock, max_len: int | None = None, tail: bool = False) -> SequenceBlock:
-    """Drop positions no row uses (all rows shorter than L). With max_len and tail=True keep only the
-    newest max_len events of each row, left-aligned (lengths capped)."""
-    lengths = seq.lengths.long()
-    if tail and max_len is not None and seq.max_len > max_len:
-        # positions [len - w, len) of each row move to [0, w)
-        w = lengths.clamp(max=max_len)
-        start = (lengths - w)[:, None]
-        pos = (start + torch.arange(max_len, device=lengths.device)[None]).clamp(max=seq.max_len - 1)
-        keep = torch.arange(max_len, device=lengths.device)[None] < w[:, None]
-        values = seq.values.gather(2, pos[:, None, :].expand(-1, seq.values.shape[1], -1))
-        values = values * keep[:, None, :]
-        timestamps = seq.timestamps.gather(1, pos) * keep
-        return SequenceBlock(values=values, timestamps=timestamps, lengths=w.to(seq.lengths.dtype))
-    used = int(lengths.max().item()) if lengths.numel() else 0
-    used = max(used, 1)
-    if max_len is not None:
-        used = min(used, max_len)
-    if used >= seq.max_len:
-        return seq
-    return SequenceBlock(
-        values=seq.values[..., :used], timestamps=seq.timestamps[:, :used], lengths=seq.lengths.clamp(max=used)
-    )
-
-
-def sinusoidal_positions(length: int, d: int, device: torch.device, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-    """[length, d] sine/cosine positions (sin on the even, cos on the odd channels), counted from 0."""
-    pos = torch.arange(length, device=device, dtype=torch.float32)[:, None]
-    freq = torch.exp(torch.arange(0, d, 2, device=device, dtype=torch.float32) * (-math.log(10000.0) / d))
-    table = torch.zeros(length, d, device=device)
-    table[:, 0::2] = torch.sin(pos * freq)
-    table[:, 1::2] = torch.cos(pos * freq)[:, : d // 2]
-    return table.to(dtype)
-
-
-def masked_mean(x: torch.Tensor, valid: torch.Tensor, dim: int = 1) -> torch.Tensor:
-    """Mean of x over `dim` where valid (bool, x's shape without the last dim); 0 where nothing is valid."""
-    w = valid.to(x.dtype).unsqueeze(-1)
-    return (x * w).sum(dim) / w.sum(dim).clamp(min=1)
-
-
-def gather_last(x: torch.Tensor, lengths: torch.Tensor) -> torch.Tensor:
-    """x[b, lengths[b] - 1] of a left-aligned [B, L, d] (slot 0 when the length is 0: callers replace
-    those rows explicitly)."""
-    index = (lengths.long() - 1).clamp(min=0)[:, None, None].expand(-1, 1, x.shape[-1])
-    return x.gather(1, index)[:, 0]
-
-
-def pack_segments(segments: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Concatenate left-aligned segments into one left-aligned stream.
-
-    segments: (tokens [B, S_i, d], lengths [B]) each. Returns (stream [B, T, d], lengths [B]) where row b
-    holds segment 0's first lengths_0[b] tokens, then segment 1's, ..., zeros past the total; T is the
-    largest total in the batch.
-    """
-    tokens = torch.cat([t for t, _ in segments], dim=1)
-    b, _, d = tokens.shape
-    device = tokens.device
-    lengths = torch.stack([n.long() for _, n in segments], dim=1)  # [B, n_seg]
-    sizes = torch.tensor([t.shape[1] for t, _ in segments], device=device)
-    src_start = torch.cumsum(sizes, 0) - sizes  # where each segment begins in `tokens`
-    dst_start = torch.cumsum(lengths, 1) - lengths  # where each segment begins in the stream
-    total = lengths.sum(1)
-    t_out = max(int(total.max().item()), 1)
-    pos = torch.arange(t_out, device=device)[None, :].expand(b, -1)
-    # segment owning each output position: (number of segment starts <= pos) - 1. An empty segment
-    # shares its start with the next one, and counting both picks the later one, the real owner.
-    seg = ((dst_start[:, None, :] <= pos[:, :, None]).sum(-1) - 1).clamp(min=0)
-    offset = pos - dst_start.gather(1, seg)
-    src = src_start[seg] + offset
-    valid = pos < total[:, None]
-    src = torch.where(valid, src, torch.zeros_like(src))
-    stream = tokens.gather(1, src[:, :, None].expand(-1, -1, d)) * valid[:, :, None].to(tokens.dtype)
-    return stream, total
-
-
 # ---------------------------------------------------------------------------------------- embeddings
 def table_rows(vocab: int, threshold: int, hash_large: bool, cap: int | None) -> int:
     """Rows a feature of vocabulary `vocab` owns (0 = dropped: every id reads the zero padding row)."""
@@ -570,7 +265,8 @@ class FeatureEmbeddings(nn.Module):
             self.register_buffer(f"{side}_feature", torch.tensor(feature_of, dtype=torch.long), persistent=False)
             setattr(self, f"{side}_features", len(group))
             setattr(self, f"{side}_multi", any(f.dim > 1 for f in group))
-            # bags for kernels.embedding_bag_mean: feature f's slots, padded with slot D (a zero column)
+            # bags for the kernels' embedding-bag mean (`field_means`): feature f's slots, padded with slot D
+            # (a zero column)
             width = max((f.dim for f in group), default=1)
             bags = torch.full((len(group), width), len(bases), dtype=torch.long)
             start = 0
@@ -620,17 +316,8 @@ class FeatureEmbeddings(nn.Module):
             rows = rows.transpose(1, 2)  # [B, C, D]
         if not getattr(self, f"{side}_multi"):
             return self.table(rows)  # [B, (C,) D, E]: one id per feature, no mean to take
-        if self.backend != "torch":  # the same mean through the kernel: one bag per (row, feature)
-            bags = F.pad(rows, (0, 1))[..., getattr(self, f"{side}_bags")]  # [B, (C,) n, width]; 0 = no id
-            return bag_mean(self.table, bags, self.backend)
-        emb = self.table(rows)  # [B, (C,) D, E]
-        feature = getattr(self, f"{side}_feature")
-        n = getattr(self, f"{side}_features")
-        axis = rows.dim() - 1
-        summed = emb.new_zeros(*rows.shape[:-1], n, emb.shape[-1]).index_add(axis, feature, emb)
-        present = (rows > 0).to(emb.dtype)
-        counts = present.new_zeros(*rows.shape[:-1], n).index_add(axis, feature, present)
-        return summed / counts.clamp(min=1)[..., None]
+        return field_means(self.table, rows, getattr(self, f"{side}_feature"), getattr(self, f"{side}_features"),
+                           getattr(self, f"{side}_bags"), self.backend)
 
     def field_present(self, batch: Batch, side: str) -> torch.Tensor:
         """[B, n_features] bool: the feature has at least one non-missing id (one flag per feature, not

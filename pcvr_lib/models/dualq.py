@@ -39,22 +39,18 @@ from torch import nn
 
 from pcvr_lib.data.batch import Batch
 from pcvr_lib.models.common import (
-    NUM_TIME_BUCKETS,
     ModelConfig,
     MultiHeadAttention,
     PCVRModel,
     PerTokenLinear,
     RankMixerBlock,
     SwiGLU,
-    bag_mean,
     embeddings_for,
-    masked_mean,
-    pack_segments,
     table_rows,
-    time_buckets,
-    trim_sequence,
 )
+from pcvr_lib.models.kernel_ops import bag_mean
 from pcvr_lib.models.registry import register
+from pcvr_lib.models.sequences import NUM_TIME_BUCKETS, masked_mean, pack_segments, time_buckets, trim_sequence
 
 UTC8 = 8 * 3600
 DAY = 86400.0

@@ -32,17 +32,9 @@ import torch
 from torch import nn
 
 from pcvr_lib.data.batch import Batch
-from pcvr_lib.models.common import (
-    DenseProjector,
-    FeatureEncoder,
-    ModelConfig,
-    MultiHeadAttention,
-    PCVRModel,
-    gather_last,
-    pack_segments,
-    sinusoidal_positions,
-)
+from pcvr_lib.models.common import DenseProjector, FeatureEncoder, ModelConfig, MultiHeadAttention, PCVRModel
 from pcvr_lib.models.registry import register
+from pcvr_lib.models.sequences import gather_last, pack_segments, sinusoidal_positions
 
 
 @dataclass

@@ -22,18 +22,10 @@ from torch import nn
 
 from pcvr_lib.data.batch import Batch, SequenceBlock
 from pcvr_lib.models.baseline import FieldGroupTokens
-from pcvr_lib.models.common import (
-    FeatureEncoder,
-    ModelConfig,
-    PCVRModel,
-    PerTokenLinear,
-    RMSNorm,
-    attention,
-    masked_mean,
-    pack_segments,
-    trim_sequence,
-)
+from pcvr_lib.models.common import FeatureEncoder, ModelConfig, PCVRModel, PerTokenLinear
+from pcvr_lib.models.kernel_ops import RMSNorm, attention
 from pcvr_lib.models.registry import register
+from pcvr_lib.models.sequences import masked_mean, pack_segments, trim_sequence
 
 
 @dataclass

@@ -33,18 +33,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pcvr_lib.data.batch import Batch
-from pcvr_lib.models.common import (
-    NUM_TIME_BUCKETS,
-    ModelConfig,
-    PCVRModel,
-    attention,
-    embeddings_for,
-    masked_mean,
-    sinusoidal_positions,
-    time_buckets,
-    trim_sequence,
-)
+from pcvr_lib.models.common import ModelConfig, PCVRModel, embeddings_for
+from pcvr_lib.models.kernel_ops import attention
 from pcvr_lib.models.registry import register
+from pcvr_lib.models.sequences import NUM_TIME_BUCKETS, masked_mean, sinusoidal_positions, time_buckets, trim_sequence
 
 
 @dataclass

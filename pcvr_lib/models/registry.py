@@ -5,6 +5,8 @@ from __future__ import annotations
 
 from typing import Any
 
+from pcvr_lib.models.kernel_ops import route_layer_norms
+
 MODELS: dict[str, type] = {}
 # the order of the reference's smoke table; models registered later follow in registration order
 REFERENCE_ORDER = ("baseline", "interformer", "onetrans", "tokenformer", "symbiosis", "dualq", "queryformer")
@@ -22,8 +24,8 @@ def register(name: str):
 
 
 def model_names() -> list[str]:
-    import pcvr_lib.models  # noqa: F401 - fills MODELS
-
+    """Every registered model (importing this module imports pcvr_lib.models first, which registers them all),
+    the reference's order first."""
     known = [name for name in REFERENCE_ORDER if name in MODELS]
     return known + [name for name in MODELS if name not in known]
 
@@ -37,8 +39,6 @@ def model_class(name: str) -> type:
 
 def build_model(name: str, schema, config: Any = None):
     """The model `name` for `schema`; config is its config dataclass, a dict of overrides, or None."""
-    from pcvr_lib.models.common import route_layer_norms
-
     model = model_class(name)(schema, config)
     route_layer_norms(model, model.config.rms_norm_backend)  # the models' nn.LayerNorms on the norm backend
     return model

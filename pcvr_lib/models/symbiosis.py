@@ -36,20 +36,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pcvr_lib.data.batch import Batch, SequenceBlock
-from pcvr_lib.models.common import (
-    FeatureEncoder,
-    ModelConfig,
-    PCVRModel,
-    PerTokenLinear,
-    RMSNorm,
-    SwiGLU,
-    attention,
-    masked_mean,
-    sequence_stats,
-    sinusoidal_positions,
-    time_buckets,
-)
+from pcvr_lib.models.common import FeatureEncoder, ModelConfig, PCVRModel, PerTokenLinear, SwiGLU
+from pcvr_lib.models.kernel_ops import RMSNorm, attention, role_attention_masks
 from pcvr_lib.models.registry import register
+from pcvr_lib.models.sequences import masked_mean, sequence_stats, sinusoidal_positions, time_buckets
 
 # roles
 CLS, CANDIDATE, USER, ITEM, DENSE, MISSING, EVENT, STATS = range(8)
@@ -199,7 +189,7 @@ class Symbiosis(PCVRModel):
             sees[field, EVENT] = False
         sees[EVENT, USER] = sees[EVENT, DENSE] = False
         self.register_buffer("role_visibility", sees, persistent=False)  # the kernels' form of the rule
-        self.register_buffer("role_mask", sees[self.roles][:, self.roles], persistent=False)
+        self.register_buffer("role_pairs", sees[self.roles][:, self.roles], persistent=False)  # [T, T]
         self.blocks = nn.ModuleList(
             nn.ModuleDict({
                 "norm1": RMSNorm(d, backend=c.rms_norm_backend), "qkv": nn.Linear(d, 3 * d),
@@ -268,14 +258,8 @@ class Symbiosis(PCVRModel):
             x = x * (~dropped)[..., None].to(x.dtype)
             valid = valid & ~dropped
         x = x + self.role_emb[self.roles] + self.domain_emb[self.domain_ids] + self.risk_emb[self.risk.long()]
-        if c.attention_backend == "torch":  # [B, 1, T, T], additive: faster SDPA on CPU, built once for all blocks
-            eye = torch.eye(self.n_tokens, dtype=torch.bool, device=device)
-            mask = ((self.role_mask[None] & valid[:, None, :]) | eye[None])[:, None]
-            masks = {"mask": torch.zeros(mask.shape, dtype=x.dtype, device=device).masked_fill_(~mask, float("-inf"))}
-        else:  # the same rule for the kernels: role ids + visibility + key validity, no (B, T, T) tensor
-            from pcvr_lib.kernels.attention import role_mask
-
-            masks = {"role_mask": role_mask(self.roles.expand(b, -1), self.role_visibility, valid)}
+        masks = role_attention_masks(self.roles, self.role_visibility, self.role_pairs, valid, c.attention_backend,
+                                     x.dtype)  # built once for all blocks
         keep = valid[..., None].to(x.dtype)
         heads, hd = c.num_heads, c.d_model // c.num_heads
         for blk in self.blocks:

@@ -22,21 +22,10 @@ import torch.nn.functional as F
 from torch import nn
 
 from pcvr_lib.data.batch import Batch
-from pcvr_lib.models.common import (
-    NUM_SEQ_STATS,
-    DenseProjector,
-    FeatureEncoder,
-    ModelConfig,
-    MultiHeadAttention,
-    PCVRModel,
-    RMSNorm,
-    SwiGLU,
-    additive_mask,
-    attention_mask,
-    masked_mean,
-    pack_segments,
-)
+from pcvr_lib.models.common import DenseProjector, FeatureEncoder, ModelConfig, MultiHeadAttention, PCVRModel, SwiGLU
+from pcvr_lib.models.kernel_ops import RMSNorm, additive_mask, attention_mask
 from pcvr_lib.models.registry import register
+from pcvr_lib.models.sequences import NUM_SEQ_STATS, masked_mean, pack_segments
 
 
 @dataclass

@@ -7,11 +7,16 @@ sum of its duplicates: squaring before merging would be wrong):
 
 which equals torch's Adagrad (lr_decay 0, weight decay 0, initial accumulator 0) on the touched rows and
 leaves the other rows and their state untouched. A dense gradient gets the same update on every row.
+
+The merge is embedding_bag.merge_rows: fixed-size (a slot per piece of the gradient), so the step never
+waits for the number of distinct rows; the slots past it add zeros, spread over distinct rows.
 """
 
 from __future__ import annotations
 
 import torch
+
+from pcvr_lib.kernels.embedding_bag import merge_rows
 
 from .errors import OptimizerError, check_common
 
@@ -53,13 +58,15 @@ class SparseAdagrad(torch.optim.Optimizer):
                             f"sparse_adagrad: expects row-sparse gradients (sparse_dim 1), got sparse_dim "
                             f"{g.sparse_dim()} for a parameter of shape {tuple(p.shape)}"
                         )
-                    g = g.coalesce()  # merges duplicate rows (sums them) before anything is squared
-                    rows, values = g.indices()[0], g.values()
-                    if rows.numel() == 0:
+                    if g._nnz() == 0:
                         continue
-                    s = acc.index_select(0, rows).addcmul_(values, values)
-                    acc.index_copy_(0, rows, s)
-                    p.index_add_(0, rows, values / s.sqrt_().add_(eps), alpha=-lr)
+                    # duplicate rows are summed before anything is squared
+                    rows, sums = merge_rows(g._indices()[0], g._values(), spread=p.shape[0])
+                    values = sums.to(p.dtype)
+                    acc.index_add_(0, rows, values * values)
+                    # a padding slot (value 0) may land on a row whose state is 0: with eps 0 that would be 0 / 0
+                    denom = acc.index_select(0, rows).sqrt_().add_(eps).clamp_min_(torch.finfo(acc.dtype).tiny)
+                    p.index_add_(0, rows, values / denom, alpha=-lr)
                 else:
                     acc.addcmul_(g, g)
                     p.addcdiv_(g, acc.sqrt().add_(eps), value=-lr)

@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pcvr_lib.kernels.embedding_bag import merge_rows
+
 from .errors import OptimizerError
 
 CLIP_EPS = 1e-6
@@ -73,8 +75,8 @@ class OptimizerSet:
 def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
     """The L2 norm over all gradients, dense and sparse, as a 0-d fp32 tensor (no host sync).
 
-    Sparse gradients are coalesced in place first (p.grad is replaced), so duplicate rows are summed
-    before squaring, exactly as the optimizer will see them.
+    Duplicate rows of a sparse gradient are summed before squaring (embedding_bag.merge_rows: fixed-size, no
+    sync), exactly as the optimizer sees them; the gradient itself is left as it is.
     """
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     parts: list[torch.Tensor] = []
@@ -85,10 +87,8 @@ def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
             continue
         device = device or g.device
         if g.is_sparse:
-            if not g.is_coalesced():
-                g = g.coalesce()
-                p.grad = g
-            parts.append(torch.linalg.vector_norm(g.values(), dtype=torch.float32).reshape(1))
+            values = g._values() if g.is_coalesced() else merge_rows(g._indices()[0], g._values())[1]
+            parts.append(torch.linalg.vector_norm(values, dtype=torch.float32).reshape(1))
         else:
             by_dtype.setdefault(g.dtype, []).append(g)
     if device is None:
@@ -116,7 +116,7 @@ def clip_global_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> tu
         torch._foreach_mul_(dense, coef.to(dense[0].device))
     for p in params:
         if p.grad.is_sparse:
-            p.grad.values().mul_(coef.to(p.grad.device))  # coalesced: values() is a view
+            p.grad._values().mul_(coef.to(p.grad.device))  # a view of the values, coalesced or not
     return norm, coef
 
 

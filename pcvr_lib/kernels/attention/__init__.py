@@ -34,10 +34,13 @@ import math
 import torch
 import torch.nn.functional as F
 
-from .. import registry
-from .masks import (
+from pcvr_lib.kernels import dispatch
+from pcvr_lib.kernels.attention.config import tilelang_stat_rows
+from pcvr_lib.kernels.attention.masks import (
     MODES,
+    NO_STRUCTURE,
     RoleMask,
+    StructuredMask,
     allowed_mask,
     draw_seed,
     dropout_keep_mask,
@@ -45,17 +48,16 @@ from .masks import (
     mode_name,
     role_mask,
 )
+from pcvr_lib.kernels.attention.torch_impl import attention as _torch_attention
 
 __all__ = [
     "flash_attention", "key_lengths_from_mask", "allowed_mask", "dropout_keep_mask", "role_mask", "RoleMask",
-    "MODES", "OP", "BACKENDS",
+    "MODES", "OP", "HEAD_DIMS", "PADDED_HEAD_DIMS",
 ]
 
 OP = "flash_attention"
-BACKENDS = ("torch", "triton", "tilelang")
 HEAD_DIMS = (16, 32, 48, 64, 128)
-_PADDED = {48: 64}  # head dims the kernels run zero-padded (a power of two per tile row)
-_HALF = (torch.float16, torch.bfloat16)
+PADDED_HEAD_DIMS = {48: 64}  # head dims the kernels run zero-padded (a power of two per tile row)
 
 
 def _tilelang_problem(device: torch.device) -> str | None:
@@ -64,51 +66,28 @@ def _tilelang_problem(device: torch.device) -> str | None:
     return None
 
 
-registry.register_op(OP, {"torch": None, "triton": None, "tilelang": _tilelang_problem})
-
-_CUDA_IMPLS: dict = {}  # backend -> implementation, once its availability on CUDA was checked
-_TORCH = "torch"
-
-
-def _impl(backend: str, device: torch.device):
-    """The backend's implementation (module with forward/backward, or _TORCH) after checking it can run.
-
-    On CUDA the check runs once per backend (later calls hit _CUDA_IMPLS); CPU tensors are re-checked at
-    every call (only the torch backend, and triton under TRITON_INTERPRET=1 for tests, run on them).
-    """
-    registry.validate_backend(OP, backend)
-    if device.type != "cuda" and backend != "torch":
-        if not (backend == "triton" and registry.triton_interpret_enabled()):
-            raise RuntimeError(f"{OP} requires CUDA tensors for backend {backend!r} (got {device})")
-    registry.require_backend(OP, backend, device)
-    if backend == "triton":
-        from . import triton_impl as impl
-    elif backend == "tilelang":
-        from . import tilelang_impl as impl
-    else:
-        impl = _TORCH
-    if device.type == "cuda":
-        _CUDA_IMPLS[backend] = impl
-    return impl
+dispatch.register_op(OP, __name__, {"torch": None, "triton": None, "tilelang": _tilelang_problem})
+_IMPLEMENTATIONS = dispatch.IMPLEMENTATIONS
 
 
 class _FlashAttention(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, key_lengths, mode, scale, seed, dropout_p, impl, extra):
-        o, lse = impl.forward(q, k, v, key_lengths, mode, scale, seed, dropout_p, True, extra=extra)
+    def forward(ctx, q, k, v, key_lengths, mode, scale, seed, dropout_p, impl, structured):
+        o, lse = impl.forward(q, k, v, key_lengths, mode, scale, seed, dropout_p, True, structured=structured)
         ctx.save_for_backward(q, k, v, o, lse, key_lengths)
-        ctx.args = (mode, scale, seed, dropout_p, impl, extra)
+        ctx.args = (mode, scale, seed, dropout_p, impl, structured)
         return o
 
     @staticmethod
     def backward(ctx, do):
         q, k, v, o, lse, key_lengths = ctx.saved_tensors
-        mode, scale, seed, dropout_p, impl, extra = ctx.args
-        dq, dk, dv = impl.backward(do, q, k, v, o, lse, key_lengths, mode, scale, seed, dropout_p, extra=extra)
+        mode, scale, seed, dropout_p, impl, structured = ctx.args
+        dq, dk, dv = impl.backward(do, q, k, v, o, lse, key_lengths, mode, scale, seed, dropout_p,
+                                   structured=structured)
         return dq, dk, dv, None, None, None, None, None, None, None
 
 
-_OK_DTYPES = registry.FLOAT_DTYPES  # float16, bfloat16, float32
+_OK_DTYPES = dispatch.FLOAT_DTYPES
 
 
 def _check(q, k, v, key_lengths) -> None:
@@ -210,23 +189,30 @@ def flash_attention(q, k, v, *, key_lengths=None, causal=False, causal_valid=Fal
             "call is captured, so every replay would drop the very same weights. Capture with training=False "
             "(or dropout_p=0), or call flash_attention with dropout outside the graph")
     seed = draw_seed(generator) if p > 0.0 else 0
-    impl = _CUDA_IMPLS.get(backend) if q.is_cuda else None
-    if impl is None:
-        impl = _impl(backend, q.device)
-    if q.numel() == 0 or k.shape[2] == 0:  # nothing to attend to (or nobody asking): zeros, every backend
-        return _empty_result(q, k, v)
-    if impl is _TORCH:
+    if backend == "torch":
+        if q.numel() == 0 or k.shape[2] == 0:  # nothing to attend to (or nobody asking): zeros, every backend
+            return _empty_result(q, k, v)
         return _torch_attention(q, k, v, key_lengths, causal, causal_valid, scale, seed, p, window,
                                 global_queries, role_mask)
+    compiling = torch.compiler.is_compiling()
+    if compiling:
+        if p > 0.0:
+            raise ValueError(f"{OP}: dropout_p={p} under torch.compile: the dropout seed is drawn on the host for "
+                             "every call; compile with training=False (or dropout_p=0), or call it eagerly")
+    else:
+        impl = _IMPLEMENTATIONS.get((OP, backend, q.get_device())) or dispatch.implementation(OP, backend,
+                                                                                             q.device)
+    if q.numel() == 0 or k.shape[2] == 0:
+        return _empty_result(q, k, v)
     mode = mode_name(key_lengths, causal, causal_valid, window, role_mask)
-    extra = None
+    structured = None
     if window is not None:
-        extra = (window, global_queries, None, None)
+        structured = StructuredMask(window=window, global_queries=global_queries)
     elif role_mask is not None:
-        extra = (0, 0, role_mask.codes, role_mask.words)
+        structured = StructuredMask(codes=role_mask.codes, words=role_mask.words)
     D = q.shape[3]
-    if D in _PADDED:  # zero columns change no score; the padded output columns are dropped
-        pad = _PADDED[D] - D
+    if D in PADDED_HEAD_DIMS:  # zero columns change no score; the padded output columns are dropped
+        pad = PADDED_HEAD_DIMS[D] - D
         q, k, v = (F.pad(t, (0, pad)) for t in (q, k, v))
     if key_lengths is not None and key_lengths.dtype != torch.int32:
         key_lengths = key_lengths.to(torch.int32)
@@ -236,11 +222,16 @@ def flash_attention(q, k, v, *, key_lengths=None, causal=False, causal_valid=Fal
         k = k.contiguous()
     if v.stride(3) != 1:
         v = v.contiguous()
-    if torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad):
-        out = _FlashAttention.apply(q, k, v, key_lengths, mode, scale, seed, p, impl, extra)
+    training = torch.is_grad_enabled() and (q.requires_grad or k.requires_grad or v.requires_grad)
+    if compiling:
+        s = structured or NO_STRUCTURE
+        out = torch.ops.pcvr.flash_attention(q, k, v, key_lengths, mode, scale, training, s.window, s.global_queries,
+                                             s.codes, s.words, backend)[0]
+    elif training:
+        out = _FlashAttention.apply(q, k, v, key_lengths, mode, scale, seed, p, impl, structured)
     else:
-        out = impl.forward(q, k, v, key_lengths, mode, scale, seed, p, False, extra=extra)[0]
-    return out[..., :D] if D in _PADDED else out
+        out = impl.forward(q, k, v, key_lengths, mode, scale, seed, p, False, structured=structured)[0]
+    return out[..., :D] if D in PADDED_HEAD_DIMS else out
 
 
 def _capturing() -> bool:
@@ -255,7 +246,67 @@ def _empty_result(q, k, v):
     return out
 
 
-def _torch_attention(q, k, v, key_lengths, causal, causal_valid, scale, seed, p, window, global_queries, rmask):
-    from .torch_impl import attention
+# ------------------------------------------------------------------ torch.library ops (what torch.compile traces)
+# Under torch.compile flash_attention calls this op (no dropout: its seed is drawn on the host per call) instead of
+# the autograd Function: the forward and the backward are one graph node each, with fake kernels for the shapes.
+# The mask travels as the StructuredMask's fields (window, global queries, role codes and words).
 
-    return attention(q, k, v, key_lengths, causal, causal_valid, scale, seed, p, window, global_queries, rmask)
+
+def _structured(window: int, global_queries: int, codes, words):
+    if window or global_queries or codes is not None:
+        return StructuredMask(window=window, global_queries=global_queries, codes=codes, words=words)
+    return None
+
+
+@torch.library.custom_op("pcvr::flash_attention", mutates_args=())
+def _attention_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, key_lengths: torch.Tensor | None, mode: str,
+                  scale: float, training: bool, window: int, global_queries: int, codes: torch.Tensor | None,
+                  words: torch.Tensor | None, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """(O, the base-2 LSE; empty unless `training`)."""
+    impl = dispatch.implementation(OP, backend, q.device)
+    o, lse = impl.forward(q, k, v, key_lengths, mode, scale, 0, 0.0, training,
+                          structured=_structured(window, global_queries, codes, words))
+    return o, lse if training else q.new_empty((0,), dtype=torch.float32)
+
+
+def _lse_shape(backend: str, q: torch.Tensor) -> tuple[int, ...]:
+    B, H, Sq, _ = q.shape
+    return (B, H, tilelang_stat_rows(Sq)) if backend == "tilelang" else (B * H, Sq)
+
+
+@_attention_op.register_fake
+def _(q, k, v, key_lengths, mode, scale, training, window, global_queries, codes, words, backend):
+    lse = q.new_empty(_lse_shape(backend, q) if training else (0,), dtype=torch.float32)
+    return q.new_empty(q.shape), lse
+
+
+@torch.library.custom_op("pcvr::flash_attention_backward", mutates_args=())
+def _attention_backward_op(do: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, o: torch.Tensor,
+                           lse: torch.Tensor, key_lengths: torch.Tensor | None, mode: str, scale: float, window: int,
+                           global_queries: int, codes: torch.Tensor | None, words: torch.Tensor | None,
+                           backend: str) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    impl = dispatch.implementation(OP, backend, q.device)
+    return impl.backward(do, q, k, v, o, lse, key_lengths, mode, scale, 0, 0.0,
+                         structured=_structured(window, global_queries, codes, words))
+
+
+@_attention_backward_op.register_fake
+def _(do, q, k, v, o, lse, key_lengths, mode, scale, window, global_queries, codes, words, backend):
+    return q.new_empty(q.shape), k.new_empty(k.shape), v.new_empty(v.shape)
+
+
+def _attention_setup(ctx, inputs, output):
+    q, k, v, key_lengths, mode, scale, _training, window, global_queries, codes, words, backend = inputs
+    ctx.save_for_backward(q, k, v, output[0], output[1], key_lengths, codes, words)
+    ctx.args = (mode, scale, window, global_queries, backend)
+
+
+def _attention_backward(ctx, do, _dlse):
+    q, k, v, o, lse, key_lengths, codes, words = ctx.saved_tensors
+    mode, scale, window, global_queries, backend = ctx.args
+    dq, dk, dv = _attention_backward_op(do.contiguous(), q, k, v, o, lse, key_lengths, mode, scale, window,
+                                        global_queries, codes, words, backend)
+    return dq, dk, dv, None, None, None, None, None, None, None, None, None
+
+
+_attention_op.register_autograd(_attention_backward, setup_context=_attention_setup)

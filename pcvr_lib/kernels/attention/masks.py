@@ -93,6 +93,21 @@ def allowed_mask(batch: int, sq: int, skv: int, key_lengths: torch.Tensor | None
 
 
 @dataclass(frozen=True)
+class StructuredMask:
+    """The arguments of a mask that key lengths cannot describe, as the kernels take them: tokenformer's window
+    (`window` keys, `global_queries` global last queries) or symbiosis' roles (`codes` (B, S) int32 and the
+    visibility `words` (32,) int32 of a RoleMask). Fields a mask does not use stay 0 / None."""
+
+    window: int = 0
+    global_queries: int = 0
+    codes: torch.Tensor | None = None
+    words: torch.Tensor | None = None
+
+
+NO_STRUCTURE = StructuredMask()
+
+
+@dataclass(frozen=True)
 class RoleMask:
     """The roles mask of one batch, built once by `role_mask` (checked there) and passed to every layer.
 
@@ -111,7 +126,8 @@ class RoleMask:
 def role_mask(roles: torch.Tensor, role_visibility: torch.Tensor, key_valid: torch.Tensor | None = None) -> RoleMask:
     """Check and pack a roles mask: roles (B, S) integer ids in [0, R), role_visibility (R, R) bool
     (row: the query's role, column: the key's), key_valid (B, S) bool (True: a real token) or None.
-    The value check costs one device sync: build the mask once per batch, not per layer."""
+    The value check costs one device sync: build the mask once per batch, not per layer (under torch.compile it
+    is left out)."""
     where = "role_mask"
     if not isinstance(roles, torch.Tensor) or roles.dim() != 2 or roles.dtype.is_floating_point or \
             roles.dtype == torch.bool:
@@ -132,7 +148,7 @@ def role_mask(roles: torch.Tensor, role_visibility: torch.Tensor, key_valid: tor
     for name, t in (("role_visibility", role_visibility), ("key_valid", key_valid)):
         if t is not None and t.device != roles.device:
             raise RuntimeError(f"{where}: {name} on {t.device}, roles on {roles.device}")
-    if roles.numel():
+    if roles.numel() and not torch.compiler.is_compiling():  # (compiled: no host read; the shapes are checked)
         lo, hi = int(roles.min()), int(roles.max())
         if lo < 0 or hi >= R:
             raise ValueError(f"{where}: role ids must be in [0, {R}) (role_visibility is {R} x {R}), got {lo}..{hi}")

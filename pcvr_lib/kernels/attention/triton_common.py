@@ -22,6 +22,79 @@ def qkv_strides(q, k, v) -> tuple:
     return (qs[0], qs[1], qs[2], ks[0], ks[1], ks[2], vs[0], vs[1], vs[2])
 
 
+def launch_aligned(tensors, strides) -> bool:
+    """Host side: whether every pointer and stride is a multiple of 16 and the first two tensors have fewer than
+    2**31 elements (int32 indexing): what the cached launch keys assume."""
+    bits = 0
+    for t in tensors:
+        bits |= t.data_ptr()
+    for x in strides:
+        bits |= x
+    return not (bits & 15) and tensors[0].numel() < 2**31 and tensors[1].numel() < 2**31
+
+
+def compile_signature(fn, dtype: str, constexprs: dict, fp32_pointers, i32_pointers) -> dict:
+    """Host side, for compiling without a GPU: triton's signature of a kernel's arguments (tensors of `dtype`
+    but the fp32 and int32 pointers named, fp32 scales, int32 others)."""
+    signature = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            signature[name] = "constexpr"
+        elif name in fp32_pointers:
+            signature[name] = "*fp32"
+        elif name in i32_pointers:
+            signature[name] = "*i32"
+        elif name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV"):
+            signature[name] = f"*{dtype}"
+        elif name in ("qk_scale", "sm_scale", "drop_scale"):
+            signature[name] = "fp32"
+        else:
+            signature[name] = "i32"
+    return signature
+
+
+@helper
+def program_tile(pid, H, BLOCK_A: tl.constexpr, BLOCK_B: tl.constexpr, HEAD_DIM: tl.constexpr):
+    """Program `pid` of grid axis 0 and the (b, h) of axis 1: (bh, b, h, start, offs_a, offs_d, offs_b0), offs_a
+    the BLOCK_A indices the program owns (query rows, or keys in the key-tile kernels), offs_b0 the first tile of
+    the other axis."""
+    bh = tl.program_id(1)
+    b = bh // H
+    h = bh % H
+    start = pid * BLOCK_A
+    offs_a = start + tl.arange(0, BLOCK_A)
+    offs_d = tl.arange(0, HEAD_DIM)
+    offs_b0 = tl.arange(0, BLOCK_B)
+    return bh, b, h, start, offs_a, offs_d, offs_b0
+
+
+@helper
+def masked_softmax_step(s, m_i, l_i):
+    """One key tile of the online softmax over scores `s` that are -inf where masked: (p, alpha, m_new, l_i). A
+    fully masked row stays at p = 0."""
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)
+    p = tl.exp2(s - m_sub[:, None])
+    alpha = tl.exp2(m_i - m_sub)
+    l_i = l_i * alpha + tl.sum(p, 1)
+    return p, alpha, m_new, l_i
+
+
+@helper
+def store_output(O, LSE, acc, m_i, l_i, b, h, bh, offs_m, offs_d, row_ok, Sq, sob, soh, som, drop_scale,
+                 STORE_LSE: tl.constexpr):
+    """The forward's epilogue: O = acc / l (zeros for a row that saw no key, dropout's 1/(1-p) folded in) and
+    the base-2 LSE (inf for such a row)."""
+    empty = l_i == 0.0
+    inv_l = tl.where(empty, 0.0, drop_scale / tl.where(empty, 1.0, l_i))
+    out = acc * inv_l[:, None]
+    o_base = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
+    tl.store(o_base + offs_m[:, None] * som + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
+    if STORE_LSE:
+        lse = tl.where(empty, float("inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
+        tl.store(LSE + bh.to(tl.int64) * Sq + offs_m, lse, mask=row_ok)
+
+
 @helper
 def valid_lengths(KL, b, Skv, HAS_KL: tl.constexpr):
     """(qlen, kv_len): the valid length L of masks.py (Skv without key lengths) and the keys that are valid."""
@@ -181,3 +254,56 @@ def element_mask(offs_m, offs_n, row_ok, col_ok, qlen, kv_len, W, glob_row, q_vi
             k_role < 32, KEYS_FIRST)
         allowed = (allowed | (_keys(offs_n, KEYS_FIRST) == _rows(offs_m, KEYS_FIRST))) & _keys(col_ok, KEYS_FIRST)
     return allowed
+
+
+@helper
+def masked_key_tile(k_base, v_base, offs_n, offs_d, col_ok, skn, svn):
+    """The (k, v) tiles of keys offs_n, zeros past Skv."""
+    k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    return k, v
+
+
+@helper
+def probabilities(q, k, lse, allowed, qk_scale):
+    """The attention weights P of a (query tile, key tile) pair recomputed from the base-2 LSE, 0 where masked."""
+    p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
+    return tl.where(allowed, p, 0.0)
+
+
+@helper
+def key_tile_setup(Q, K, V, DO, LSE, DELTA, b, h, bh, offs_n, offs_d, col_ok, Sq, sqb, sqh, skb, skh, skn, svb,
+                   svh, svn, sdob, sdoh):
+    """A key-tile kernel's start: its k and v tiles and the bases of q, dO, the LSE and delta of its (b, h)."""
+    b64 = b.to(tl.int64)
+    h64 = h.to(tl.int64)
+    k = tl.load(K + b64 * skb + h64 * skh + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    v = tl.load(V + b64 * svb + h64 * svh + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+    q_base = Q + b64 * sqb + h64 * sqh
+    do_base = DO + b64 * sdob + h64 * sdoh
+    lse_base = LSE + bh.to(tl.int64) * Sq
+    delta_base = DELTA + bh.to(tl.int64) * Sq
+    return b64, k, v, q_base, do_base, lse_base, delta_base
+
+
+@helper
+def key_block(pid_n, KL, H, Skv, HAS_KL: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr,
+              HEAD_DIM: tl.constexpr):
+    """A key-tile program's coordinates (program_tile over keys) and its batch row's lengths: (bh, b, h, n_start,
+    offs_n, offs_d, offs_m0, col_ok, qlen, kv_len, edge), `edge` when some keys of the tile are padding."""
+    bh, b, h, n_start, offs_n, offs_d, offs_m0 = program_tile(pid_n, H, BLOCK_N, BLOCK_M, HEAD_DIM)
+    col_ok = offs_n < Skv
+    qlen, kv_len = valid_lengths(KL, b, Skv, HAS_KL)
+    edge = n_start + BLOCK_N > kv_len
+    return bh, b, h, n_start, offs_n, offs_d, offs_m0, col_ok, qlen, kv_len, edge
+
+
+@helper
+def add_dq(dq, p, do, k, v, delta, offs_m, offs_n, Skv, hk, drop_threshold, drop_scale, DROPOUT: tl.constexpr):
+    """dQ += dS K for one key tile: dP = dO V^T (through dropout's keep mask), dS = P (dP - delta)."""
+    dp = tl.dot(do, tl.trans(v))
+    if DROPOUT:
+        keep = dropout_keep(offs_m[:, None] * Skv + offs_n[None, :], hk, drop_threshold)
+        dp = tl.where(keep, dp * drop_scale, 0.0)
+    ds = p * (dp - delta[:, None])
+    return dq + tl.dot(ds.to(k.dtype), k)

@@ -34,20 +34,31 @@ from . import triton_long
 from .config import (
     TRITON_BWD_DQ_CONFIGS,
     TRITON_BWD_KV_CONFIGS,
+    TRITON_BWD_KV_MASK_CONFIGS,
     TRITON_BWD_ONE_TILE_CONFIGS,
     TRITON_FWD_CONFIGS,
     TRITON_LONG_FWD_CONFIGS,
     TRITON_ONE_TILE_DEFAULT_DIMS,
 )
-from .masks import LOG2E, MODE_CODE, dropout_threshold, length_bucket
+from .masks import LOG2E, MODE_CODE, NO_STRUCTURE, dropout_threshold, length_bucket
 from .triton_common import (
+    add_dq,
     add_dv,
+    compile_signature,
     dropout_keep,
     element_mask,
+    key_block,
     key_roles,
     key_tile_range,
+    key_tile_setup,
+    launch_aligned,
+    masked_key_tile,
+    masked_softmax_step,
+    probabilities,
+    program_tile,
     qkv_strides,
     row_mask_data,
+    store_output,
     stream_key,
     valid_lengths,
 )
@@ -64,13 +75,7 @@ def _attn_fwd(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    m_start = pid_m * BLOCK_M
-    offs_m = m_start + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n0 = tl.arange(0, BLOCK_N)
+    bh, b, h, m_start, offs_m, offs_d, offs_n0 = program_tile(pid_m, H, BLOCK_M, BLOCK_N, HEAD_DIM)
 
     # -- which key tiles this block of rows can see, and which of them need no element mask
     qlen, kv_len = valid_lengths(KL, b, Skv, HAS_KL)
@@ -118,25 +123,14 @@ def _attn_fwd(
             k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
             s = tl.dot(q, tl.trans(k)) * qk_scale
             s = tl.where(allowed, s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked row stays at p = 0
-            p = tl.exp2(s - m_sub[:, None])
-            alpha = tl.exp2(m_i - m_sub)
-            l_i = l_i * alpha + tl.sum(p, 1)
+            p, alpha, m_new, l_i = masked_softmax_step(s, m_i, l_i)
             if DROPOUT:
                 p = tl.where(dropout_keep(offs_m[:, None] * Skv + offs_n[None, :], hk, drop_threshold), p, 0.0)
             v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
             acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
             m_i = m_new
 
-    empty = l_i == 0.0
-    inv_l = tl.where(empty, 0.0, drop_scale / tl.where(empty, 1.0, l_i))
-    out = acc * inv_l[:, None]
-    o_base = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
-    tl.store(o_base + offs_m[:, None] * som + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
-    if STORE_LSE:
-        lse = tl.where(empty, float("inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        tl.store(LSE + bh.to(tl.int64) * Sq + offs_m, lse, mask=row_ok)
+    store_output(O, LSE, acc, m_i, l_i, b, h, bh, offs_m, offs_d, row_ok, Sq, sob, soh, som, drop_scale, STORE_LSE)
 
 
 @kernel(do_not_specialize=_RUNTIME_INTS)
@@ -149,13 +143,7 @@ def _attn_bwd_dq(
 ):
     """dQ for one block of rows; also stores delta = rowsum(dO * O) for the dK/dV kernel."""
     pid_m = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    m_start = pid_m * BLOCK_M
-    offs_m = m_start + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n0 = tl.arange(0, BLOCK_N)
+    bh, b, h, m_start, offs_m, offs_d, offs_n0 = program_tile(pid_m, H, BLOCK_M, BLOCK_N, HEAD_DIM)
 
     qlen, kv_len = valid_lengths(KL, b, Skv, HAS_KL)
     kv_lo, full_hi, kv_hi = key_tile_range(m_start, qlen, kv_len, Skv, W, G, MODE, BLOCK_M, BLOCK_N)
@@ -174,6 +162,7 @@ def _attn_bwd_dq(
     k_base = K + b64 * skb + h64 * skh
     v_base = V + b64 * svb + h64 * svh
 
+    hk = 0  # (dropout's stream key)
     if DROPOUT:
         hk = stream_key(seed, bh)
 
@@ -183,12 +172,7 @@ def _attn_bwd_dq(
         k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :])
         v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :])
         p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
-        dp = tl.dot(do, tl.trans(v))
-        if DROPOUT:
-            keep = dropout_keep(offs_m[:, None] * Skv + offs_n[None, :], hk, drop_threshold)
-            dp = tl.where(keep, dp * drop_scale, 0.0)
-        ds = p * (dp - delta[:, None])
-        dq += tl.dot(ds.to(k.dtype), k)
+        dq = add_dq(dq, p, do, k, v, delta, offs_m, offs_n, Skv, hk, drop_threshold, drop_scale, DROPOUT)
     for n_start in range(tl.maximum(full_hi, kv_lo), kv_hi, BLOCK_N):
         offs_n = n_start + offs_n0
         col_ok = offs_n < Skv
@@ -198,16 +182,9 @@ def _attn_bwd_dq(
         if MODE == 5:
             visit = tl.max(allowed.to(tl.int32)) > 0
         if visit:
-            k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-            v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-            p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
-            p = tl.where(allowed, p, 0.0)
-            dp = tl.dot(do, tl.trans(v))
-            if DROPOUT:
-                keep = dropout_keep(offs_m[:, None] * Skv + offs_n[None, :], hk, drop_threshold)
-                dp = tl.where(keep, dp * drop_scale, 0.0)
-            ds = p * (dp - delta[:, None])
-            dq += tl.dot(ds.to(k.dtype), k)
+            k, v = masked_key_tile(k_base, v_base, offs_n, offs_d, col_ok, skn, svn)
+            p = probabilities(q, k, lse, allowed, qk_scale)
+            dq = add_dq(dq, p, do, k, v, delta, offs_m, offs_n, Skv, hk, drop_threshold, drop_scale, DROPOUT)
     dq = dq * sm_scale
     tl.store(DQ + bh.to(tl.int64) * Sq * HEAD_DIM + offs_m[:, None] * HEAD_DIM + offs_d[None, :],
              dq.to(DQ.dtype.element_ty), mask=row_ok[:, None])
@@ -222,18 +199,8 @@ def _attn_bwd_dkdv(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     """dK and dV for one block of keys, walking the query tiles that can see it (transposed scores)."""
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    n_start = pid_n * BLOCK_N
-    offs_n = n_start + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_m0 = tl.arange(0, BLOCK_M)
-    col_ok = offs_n < Skv
-
-    qlen, kv_len = valid_lengths(KL, b, Skv, HAS_KL)
-    edge = n_start + BLOCK_N > kv_len  # some keys of this tile are padding
+    bh, b, h, n_start, offs_n, offs_d, offs_m0, col_ok, qlen, kv_len, edge = key_block(
+        tl.program_id(0), KL, H, Skv, HAS_KL, BLOCK_N, BLOCK_M, HEAD_DIM)
     if MODE <= 1:
         q_lo = 0
         q_hi = tl.where(n_start < kv_len, Sq, 0)
@@ -260,14 +227,9 @@ def _attn_bwd_dkdv(
     if MODE == 4:
         q2_lo = (tl.maximum(qlen - G, 0) // BLOCK_M) * BLOCK_M
 
-    b64 = b.to(tl.int64)
-    h64 = h.to(tl.int64)
-    k = tl.load(K + b64 * skb + h64 * skh + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-    v = tl.load(V + b64 * svb + h64 * svh + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-    q_base = Q + b64 * sqb + h64 * sqh
-    do_base = DO + b64 * sdob + h64 * sdoh
-    lse_base = LSE + bh.to(tl.int64) * Sq
-    delta_base = DELTA + bh.to(tl.int64) * Sq
+    b64, k, v, q_base, do_base, lse_base, delta_base = key_tile_setup(
+        Q, K, V, DO, LSE, DELTA, b, h, bh, offs_n, offs_d, col_ok, Sq, sqb, sqh, skb, skh, skn, svb, svh, svn, sdob,
+        sdoh)
 
     hk = 0  # (dropout's stream key)
     if DROPOUT:
@@ -378,10 +340,8 @@ def _attn_bwd_one_tile(
         allowed = element_mask(offs_m, offs_n, row_ok, col_ok, qlen, kv_len, W, glob_row, q_vis, k_role, MODE, False)
         if MODE >= 2:
             allowed = allowed & row_ok[:, None]
-        k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-        p = tl.exp2(tl.dot(q, tl.trans(k)) * qk_scale - lse[:, None])
-        p = tl.where(allowed, p, 0.0)
+        k, v = masked_key_tile(k_base, v_base, offs_n, offs_d, col_ok, skn, svn)
+        p = probabilities(q, k, lse, allowed, qk_scale)
         dp = tl.dot(do, tl.trans(v))
         if DROPOUT:
             keep = dropout_keep(offs_m[:, None] * Skv + offs_n[None, :], hk, drop_threshold)
@@ -420,26 +380,21 @@ _launch_one_tile = Launcher(_attn_bwd_one_tile, "flash_attention.bwd_one_tile")
 
 
 def _fast_ok(tensors, strides) -> bool:
-    bits = 0
-    for t in tensors:
-        bits |= t.data_ptr()
-    for x in strides:
-        bits |= x
-    return not (bits & 15) and tensors[0].is_cuda and tensors[0].numel() < 2**31 and tensors[1].numel() < 2**31
+    return tensors[0].is_cuda and launch_aligned(tensors, strides)
 
 
 def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p: float,
-            store_lse: bool, config=None, extra=None):
+            store_lse: bool, config=None, structured=None):
     """O (and the base-2 LSE, (B*H, Sq) fp32, when store_lse) for contiguous-last-dim q, k, v.
-    `extra`: (window W, global queries G, role codes, visibility words) of the window and roles masks."""
+    `structured`: the masks.StructuredMask of the window and roles masks (None for the others)."""
     B, H, Sq, D = q.shape
-    if config is None and D in TRITON_LONG_FWD_CONFIGS and triton_long.applies(mode, Sq, scale, extra):
+    if config is None and D in TRITON_LONG_FWD_CONFIGS and triton_long.applies(mode, Sq, scale, structured):
         return triton_long.forward(q, k, v, key_lengths, mode, scale, seed, dropout_p, store_lse)
     Skv = k.shape[2]
     o = torch.empty((B, H, Sq, D), dtype=q.dtype, device=q.device)
     lse = torch.empty((B * H, Sq), dtype=torch.float32, device=q.device) if store_lse else o
     bm, bn, warps, stages = config or TRITON_FWD_CONFIGS[(D, length_bucket(Sq))]
-    has_kl, kl, W, G, roles, vis = _mask_data(key_lengths, extra, o)
+    has_kl, kl, W, G, roles, vis = _mask_data(key_lengths, structured, o)
     dropout = dropout_p > 0.0
     strides = (*qkv_strides(q, k, v), H * Sq * D, Sq * D, D)
     code = MODE_CODE[mode]
@@ -456,7 +411,7 @@ def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p:
 
 
 def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: int, dropout_p: float,
-             dq_config=None, kv_config=None, extra=None, one_tile_config=None):
+             dq_config=None, kv_config=None, structured=None, one_tile_config=None):
     """(dQ, dK, dV). One launch of the one-tile kernel where it is asked for (`one_tile_config`) or routed by
     default (head dim in TRITON_ONE_TILE_DEFAULT_DIMS, Sq and Skv within its BLOCK_M, no two-kernel config
     given); elsewhere two launches, dQ (which also writes delta = rowsum(dO*O)) then dK/dV."""
@@ -469,10 +424,11 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
                          f"{one_tile_config[0]}, got Sq {Sq}, Skv {Skv}")
     one_tile = one_tile_config or (TRITON_BWD_ONE_TILE_CONFIGS[D] if D in TRITON_ONE_TILE_DEFAULT_DIMS else None)
     if one_tile is not None and Sq <= one_tile[0] and Skv <= one_tile[0] and dq_config is None and kv_config is None:
-        return _backward_one_tile(do, q, k, v, o, lse, key_lengths, mode, scale, seed, dropout_p, extra, one_tile)
+        return _backward_one_tile(do, q, k, v, o, lse, key_lengths, mode, scale, seed, dropout_p, structured,
+                                  one_tile)
     dq, dk, dv = _empty_grads(q, k, v)
     delta = torch.empty((B * H, Sq), dtype=torch.float32, device=q.device)
-    has_kl, kl, W, G, roles, vis = _mask_data(key_lengths, extra, delta)
+    has_kl, kl, W, G, roles, vis = _mask_data(key_lengths, structured, delta)
     dropout = dropout_p > 0.0
     code = MODE_CODE[mode]
     dos = do.stride()
@@ -492,7 +448,9 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
     else:
         _launch_dq.jit(grid, args, warps, stages)
 
-    bm, bn, warps, stages = kv_config or TRITON_BWD_KV_CONFIGS[(D, length_bucket(Sq))]
+    bucket = length_bucket(Sq)
+    bm, bn, warps, stages = (kv_config or TRITON_BWD_KV_MASK_CONFIGS.get((mode, D, bucket))
+                             or TRITON_BWD_KV_CONFIGS[(D, bucket)])
     args = (q, k, v, do, dk, dv, lse, delta, kl, roles, vis, *s_qkv, *s_do, *common, bm, bn, D)
     grid = (cdiv(Skv, bn), B * H, 1)
     if fast:
@@ -502,13 +460,13 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
     return dq, dk, dv
 
 
-def _backward_one_tile(do, q, k, v, o, lse, key_lengths, mode, scale, seed, dropout_p, extra, config):
+def _backward_one_tile(do, q, k, v, o, lse, key_lengths, mode, scale, seed, dropout_p, structured, config):
     """One launch, one program per (b, h): the one-tile kernel (no delta buffer, no atomics, no memset)."""
     B, H, Sq, D = q.shape
     Skv = k.shape[2]
     bm, bn, warps, stages = config
     dq, dk, dv = _empty_grads(q, k, v)
-    has_kl, kl, W, G, roles, vis = _mask_data(key_lengths, extra, lse)
+    has_kl, kl, W, G, roles, vis = _mask_data(key_lengths, structured, lse)
     dropout = dropout_p > 0.0
     code = MODE_CODE[mode]
     dos = do.stride()
@@ -525,16 +483,13 @@ def _backward_one_tile(do, q, k, v, o, lse, key_lengths, mode, scale, seed, drop
     return dq, dk, dv
 
 
-_NO_EXTRA = (0, 0, None, None)
-
-
-def _mask_data(key_lengths, extra, placeholder):
+def _mask_data(key_lengths, structured, placeholder):
     """(has_kl, key lengths, W, G, role codes, visibility words) as the kernels take them; a tensor the mask does
     not use is `placeholder` (a tensor of the call, never read by the kernel)."""
-    W, G, roles, vis = extra or _NO_EXTRA
+    s = structured or NO_STRUCTURE
     has_kl = key_lengths is not None
-    return (has_kl, key_lengths if has_kl else placeholder, W, G, placeholder if roles is None else roles,
-            placeholder if vis is None else vis)
+    return (has_kl, key_lengths if has_kl else placeholder, s.window, s.global_queries,
+            placeholder if s.codes is None else s.codes, placeholder if s.words is None else s.words)
 
 
 def _empty_grads(q, k, v):
@@ -560,19 +515,6 @@ def compile_for(arch: int, which: str, D: int, dtype: str = "bf16", mode: str = 
     constexprs.update(BLOCK_M=bm, BLOCK_N=bn)
     if which == "fwd":
         constexprs["STORE_LSE"] = store_lse
-    signature = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in ("Q", "K", "V", "O", "DO", "DQ", "DK", "DV"):
-            signature[name] = f"*{dtype}"
-        elif name in ("LSE", "DELTA"):
-            signature[name] = "*fp32"
-        elif name in ("KL", "ROLE", "VIS"):
-            signature[name] = "*i32"
-        elif name in ("qk_scale", "sm_scale", "drop_scale"):
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
+    signature = compile_signature(fn, dtype, constexprs, ("LSE", "DELTA"), ("KL", "ROLE", "VIS"))
     return triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": warps, "num_stages": stages})

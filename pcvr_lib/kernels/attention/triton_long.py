@@ -35,7 +35,23 @@ import triton.language as tl
 from .._triton import Launcher, cdiv, kernel
 from .config import TRITON_LONG_BWD_CONFIGS, TRITON_LONG_FWD_CONFIGS
 from .masks import LOG2E, MODE_CODE, dropout_threshold
-from .triton_common import add_dv, dropout_keep, element_mask, key_tile_range, qkv_strides, stream_key, valid_lengths
+from .triton_common import (
+    add_dv,
+    compile_signature,
+    dropout_keep,
+    element_mask,
+    key_block,
+    key_tile_range,
+    key_tile_setup,
+    launch_aligned,
+    masked_key_tile,
+    masked_softmax_step,
+    program_tile,
+    qkv_strides,
+    store_output,
+    stream_key,
+    valid_lengths,
+)
 
 _RUNTIME_INTS = ["H", "Sq", "Skv", "seed", "drop_threshold"]
 LONG_MODES = ("none", "key_lengths", "causal", "causal_valid")
@@ -53,13 +69,7 @@ def _fwd_long(
     pid_m = tl.program_id(0)
     if MODE >= 2:  # causal: the last row blocks see the most keys; start them first (shorter tail)
         pid_m = tl.num_programs(0) - 1 - pid_m
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    m_start = pid_m * BLOCK_M
-    offs_m = m_start + tl.arange(0, BLOCK_M)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_n0 = tl.arange(0, BLOCK_N)
+    bh, b, h, m_start, offs_m, offs_d, offs_n0 = program_tile(pid_m, H, BLOCK_M, BLOCK_N, HEAD_DIM)
 
     # key tiles of this row block: [kv_lo, full_hi) need no element mask, [full_hi, kv_hi) do (masks.py)
     qlen, kv_len = valid_lengths(KL, b, Skv, HAS_KL)
@@ -113,27 +123,15 @@ def _fwd_long(
             k = k_desc.load([n_start, 0])
             v = v_desc.load([n_start, 0])
         else:
-            k = tl.load(k_base + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-            v = tl.load(v_base + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
+            k, v = masked_key_tile(k_base, v_base, offs_n, offs_d, col_ok, skn, svn)
         s = tl.where(allowed, tl.dot(q, tl.trans(k)) * qk_scale, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        m_sub = tl.where(m_new == float("-inf"), 0.0, m_new)  # a fully masked row stays at p = 0
-        p = tl.exp2(s - m_sub[:, None])
-        alpha = tl.exp2(m_i - m_sub)
-        l_i = l_i * alpha + tl.sum(p, 1)
+        p, alpha, m_new, l_i = masked_softmax_step(s, m_i, l_i)
         if DROPOUT:
             p = tl.where(dropout_keep(offs_m[:, None] * Skv + offs_n[None, :], hk, drop_threshold), p, 0.0)
         acc = tl.dot(p.to(v.dtype), v, acc * alpha[:, None])
         m_i = m_new
 
-    empty = l_i == 0.0
-    inv_l = tl.where(empty, 0.0, drop_scale / tl.where(empty, 1.0, l_i))
-    out = acc * inv_l[:, None]
-    o_base = O + b.to(tl.int64) * sob + h.to(tl.int64) * soh
-    tl.store(o_base + offs_m[:, None] * som + offs_d[None, :], out.to(O.dtype.element_ty), mask=row_ok[:, None])
-    if STORE_LSE:
-        lse = tl.where(empty, float("inf"), m_i + tl.log2(tl.where(empty, 1.0, l_i)))
-        tl.store(LSE + bh.to(tl.int64) * Sq + offs_m, lse, mask=row_ok)
+    store_output(O, LSE, acc, m_i, l_i, b, h, bh, offs_m, offs_d, row_ok, Sq, sob, soh, som, drop_scale, STORE_LSE)
 
 
 @kernel(do_not_specialize=["Sq"])
@@ -164,20 +162,10 @@ def _bwd_long(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, HEAD_DIM: tl.constexpr,
 ):
     """dK, dV of one key tile over the query tiles that see it; dQ += dS K of each pair (fp32 atomics)."""
-    pid_n = tl.program_id(0)
-    bh = tl.program_id(1)
-    b = bh // H
-    h = bh % H
-    n_start = pid_n * BLOCK_N
-    offs_n = n_start + tl.arange(0, BLOCK_N)
-    offs_d = tl.arange(0, HEAD_DIM)
-    offs_m0 = tl.arange(0, BLOCK_M)
-    col_ok = offs_n < Skv
-
-    qlen, kv_len = valid_lengths(KL, b, Skv, HAS_KL)
+    bh, b, h, n_start, offs_n, offs_d, offs_m0, col_ok, qlen, kv_len, edge = key_block(
+        tl.program_id(0), KL, H, Skv, HAS_KL, BLOCK_N, BLOCK_M, HEAD_DIM)
     # query tiles [q_lo, q_hi); those before q_mid (diagonal, padded keys) or reaching past q_full (padded
     # query rows of causal-valid) take the element mask
-    edge = n_start + BLOCK_N > kv_len  # some keys of this tile are padding
     q_full = Sq + BLOCK_M
     if MODE <= 1:
         q_lo = 0
@@ -195,14 +183,9 @@ def _bwd_long(
         if qlen < Sq:
             q_full = qlen
 
-    b64 = b.to(tl.int64)
-    h64 = h.to(tl.int64)
-    k = tl.load(K + b64 * skb + h64 * skh + offs_n[:, None] * skn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-    v = tl.load(V + b64 * svb + h64 * svh + offs_n[:, None] * svn + offs_d[None, :], mask=col_ok[:, None], other=0.0)
-    q_base = Q + b64 * sqb + h64 * sqh
-    do_base = DO + b64 * sdob + h64 * sdoh
-    lse_base = LSE + bh.to(tl.int64) * Sq
-    delta_base = DELTA + bh.to(tl.int64) * Sq
+    b64, k, v, q_base, do_base, lse_base, delta_base = key_tile_setup(
+        Q, K, V, DO, LSE, DELTA, b, h, bh, offs_n, offs_d, col_ok, Sq, sqb, sqh, skb, skh, skn, svb, svh, svn, sdob,
+        sdoh)
     dq_base = DQ + bh.to(tl.int64) * Sq * HEAD_DIM
     if USE_TMA:  # q and dO tiles through TMA (rows past Sq read as zeros, as the masked loads below)
         q_desc = tl.make_tensor_descriptor(q_base, shape=[Sq, HEAD_DIM], strides=[sqm, 1],
@@ -266,18 +249,9 @@ def _ensure_allocator() -> None:
         _allocator_set = True
 
 
-def _aligned(tensors, strides) -> bool:
-    bits = 0
-    for t in tensors:
-        bits |= t.data_ptr()
-    for x in strides:
-        bits |= x
-    return not (bits & 15) and tensors[0].numel() < 2**31 and tensors[1].numel() < 2**31
-
-
-def applies(mode: str, Sq: int, scale: float, extra) -> bool:
+def applies(mode: str, Sq: int, scale: float, structured) -> bool:
     """Whether a call may take the long kernels (triton_impl also needs the head dim in the config table)."""
-    return Sq > 512 and extra is None and mode in LONG_MODES and scale > 0
+    return Sq > 512 and structured is None and mode in LONG_MODES and scale > 0
 
 
 def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p: float, store_lse: bool,
@@ -293,7 +267,7 @@ def forward(q, k, v, key_lengths, mode: str, scale: float, seed: int, dropout_p:
     strides = (*qkv_strides(q, k, v), H * Sq * D, Sq * D, D)
     code = MODE_CODE[mode]
     kl = key_lengths if has_kl else o
-    fast = q.is_cuda and _aligned((q, k, v, kl), strides)
+    fast = q.is_cuda and launch_aligned((q, k, v, kl), strides)
     if use_tma and not (fast or not q.is_cuda):  # TMA needs 16-byte aligned bases and row strides
         use_tma = False
     if use_tma and q.is_cuda:
@@ -329,7 +303,7 @@ def backward(do, q, k, v, o, lse, key_lengths, mode: str, scale: float, seed: in
     s_qkv = qkv_strides(q, k, v)
     s_do = (dos[0], dos[1], dos[2])
     dev = q.get_device()
-    fast = q.is_cuda and _aligned((q, k, v, do, o, kl), s_qkv + s_do + os_[:3])
+    fast = q.is_cuda and launch_aligned((q, k, v, do, o, kl), s_qkv + s_do + os_[:3])
 
     args = (o, do, delta, dq32, os_[0], os_[1], os_[2], *s_do, H, Sq, _DELTA_BLOCK, D)
     grid = (cdiv(Sq, _DELTA_BLOCK), B * H, 1)
@@ -369,19 +343,6 @@ def compile_for(arch: int, which: str, D: int, dtype: str = "bf16", mode: str = 
     constexprs["USE_TMA"] = bool(use_tma)
     if which == "fwd":
         constexprs.update(STORE_LSE=True, WARP_SPEC=bool(warp_spec))
-    signature = {}
-    for name in fn.arg_names:
-        if name in constexprs:
-            signature[name] = "constexpr"
-        elif name in ("Q", "K", "V", "O", "DO", "DK", "DV"):
-            signature[name] = f"*{dtype}"
-        elif name in ("LSE", "DELTA", "DQ"):
-            signature[name] = "*fp32"
-        elif name == "KL":
-            signature[name] = "*i32"
-        elif name in ("qk_scale", "sm_scale", "drop_scale"):
-            signature[name] = "fp32"
-        else:
-            signature[name] = "i32"
+    signature = compile_signature(fn, dtype, constexprs, ("LSE", "DELTA", "DQ"), ("KL",))
     return triton.compile(ASTSource(fn, signature, constexprs), target=GPUTarget("cuda", arch, 32),
                           options={"num_warps": warps, "num_stages": stages})

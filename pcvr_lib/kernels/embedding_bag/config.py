@@ -1,4 +1,4 @@
-"""The embedding-bag launch configuration (Triton's tile shape; TileLang's geometry is in tilelang_impl)."""
+"""The embedding-bag launch configurations: Triton's tile shape and TileLang's thread geometry."""
 
 from __future__ import annotations
 
@@ -26,3 +26,23 @@ def launch_config(batch: int, bag: int, dim: int, elem_bytes: int) -> LaunchConf
     block_b = max(1, min(64, TILE_ELEMENTS // (block_d * block_l)))
     num_warps = 4 if block_b * block_d >= 1024 else 2
     return LaunchConfig(block_b, block_l, block_d, num_warps)
+
+
+# TileLang: threads per block, and the bag positions whose row loads one thread issues at once
+TILELANG_THREADS = 128
+TILELANG_UNROLL = 4
+
+
+def tilelang_geometry(dim: int, vec: int) -> tuple[int, int, int]:
+    """(threads per bag, bags per block, column chunks per thread)."""
+    cols = -(-dim // vec)
+    tpr = 1
+    while tpr < cols and tpr < TILELANG_THREADS:
+        tpr *= 2
+    return tpr, TILELANG_THREADS // tpr, -(-cols // tpr)
+
+
+def vector_width(dim: int, elem_bytes: int, ptr: int) -> int:
+    """Columns per 16-byte vector load (1 when the width or the pointer is not aligned to it)."""
+    vec = 16 // elem_bytes
+    return vec if dim % vec == 0 and ptr % 16 == 0 else 1

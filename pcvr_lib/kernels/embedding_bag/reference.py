@@ -1,32 +1,14 @@
-"""The torch backend and the float64 reference of `embedding_bag_mean`.
+"""The float64 reference of `embedding_bag_mean`, and the semantics every backend implements:
 
-Semantics shared by every backend (the torch backend defines them, the others must match):
   out[b] = mean of weight[ids[b, l]] over the positions l with 0 < ids[b, l] < V.
   Id 0 is padding; ids >= V and negative ids are ignored the same way (never an error, never a clamp);
   a bag with no valid id gives a row of zeros. The weight gradient reaches only the valid ids:
   d weight[i] = sum over valid (b, l) with ids[b, l] == i of grad_out[b] / count[b].
-
-`F.embedding_bag(mode="mean", padding_idx=0)` already excludes padding from the count and returns zeros
-for empty bags; it raises (CPU) or asserts (CUDA) on ids outside [0, V), so the torch backend first maps
-every id outside (0, V) to 0. That mapping is one extra elementwise pass over the ids, part of the
-torch backend's cost.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
-
-
-def sanitize_ids(ids: torch.Tensor, num_rows: int) -> torch.Tensor:
-    """ids with every id outside (0, num_rows) replaced by the padding id 0 (a new tensor)."""
-    return ids.masked_fill((ids < 0) | (ids >= num_rows), 0)
-
-
-def torch_embedding_bag_mean(weight: torch.Tensor, ids: torch.Tensor, sparse_grad: bool = False) -> torch.Tensor:
-    """The torch backend: F.embedding_bag(mean, padding_idx=0) on sanitized ids (autograd through torch)."""
-    clean = sanitize_ids(ids, weight.shape[0])
-    return F.embedding_bag(clean, weight, mode="mean", padding_idx=0, sparse=sparse_grad)
 
 
 def reference_forward(weight: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:

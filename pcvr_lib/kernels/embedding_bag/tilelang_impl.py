@@ -2,35 +2,18 @@
 
 Written in TileLang's explicit thread style (T.get_thread_binding + local buffers + T.vectorized):
 a group of TPR threads owns one bag, each thread VEC consecutive columns loaded as one 16-byte vector.
-Per chunk of UNROLL bag positions the ids are read and checked first, then all UNROLL row loads are
-issued unconditionally (an invalid id reads row 0, which stays in L1), then accumulated under the
+Per chunk of UNROLL bag positions (config.TILELANG_UNROLL) the ids are read and checked first, then all UNROLL
+row loads are issued unconditionally (an invalid id reads row 0, which stays in L1), then accumulated under the
 mask, so UNROLL independent loads per thread are in flight. B, L, V (and the COO length) are TileLang
 dynamic symbols: one compiled kernel serves every batch size and bag length. Kernels are compiled and
 cached by the shared `_tilelang` runtime per (kind, D, dtypes, vector width); a launch calls the TVM-FFI
 executable itself (one foreign call, on torch's current stream).
 """
 
-
 import torch
 
 from .._tilelang import LAUNCHERS, Kernels
-
-THREADS = 128
-UNROLL = 4
-
-
-def _geometry(dim: int, vec: int) -> tuple[int, int, int]:
-    """(threads per bag, bags per block, column chunks per thread)."""
-    cols = -(-dim // vec)
-    tpr = 1
-    while tpr < cols and tpr < THREADS:
-        tpr *= 2
-    return tpr, THREADS // tpr, -(-cols // tpr)
-
-
-def vector_width(dim: int, elem_bytes: int, ptr: int) -> int:
-    vec = 16 // elem_bytes
-    return vec if dim % vec == 0 and ptr % 16 == 0 else 1
+from .config import TILELANG_THREADS, TILELANG_UNROLL, tilelang_geometry, vector_width
 
 
 def build_forward(dim: int, dtype: str, idx_dtype: str, vec: int, save_counts: bool):
@@ -40,12 +23,12 @@ def build_forward(dim: int, dtype: str, idx_dtype: str, vec: int, save_counts: b
     B = T.dynamic("B")
     L = T.dynamic("L")
     V = T.dynamic("V")
-    tpr, block_b, chunks = _geometry(dim, vec)
-    unroll = UNROLL
+    tpr, block_b, chunks = tilelang_geometry(dim, vec)
+    unroll = TILELANG_UNROLL
 
     @T.macro
     def body(W, ids, out, counts):
-        with T.Kernel(T.ceildiv(B, block_b), threads=THREADS) as bx:
+        with T.Kernel(T.ceildiv(B, block_b), threads=TILELANG_THREADS) as bx:
             tx = T.get_thread_binding()
             acc = T.alloc_local((vec,), "float32")
             buf = T.alloc_local((unroll, vec), dtype)
@@ -99,13 +82,13 @@ def build_backward_sparse(dim: int, dtype: str, idx_dtype: str, vec: int):
 
     B = T.dynamic("B")
     L = T.dynamic("L")
-    tpr, block_b, chunks = _geometry(dim, vec)
+    tpr, block_b, chunks = tilelang_geometry(dim, vec)
 
     @T.prim_func
     def bwd_sparse(ids: T.Tensor((B, L), idx_dtype), counts: T.Tensor((B,), "int32"),
                    g: T.Tensor((B, dim), dtype), idx_out: T.Tensor((B * L,), "int64"),
                    val_out: T.Tensor((B * L, dim), "float32"), num_rows: T.int64):
-        with T.Kernel(T.ceildiv(B, block_b), threads=THREADS) as bx:
+        with T.Kernel(T.ceildiv(B, block_b), threads=TILELANG_THREADS) as bx:
             tx = T.get_thread_binding()
             val = T.alloc_local((vec,), "float32")
             anchor = T.alloc_local((1,), "int64")
@@ -145,12 +128,12 @@ def build_backward_dense(dim: int, dtype: str, idx_dtype: str):
     B = T.dynamic("B")
     L = T.dynamic("L")
     V = T.dynamic("V")
-    tpr, block_b, chunks = _geometry(dim, 1)
+    tpr, block_b, chunks = tilelang_geometry(dim, 1)
 
     @T.prim_func
     def bwd_dense(ids: T.Tensor((B, L), idx_dtype), counts: T.Tensor((B,), "int32"),
                   g: T.Tensor((B, dim), dtype), grad: T.Tensor((V, dim), "float32")):
-        with T.Kernel(T.ceildiv(B, block_b), threads=THREADS) as bx:
+        with T.Kernel(T.ceildiv(B, block_b), threads=TILELANG_THREADS) as bx:
             tx = T.get_thread_binding()
             b = bx * block_b + tx // tpr
             for ch in T.serial(chunks):

@@ -1,0 +1,169 @@
+"""`pcvr noise`: the noise floor (the suite run N times on one machine, or stored runs), the noise file that
+holds it, and the threshold of each case's metric taken from it."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import statistics
+import sys
+from pathlib import Path
+
+from pcvr_lib.compare.runs import (
+    EXIT_OK,
+    Case,
+    cases_of,
+    check_same_machine,
+    host_probe_us,
+    load_run,
+    machine_name,
+    machine_of,
+    pct,
+)
+from pcvr_lib.compare.suite import run_suite
+from pcvr_lib.report import EXIT_REFUSED, ReportError, format_table
+
+NOISE_VERSION = 1
+# Thresholds: K x the A/A spread of the case (or its group's 90th percentile, whichever is larger), never
+# below the relative floor nor below the absolute floor (a few hundred ns of device time, one us of host
+# time cannot be told from nothing however small the spread looked).
+K = 2.0
+REL_FLOOR = {"device": 0.03, "host": 0.10, "cpu": 0.05, "per_call": 0.05, "median": 0.15}
+ABS_FLOOR_S = {"device": 0.2e-6, "host": 1e-6, "cpu": 1e-3, "per_call": 1e-6, "median": 1e-6}
+
+
+def spread(values: list[float]) -> float:
+    """Relative spread of one case's A/A values: (max - min) / min, the largest A/A change seen."""
+    values = [v for v in values if v > 0]
+    return max(values) / min(values) - 1 if len(values) >= 2 else float("nan")
+
+
+def _percentile(values: list[float], q: float) -> float:
+    values = sorted(v for v in values if math.isfinite(v))
+    if not values:
+        return float("nan")
+    return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+
+
+def build_noise(runs: list[dict], sources: list[str]) -> dict:
+    """Per-case and per-group spread of every metric over runs of one tree on one machine."""
+    if len(runs) < 2:
+        raise ReportError(f"a noise floor needs at least 2 runs of the same tree, got {len(runs)}")
+    for run, src in zip(runs[1:], sources[1:], strict=True):
+        check_same_machine(runs[0], run, sources[0], src)
+    per_run = [cases_of(r) for r in runs]
+    ids = sorted(set.intersection(*(set(c) for c in per_run)))
+    if not ids:
+        raise ReportError("the runs share no case: " + ", ".join(sources))
+    cases: dict[str, dict] = {}
+    groups: dict[str, dict[str, list[float]]] = {}
+    for cid in ids:
+        first = per_run[0][cid]
+        entry = {"group": first.group, "kind": first.kind, "gated": first.gated}
+        for metric in first.values:
+            vals = [c[cid].values[metric] for c in per_run if metric in c[cid].values]
+            s = spread(vals)
+            entry[metric] = {"spread": round(s, 5), "median_s": statistics.median(vals), "n": len(vals)}
+            if first.gated and math.isfinite(s):
+                groups.setdefault(first.group, {}).setdefault(metric, []).append(s)
+        cases[cid] = entry
+    group_summary = {
+        g: {m: {"p50": round(_percentile(v, 0.5), 5), "p90": round(_percentile(v, 0.9), 5),
+                "max": round(max(v), 5), "cases": len(v)} for m, v in metrics.items()}
+        for g, metrics in sorted(groups.items())
+    }
+    return {
+        "version": NOISE_VERSION,
+        "machine": machine_of(runs[0]),
+        "machine_name": machine_name(runs[0]),
+        "runs": len(runs),
+        "sources": sources,
+        "k": K,
+        "rel_floor": REL_FLOOR,
+        "abs_floor_s": ABS_FLOOR_S,
+        "groups": group_summary,
+        "cases": cases,
+    }
+
+
+def load_noise(path: Path | None) -> dict | None:
+    if path is None or not Path(path).is_file():
+        return None
+    try:
+        noise = json.loads(Path(path).read_text())
+    except json.JSONDecodeError as exc:
+        raise ReportError(f"{path}: not a noise file ({exc})") from exc
+    if noise.get("version") != NOISE_VERSION or "cases" not in noise:
+        raise ReportError(f"{path}: not a pcvr noise file (version {NOISE_VERSION}); make it with `pcvr noise`")
+    return noise
+
+
+def threshold(noise: dict | None, case: Case, metric: str, base_s: float) -> tuple[float, str]:
+    """(relative threshold, where it came from) for one metric of one case."""
+    k = (noise or {}).get("k", K)
+    rel_floor = (noise or {}).get("rel_floor", REL_FLOOR).get(metric, REL_FLOOR.get(metric, 0.15))
+    abs_floor = (noise or {}).get("abs_floor_s", ABS_FLOOR_S).get(metric, 0.0)
+    candidates = {"rel floor": rel_floor, "abs floor": abs_floor / base_s if base_s > 0 else 0.0}
+    if noise:
+        observed = ((noise["cases"].get(case.id) or {}).get(metric) or {}).get("spread")
+        if observed is not None and math.isfinite(observed):
+            candidates[f"{k:g}x case spread"] = k * observed
+        group = ((noise.get("groups") or {}).get(case.group) or {}).get(metric)
+        if group and math.isfinite(group["p90"]):
+            candidates[f"{k:g}x group p90"] = k * group["p90"]
+    source = max(candidates, key=candidates.get)
+    return candidates[source], source
+
+
+def default_noise_path(run: dict, storage: Path = Path(".benchmarks")) -> Path:
+    return storage / machine_name(run) / "noise.json"
+
+
+def add_arguments(parser) -> None:
+    parser.add_argument("-n", "--runs", type=int, default=3, help="how many times to run the suite (default 3)")
+    parser.add_argument("--from", dest="sources", nargs="+", metavar="JSON",
+                        help="build the noise file from these stored runs instead of running anything")
+    parser.add_argument("--out", help="noise file (default .benchmarks/<machine>/noise.json)")
+    parser.add_argument("--work", default="results/noise", help="where the runs' JSON goes")
+    parser.add_argument("tests", nargs=argparse.REMAINDER,
+                        help="last: test paths and pytest args, e.g. perf_tests -k x "
+                        "(default perf_tests)")
+
+
+def noise_summary(noise: dict) -> str:
+    rows = []
+    for group, metrics in noise["groups"].items():
+        for metric, s in metrics.items():
+            rows.append([group, metric, str(s["cases"]), pct(s["p50"]), pct(s["p90"]), pct(s["max"])])
+    return format_table(["group", "metric", "cases", "spread p50", "p90", "max"], rows)
+
+
+def run(args) -> int:
+    try:
+        if args.sources:
+            sources = list(args.sources)
+        else:
+            if args.runs < 2:
+                raise ReportError(f"--runs {args.runs}: a noise floor needs at least 2 runs")
+            sources = []
+            args.tests = args.tests or ["perf_tests"]
+            for i in range(args.runs):
+                out = Path(args.work) / f"run{i + 1}.json"
+                print(f"pcvr noise: run {i + 1}/{args.runs} -> {out}", flush=True)
+                run_suite(out, args.tests)
+                sources.append(str(out))
+        noise = build_noise([load_run(s) for s in sources], sources)
+    except ReportError as exc:
+        print(f"pcvr noise: error: {exc}", file=sys.stderr)
+        return EXIT_REFUSED
+    out = Path(args.out) if args.out else Path(".benchmarks") / noise["machine_name"] / "noise.json"
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(noise, indent=1) + "\n")
+    print(noise_summary(noise))
+    probes = [host_probe_us(load_run(src)) for src in sources]
+    if any(probes):  # the host's speed per run (GPU runs): what `pcvr diff` divides host ratios by
+        print("host probe per run (us): " + ", ".join(f"{Path(src).name} {'-' if p is None else f'{p:.2f}'}"
+                                                      for src, p in zip(sources, probes, strict=True)))
+    print(f"pcvr noise: {len(noise['cases'])} cases over {noise['runs']} runs -> {out}")
+    return EXIT_OK

@@ -1,0 +1,141 @@
+"""Reading stored runs: their cases (the numbers each carries, its workload fingerprint) and their machine,
+shared by `pcvr diff`, `pcvr noise` and `pcvr compare`; the commands' exit codes."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import math
+import os
+import re
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from pcvr_lib.report import ReportError, load_benchmark_json
+from pcvr_lib.timing import PROBE_NOMINAL_S
+
+EXIT_OK, EXIT_REGRESSED = 0, 1  # and pcvr_lib.report.EXIT_REFUSED (2): unreadable input, refused request
+EXIT_INCONCLUSIVE = 3  # pcvr compare: a gated case still "unclear" after the last pair
+# extra_info keys that describe the workload (not its timing): a change in any of them under one case id
+# means two different workloads, which are flagged and never compared
+WORKLOAD_KEYS = ("op", "shape", "dtype", "dir", "bytes", "flops", "tensors", "parameters", "measured_rows",
+                 "measured_batches", "batch_size", "bytes_per_batch", "passes", "scale", "preset", "mode",
+                 "strict_time_filter", "cache_capacity", "l2", "rotations")
+
+
+def fingerprint(extra_info: dict) -> str:
+    """Short hash of the workload keys of a case's extra_info (WORKLOAD_KEYS)."""
+    workload = {k: extra_info[k] for k in WORKLOAD_KEYS if k in extra_info}
+    return hashlib.sha256(json.dumps(workload, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def stat_kind(bench: dict) -> str:
+    """What `stats` hold: "device" (GPU cases), "cpu" (CPU cases) or "median" (older stored runs, whose
+    statistic mixes host and device time)."""
+    return (bench.get("extra_info") or {}).get("stat") or "median"
+
+
+@dataclass
+class Case:
+    id: str
+    group: str
+    kind: str  # device | cpu | median
+    gated: bool
+    fingerprint: str
+    values: dict[str, float]  # metric -> seconds (median of the run)
+    rounds: dict[str, list[float]] = field(default_factory=dict)  # metric -> per-round seconds, when stored
+
+
+def cpu_seconds(stats: dict, extra: dict) -> float | None:
+    """The gated number of a CPU case. CPU time only grows when other jobs share the cores (cache and SMT
+    contention), so the least disturbed round (min) holds still, and the calibration probe's median over
+    the run rescales it to the machine's own speed (timing.bench_cpu): min(raw) x nominal / median(probe).
+    (The min of per-round calibrated times would pick the round whose probe happened to be disturbed.)"""
+    if extra.get("cpu_raw_min_s") and extra.get("probe_median_s"):
+        return extra["cpu_raw_min_s"] * PROBE_NOMINAL_S / extra["probe_median_s"]
+    return stats.get("min")
+
+
+def case_group(bench: dict) -> str:
+    """The group a case's noise is pooled with: its operator (kernels), else pytest-benchmark's group."""
+    extra = bench.get("extra_info") or {}
+    if extra.get("op"):
+        return f"{extra['op']} {extra.get('dir', '')}".strip()
+    return bench.get("group") or bench["name"].split("[")[0]
+
+
+def cases_of(data: dict) -> dict[str, Case]:
+    out = {}
+    for bench in data["benchmarks"]:
+        extra = bench.get("extra_info") or {}
+        kind = stat_kind(bench)
+        stats = bench.get("stats") or {}
+        values = {kind: cpu_seconds(stats, extra) if kind == "cpu" else stats.get("median")}
+        if kind == "device":
+            for metric in ("host", "per_call"):
+                if extra.get(f"{metric}_us") is not None:
+                    values[metric] = extra[f"{metric}_us"] / 1e6
+        values = {k: v for k, v in values.items() if isinstance(v, int | float) and math.isfinite(v)}
+        # per-round samples of the gated number, for the interleaved comparison: a CPU case's raw CPU seconds of
+        # every timed round (timing.bench_cpu keeps them), else nothing (the run's one value is its sample)
+        rounds = {kind: extra["cpu_raw_rounds_s"]} if kind == "cpu" and extra.get("cpu_raw_rounds_s") else {}
+        out[bench["fullname"]] = Case(bench["fullname"], case_group(bench), kind, extra.get("gated", True) is not False,
+                                      extra.get("fingerprint") or fingerprint(extra), values, rounds)
+    return out
+
+
+def machine_of(data: dict) -> dict[str, str]:
+    """The CPU model, its core count and the accelerator of a run: what must match for two runs to compare."""
+    info = data.get("machine_info") or {}
+    gpu = info.get("gpu") or {}
+    return {"cpu": (info.get("cpu") or {}).get("brand_raw") or info.get("processor") or "unknown CPU",
+            "cpus": str(info.get("cpu_count") or (info.get("cpu") or {}).get("count") or "?"),
+            "gpu": gpu.get("name") or "no GPU"}
+
+
+def machine_name(data: dict) -> str:
+    """Folder name under .benchmarks/ for a run's machine: "h200" for an NVIDIA H200, else "cpu"."""
+    gpu = machine_of(data)["gpu"]
+    match = re.search(r"\b([A-Z]\d{2,4})\b", gpu)
+    return match.group(1).lower() if match else ("cpu" if gpu == "no GPU" else re.sub(r"\W+", "-", gpu).lower())
+
+
+def check_same_machine(a: dict, b: dict, what_a: str, what_b: str) -> None:
+    ma, mb = machine_of(a), machine_of(b)
+    diffs = [f"{k}: {ma[k]!r} vs {mb[k]!r}" for k in ma if ma[k] != mb[k]]
+    if diffs:
+        raise ReportError(f"refusing to compare {what_a} with {what_b}: measured on different machines "
+                          f"({'; '.join(diffs)})")
+
+
+def load_run(path: str | Path) -> dict:
+    data = load_benchmark_json(path)
+    if not data["benchmarks"]:
+        raise ReportError(f"{path}: holds no benchmark results")
+    return data
+
+
+def host_probe_us(run: dict) -> float | None:
+    """The run's host-speed probe (timing.host_probe: a fixed torch call's host time), when it has one."""
+    probe = (run.get("machine_info") or {}).get("host_probe") or {}
+    value = probe.get("us")
+    return float(value) if isinstance(value, int | float) and value > 0 else None
+
+
+def current_machine() -> dict:
+    """This machine as a run's machine_info would describe it (checked before running a suite)."""
+    import cpuinfo
+    import torch
+
+    gpu = {"name": torch.cuda.get_device_name(0)} if torch.cuda.is_available() else None
+    return {"machine_info": {"cpu": {"brand_raw": cpuinfo.get_cpu_info().get("brand_raw")},
+                             "cpu_count": os.cpu_count(), "gpu": gpu}}
+
+
+def short_id(cid: str) -> str:
+    return cid.split("::", 1)[-1]
+
+
+def pct(x: float | None) -> str:
+    """A relative change as a signed percentage ("-" when there is none)."""
+    return "-" if x is None or not math.isfinite(x) else f"{100 * x:+.1f}%"

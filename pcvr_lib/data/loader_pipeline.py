@@ -1,0 +1,365 @@
+"""The loader's pipeline, one per process: read-ahead decoding, conversion, cache, split filter and
+augmentation, and with worker processes the shared cache's roles (see pcvr_lib.data.loader)."""
+
+from __future__ import annotations
+
+import bisect
+import queue
+import threading
+from collections.abc import Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+import torch
+
+from pcvr_lib.data.augment import Augmenter
+from pcvr_lib.data.batch import Batch
+from pcvr_lib.data.cache import make_cache
+from pcvr_lib.data.convert import Converter
+from pcvr_lib.data.loader_plan import BatchKey, CorruptRowGroupError, LoaderError, LoaderPlan
+from pcvr_lib.data.parquet import DataError
+from pcvr_lib.data.shared_cache import CachePlan, SharedBatchStore
+from pcvr_lib.data.split import splitmix64
+
+
+def _batch_seed(seed: int, pass_index: int, position: int) -> int:
+    """A per-batch augmentation seed that does not depend on which process produced the batch."""
+    key = np.array([(seed * 1_000_003 + pass_index) * 10_000_019 + position], dtype=np.int64)
+    return int(splitmix64(key)[0] >> np.uint64(1))
+
+
+@dataclass(frozen=True)
+class _Converted:
+    """A cached payload seen by the read-ahead thread (by reference; never modified)."""
+
+    batch: Batch
+
+
+def _put(out: queue.Queue, obj, stop: threading.Event) -> None:
+    """Put unless the consumer has stopped (so a reader never blocks forever on a full queue)."""
+    while not stop.is_set():
+        try:
+            out.put(obj, timeout=0.1)
+            return
+        except queue.Full:
+            continue
+
+
+@dataclass
+class _Shared:
+    """A worker's view of the work shared by all workers: plan position of its k-th item = first + k * step.
+    `runs` are the plan's runs of consecutive items of one row group, [start, stop): run r is decoded by
+    worker r % workers only, which converts the run's misses of the other workers too and publishes them
+    on the store (round-robin dealing would otherwise make every worker decode every row group). The
+    owner gets to run r at the latest when asked for its first item at or after the run's start, at most
+    workers - 1 positions later, inside the DataLoader's prefetch window (2 x workers), so no worker waits
+    on one that waits for it."""
+
+    plan: CachePlan
+    store: SharedBatchStore
+    first: int
+    step: int
+    items: list
+    runs: list[tuple[int, int]]
+
+    def producer(self, position: int) -> int:
+        """The worker that converts the (missed) batch at `position`: the owner of its run."""
+        return (bisect.bisect_right(self.run_starts, position) - 1) % self.step
+
+    def __post_init__(self):
+        self.run_starts = [start for start, _ in self.runs]
+
+
+@dataclass(frozen=True)
+class _Foreign:
+    """A miss of another worker in a run this worker decoded: convert it and publish it for that worker."""
+
+    position: int
+    key: BatchKey
+    data: pa.Table
+
+
+class Pipeline:
+    """Produces the batches of a list of (pass, position, key) items; one instance per process."""
+
+    def __init__(self, loader: LoaderPlan, cache_capacity: int, shared: _Shared | None = None):
+        self.loader = loader
+        self.shared = shared
+        self.item_number = 0  # items handed out so far (their plan positions, with `shared`)
+        self.shared_hits = self.shared_misses = self.served_by_other_workers = self.shared_writes = 0
+        self.converted_for_other_workers = self.converted_by_other_workers = 0
+        self.file: pq.ParquetFile | None = None
+        self.late_file: pq.ParquetFile | None = None
+        self.converter = Converter(
+            loader.schema,
+            training=loader.training,
+            strict_time_filter=loader.strict_time_filter,
+            strict_on_eval=True,  # the loader has decided already (training batches only, unless asked)
+            list_order=loader.list_order,
+            non_monotonic=loader.non_monotonic,
+        )
+        self.cache = make_cache(loader.cache_policy, cache_capacity, seed=loader.seed)
+        self.augmenter = Augmenter(loader.augmentations) if loader.augment_active else None
+        self.rows = 0
+        self.batch_count = 0
+        self.late_reads = 0
+        self.reused_after_eviction = 0
+        self.groups_read = 0
+        self.current_pass: int | None = None
+
+    def _read_group(self, group: int, late: bool = False) -> pa.Table:
+        # Handles are opened lazily (DataLoader workers each get their own), and a late read in the
+        # consuming thread uses its own handle: a ParquetFile must not be read from two threads at once.
+        name = "late_file" if late else "file"
+        if getattr(self, name) is None:
+            setattr(self, name, pq.ParquetFile(self.loader.path))
+        self.groups_read += 1
+        try:
+            return getattr(self, name).read_row_group(group, columns=self.loader.columns, use_threads=True)
+        except (OSError, pa.ArrowException) as exc:
+            start = int(self.loader.row_group_offsets[group])
+            end = int(self.loader.row_group_offsets[group + 1])
+            raise CorruptRowGroupError(
+                f"{self.loader.path}: row group {group} (file rows {start}..{end - 1}) cannot be decoded: "
+                f"{type(exc).__name__}: {exc}"
+            ) from exc
+
+    def _slice(self, table: pa.Table, key: BatchKey) -> pa.Table:
+        start, stop = self.loader.spans[key]
+        return table.slice(start - int(self.loader.row_group_offsets[key[1]]), stop - start)
+
+    def _reader(self, items: Sequence[tuple[int, int, BatchKey]], out: queue.Queue, stop: threading.Event):
+        """Read-ahead thread: for each run of items in the same row group, decode it unless all cached."""
+        try:
+            if self.shared is not None:
+                for entry in self._shared_entries():
+                    if stop.is_set():
+                        return
+                    _put(out, entry, stop)
+                _put(out, None, stop)
+                return
+            i = 0
+            while i < len(items) and not stop.is_set():
+                group = items[i][2][1]
+                j = i
+                while j < len(items) and items[j][2][1] == group:
+                    j += 1
+                run = items[i:j]
+                # Cached payloads are passed along by reference: if one is evicted before the consumer
+                # asks for it, the consumer still counts a miss but reuses this (identical) batch
+                # instead of decoding the row group again in its own thread.
+                cached = [self.cache.peek(key) for _, _, key in run]
+                table = None if all(c is not None for c in cached) else self._read_group(group)
+                for item, payload in zip(run, cached, strict=True):
+                    data = self._slice(table, item[2]) if table is not None else _Converted(payload)
+                    _put(out, (item, data), stop)
+                i = j
+            _put(out, None, stop)
+        except BaseException as exc:  # handed to the consumer, which re-raises it
+            _put(out, exc, stop)
+
+    def _shared_entries(self):
+        """The shared mode's reader: for each run of the plan this worker owns and that holds a miss,
+        decode the row group once; the other workers' misses go first (as _Foreign, converted and
+        published on arrival), then this worker's items of the run, with their slices if they are misses."""
+        s = self.shared
+        for r, (start, stop) in enumerate(s.runs):
+            mine = [p for p in range(start, stop) if p % s.step == s.first]
+            misses = [p for p in range(start, stop) if s.plan.source[p] < 0]
+            table = None
+            if r % s.step == s.first and misses:
+                table = self._read_group(s.items[start][2][1])
+                for p in misses:
+                    if p % s.step != s.first:
+                        yield _Foreign(p, s.items[p][2], self._slice(table, s.items[p][2]))
+            for p in mine:
+                data = self._slice(table, s.items[p][2]) if table is not None and s.plan.source[p] < 0 else None
+                yield s.items[p], data
+
+    def _arrow_items(self, items):
+        """(item, Arrow slice or None) in order, decoded ahead in a thread when read_ahead > 0."""
+        if self.loader.read_ahead == 0:
+            if self.shared is not None:
+                yield from self._shared_entries()
+                return
+            for item in items:
+                yield item, None
+            return
+        out: queue.Queue = queue.Queue(maxsize=self.loader.read_ahead * max(1, self.loader.batches_per_group))
+        stop = threading.Event()
+        thread = threading.Thread(target=self._reader, args=(items, out, stop), daemon=True)
+        thread.start()
+        try:
+            while True:
+                got = out.get()
+                if got is None:
+                    return
+                if isinstance(got, CorruptRowGroupError):
+                    raise CorruptRowGroupError(f"{got}; {self.rows} rows served before it") from got
+                if isinstance(got, BaseException):
+                    raise got
+                yield got
+        finally:
+            stop.set()
+            thread.join()
+
+    def batches(self, items: Sequence[tuple[int, int, BatchKey]], traces: dict[int, list[BatchKey]]):
+        threads = self.loader.torch_threads
+        for item in self._arrow_items(items):
+            if isinstance(item, _Foreign):
+                self._produce(item)
+                continue
+            previous = torch.get_num_threads()
+            if threads is not None and threads != previous:
+                torch.set_num_threads(threads)
+            try:
+                batch = self._one(item, traces)
+            finally:
+                if threads is not None and threads != previous:
+                    torch.set_num_threads(previous)
+            yield batch
+
+    def _one(self, item, traces: dict[int, list[BatchKey]]) -> Batch:
+        loader = self.loader
+        (pass_index, position, key), data = item
+        if self.shared is not None:
+            batch = self._one_shared(key, data)
+        else:
+            batch = self._one_local(pass_index, key, data, traces)
+        batch = loader.filter_rows(batch, key)
+        if self.augmenter is not None:
+            gen = torch.Generator().manual_seed(_batch_seed(loader.seed, pass_index, position))
+            batch = self.augmenter(batch, gen)
+        self.rows += batch.batch_size
+        self.batch_count += 1
+        self.item_number += 1
+        return batch
+
+    def _convert(self, key: BatchKey, data) -> Batch:
+        """Convert a decoded slice, or decode the batch's row group here first (no read-ahead)."""
+        if data is None:
+            self.late_reads += self.loader.read_ahead > 0
+            try:
+                table = self._read_group(key[1], late=self.loader.read_ahead > 0)
+            except CorruptRowGroupError as exc:
+                raise CorruptRowGroupError(f"{exc}; {self.rows} rows served before it") from exc
+            data = self._slice(table, key)
+        return self._converted(key, data)
+
+    def _converted(self, key: BatchKey, data: pa.Table) -> Batch:
+        """The converter's batch; bad data it finds (a rejected row, a null element, an out-of-vocabulary id
+        with clip_oov=False) becomes a LoaderError naming the file, the row group and the rows served."""
+        try:
+            return self.converter(data, row_offset=self.loader.batch_start(key))
+        except DataError as exc:
+            group = key[1]
+            start, end = int(self.loader.row_group_offsets[group]), int(self.loader.row_group_offsets[group + 1])
+            raise LoaderError(
+                f"{self.loader.path}: row group {group} (file rows {start}..{end - 1}), batch {key[2]}: {exc}; "
+                f"{self.rows} rows served before it"
+            ) from exc
+
+    def _produce(self, foreign: _Foreign) -> None:
+        """Convert another worker's miss from a row group decoded here; publish it for that worker and
+        for the cache hits it will serve."""
+        s = self.shared
+        batch = self._converted(foreign.key, foreign.data)
+        s.store.put(foreign.position, batch, [foreign.position, *s.plan.readers.get(foreign.position, [])])
+        self.converted_for_other_workers += 1
+
+    def _one_shared(self, key: BatchKey, data) -> Batch:
+        s = self.shared
+        position = s.first + self.item_number * s.step
+        source = s.plan.source[position]
+        if source >= 0:
+            self.shared_hits += 1
+            self.served_by_other_workers += source % s.step != s.first
+            return s.store.get(source, position, key)
+        self.shared_misses += 1
+        if s.producer(position) != s.first:  # converted by the worker that decoded this row group
+            self.converted_by_other_workers += 1
+            return s.store.get(position, position, key)
+        batch = self._convert(key, data)
+        readers = s.plan.readers.get(position)
+        if readers:
+            s.store.put(position, batch, readers)
+            self.shared_writes += 1
+        return batch
+
+    def _one_local(self, pass_index: int, key: BatchKey, data, traces: dict[int, list[BatchKey]]) -> Batch:
+        if pass_index != self.current_pass:
+            self.current_pass = pass_index
+            self.cache.set_trace(traces[pass_index])  # per-sweep rebuild: the rest of the plan
+        batch = self.cache.get(key)
+        if batch is None:
+            if isinstance(data, _Converted):  # evicted after the read-ahead saw it: reuse, do not decode
+                self.reused_after_eviction += 1
+                batch = data.batch.clone()
+            else:
+                batch = self._convert(key, data)
+            self.cache.put(key, batch)
+        return batch
+
+    def stats(self) -> dict:
+        if self.shared is not None:
+            accesses = self.shared_hits + self.shared_misses
+            cache = {
+                "shared": True,
+                "hits": self.shared_hits,
+                "misses": self.shared_misses,
+                "hit_rate": self.shared_hits / accesses if accesses else 0.0,
+                "served_by_other_workers": self.served_by_other_workers,
+                "writes": self.shared_writes,
+                "converted_for_other_workers": self.converted_for_other_workers,
+                "converted_by_other_workers": self.converted_by_other_workers,
+            }
+        else:
+            cache = self.cache.stats()
+        return {
+            "rows": self.rows,
+            "batches": self.batch_count,
+            "row_groups_read": self.groups_read,
+            "late_reads": self.late_reads,
+            "reused_after_eviction": self.reused_after_eviction,
+            "cache": cache,
+            "converter": dict(self.converter.stats),
+        }
+
+
+class WorkerDataset(torch.utils.data.IterableDataset):
+    """DataLoader side: worker w produces the plan items at positions w, w + W, ... (in plan order)."""
+
+    def __init__(self, loader: LoaderPlan, stats_queue, store_dir: str | None):
+        super().__init__()
+        self.loader = loader
+        self.stats_queue = stats_queue
+        self.store_dir = store_dir
+        self.epoch = 0
+
+    def __iter__(self):
+        info = torch.utils.data.get_worker_info()
+        worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        # a fresh pipeline (counters, and the shared cache's decisions from the plan's start) per
+        # iteration, as in the single-process path: one iteration is the whole plan
+        shared = None
+        if self.store_dir is not None:  # (always, from PcvrLoader; None only when used outside it)
+            directory = Path(self.store_dir) / f"epoch-{self.epoch}"  # every worker counts the same epochs
+            directory.mkdir(exist_ok=True)
+            plan_items = self.loader.plan_items()
+            runs, start = [], 0
+            for i in range(1, len(plan_items) + 1):
+                if i == len(plan_items) or plan_items[i][2][1] != plan_items[start][2][1]:
+                    runs.append((start, i))
+                    start = i
+            shared = _Shared(
+                self.loader.shared_cache_plan(), SharedBatchStore(directory), worker, workers, plan_items, runs
+            )
+        self.epoch += 1
+        pipeline = Pipeline(self.loader, self.loader.cache_capacity, shared)
+        items = self.loader.plan_items()[worker::workers]
+        yield from pipeline.batches(items, self.loader.pass_traces(items))
+        self.stats_queue.put((worker, pipeline.stats()))
+

@@ -1,0 +1,269 @@
+"""The run dir's files: their names, JSON writing, and the checkpoints.
+
+A checkpoint `global_step{N}.AUC={auc:.6f}/` holds model.safetensors, schema.json and train_config.json
+(the complete config), which are all `val` and `infer` need to rebuild the model: no pickles anywhere.
+Training checkpoints also hold the optimizer and RNG state (safetensors + a JSON skeleton) and the
+history so far, for `--resume`. checkpoint.json, the sha256 of every file, is written last: a folder
+without it is incomplete, skipped when a run dir is searched and refused when named.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from safetensors.torch import load_file, save_file
+
+from pcvr_lib.models import build_model
+from pcvr_lib.schema import SchemaError, parse_schema
+from pcvr_lib.train.config import TrainConfig, TrainError
+
+CHECKPOINT_RE = re.compile(r"^global_step(\d+)\.AUC=([0-9.]+|nan)$")
+MODEL_FILE = "model.safetensors"
+SCHEMA_FILE = "schema.json"
+CONFIG_FILE = "train_config.json"
+MANIFEST_FILE = "checkpoint.json"  # written last: the sha256 of every file; its presence = complete
+OPTIMIZER_FILE = "optimizer.safetensors"  # optimizer + RNG tensors, for --resume
+STATE_FILE = "train_state.json"  # the rest of the state for --resume (history so far, tensor layout)
+SUMMARY_FILE = "training_summary.json"
+TMP_PREFIX = ".tmp-"  # a checkpoint being written
+# what a run writes into its run dir (removed by --overwrite, along with the checkpoint folders)
+RUN_ARTIFACTS = (SUMMARY_FILE, "training_telemetry.json", "evaluation.json", "validation_predictions.jsonl",
+                 "evaluation_telemetry.json", "predictions.json", "inference_telemetry.json")
+
+
+# ------------------------------------------------------------------------------------------- JSON
+def write_json(path: Path, payload: Any) -> None:
+    """Write `payload` as strict JSON (no NaN), atomically: a temporary file renamed into place."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text(json.dumps(payload, indent=2, sort_keys=False, allow_nan=False, default=_json_default) + "\n")
+    os.replace(tmp, path)
+
+
+def _json_default(obj):
+    if isinstance(obj, np.integer):
+        return int(obj)
+    if isinstance(obj, np.floating):
+        return float(obj)
+    if isinstance(obj, Path):
+        return str(obj)
+    raise TypeError(f"not JSON serialisable: {type(obj).__name__}")
+
+
+def finite_or_none(value):
+    """A non-finite float as None (JSON null), anything else as it is."""
+    if isinstance(value, float) and not np.isfinite(value):
+        return None
+    return value
+
+
+def read_json_file(path: Path, what: str):
+    try:
+        return json.loads(path.read_text())
+    except ValueError as exc:
+        raise TrainError(f"{path}: not a valid {what} JSON file ({exc})") from exc
+
+
+# ------------------------------------------------------------------------------------------- save
+def save_checkpoint(run_dir: Path, model, schema, config: TrainConfig, step: int, auc: float,
+                    optimizers=None, train_state: dict | None = None) -> Path:
+    """Write `global_step{N}.AUC={auc}/` atomically: every file goes to a hidden temporary folder, then
+    MANIFEST_FILE (the sha256 of each file) is written last and the folder is renamed into place. A folder
+    without a manifest is incomplete and never loaded. With `optimizers` and `train_state`, the optimizer
+    state, the RNG state and the run's history so far are saved too, so that `--resume` can continue."""
+    folder = run_dir / f"global_step{step}.AUC={auc:.6f}"
+    tmp = run_dir / f"{TMP_PREFIX}{folder.name}"
+    shutil.rmtree(tmp, ignore_errors=True)
+    tmp.mkdir(parents=True)
+    try:
+        tensors = {k: v.detach().contiguous().cpu() for k, v in raw_model(model).state_dict().items()}
+        save_file(tensors, str(tmp / MODEL_FILE), metadata={"model": config.model, "global_step": str(step)})
+        (tmp / SCHEMA_FILE).write_text(json.dumps(dict(schema.raw), indent=2) + "\n")
+        full = config.to_dict()
+        full["model_config"] = raw_model(model).config.to_dict()  # every model option, defaults included
+        full["global_step"] = step
+        write_json(tmp / CONFIG_FILE, full)
+        if optimizers is not None:
+            state_tensors: dict[str, torch.Tensor] = {}
+            structure = _split_tensors(optimizers.state_dict(), "optimizer", state_tensors)
+            rng = {"torch": _split_tensors(torch.get_rng_state(), "rng.torch", state_tensors)}
+            if torch.cuda.is_available():
+                rng["cuda"] = _split_tensors(torch.cuda.get_rng_state_all(), "rng.cuda", state_tensors)
+            save_file(state_tensors, str(tmp / OPTIMIZER_FILE))
+            write_json(tmp / STATE_FILE, dict(train_state or {}, global_step=step, optimizer=structure, rng=rng))
+        names = sorted(p.name for p in tmp.iterdir())
+        write_json(tmp / MANIFEST_FILE, {"global_step": step, "auc": finite_or_none(float(auc)),
+                                         "sha256": {name: file_sha256(tmp / name) for name in names}})
+        if folder.exists():  # the same step saved again (a resumed run): replace it
+            shutil.rmtree(folder)
+        os.replace(tmp, folder)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return folder
+
+
+def file_sha256(path: Path) -> str:
+    digest = hashlib.sha256()
+    with path.open("rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            digest.update(chunk)
+    return digest.hexdigest()
+
+
+def _split_tensors(obj, prefix: str, tensors: dict[str, torch.Tensor]):
+    """A JSON-able copy of a (nested) state dict whose tensors are moved into `tensors` by name: optimizer
+    state is saved as safetensors + JSON, no pickles. Int dict keys and tuples survive the round trip."""
+    if isinstance(obj, torch.Tensor):
+        tensors[prefix] = obj.detach().contiguous().cpu()
+        return {"__tensor__": prefix}
+    if isinstance(obj, dict):
+        return {"__items__": [[k, _split_tensors(v, f"{prefix}.{k}", tensors)] for k, v in obj.items()]}
+    if isinstance(obj, tuple):
+        return {"__tuple__": [_split_tensors(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)]}
+    if isinstance(obj, list):
+        return [_split_tensors(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)]
+    return obj
+
+
+def _join_tensors(obj, tensors: dict[str, torch.Tensor]):
+    if isinstance(obj, dict):
+        if "__tensor__" in obj:
+            return tensors[obj["__tensor__"]]
+        if "__tuple__" in obj:
+            return tuple(_join_tensors(v, tensors) for v in obj["__tuple__"])
+        return {k: _join_tensors(v, tensors) for k, v in obj["__items__"]}
+    if isinstance(obj, list):
+        return [_join_tensors(v, tensors) for v in obj]
+    return obj
+
+
+def raw_model(model):
+    """The model itself, also when wrapped by torch.compile."""
+    return getattr(model, "_orig_mod", model)
+
+
+# ------------------------------------------------------------------------------------------- find
+def read_manifest(folder: Path) -> dict | None:
+    """The checkpoint's manifest, or None when the folder is incomplete (no manifest, unreadable)."""
+    try:
+        manifest = json.loads((folder / MANIFEST_FILE).read_text())
+    except (OSError, ValueError):
+        return None
+    return manifest if isinstance(manifest, dict) and isinstance(manifest.get("sha256"), dict) else None
+
+
+def complete_checkpoints(run_dir: Path) -> list[tuple[int, Path]]:
+    """(global step, folder) of the run dir's complete checkpoints, oldest first; incomplete ones (an
+    interrupted save: no manifest) are skipped."""
+    found = []
+    for child in run_dir.iterdir() if run_dir.is_dir() else []:
+        m = CHECKPOINT_RE.match(child.name)
+        if m and child.is_dir() and read_manifest(child) is not None:
+            found.append((int(m.group(1)), child))
+    return sorted(found)
+
+
+def find_checkpoint(path: str | Path) -> Path:
+    """The checkpoint folder to use: the one a run dir's training_summary.json names (its latest complete
+    one when there is no summary, e.g. after an interrupted run), a checkpoint folder, or its
+    model.safetensors file."""
+    p = Path(path)
+    if p.is_file() and p.name == MODEL_FILE:
+        p = p.parent
+    if not p.exists():
+        raise TrainError(f"checkpoint path not found: {p}")
+    if not p.is_dir():
+        raise TrainError(f"checkpoint path {p} is a file: give a run dir, a checkpoint folder or its {MODEL_FILE}")
+    if (p / MODEL_FILE).exists() or (p / MANIFEST_FILE).exists() or CHECKPOINT_RE.match(p.name):
+        folder = p
+    elif (p / SUMMARY_FILE).is_file():
+        summary = read_json_file(p / SUMMARY_FILE, "training summary")
+        named = summary.get("best_checkpoint") if isinstance(summary, dict) else None
+        if not isinstance(named, str) or not named:
+            raise TrainError(f"{p / SUMMARY_FILE} names no best_checkpoint: retrain into a fresh --run-dir")
+        folder = p / Path(named).name  # the run dir may have moved since: the name is what counts
+        if not folder.is_dir():
+            raise TrainError(f"{p / SUMMARY_FILE} names checkpoint {folder.name}, which is not in {p}")
+    else:
+        found = complete_checkpoints(p)
+        if not found:
+            raise TrainError(
+                f"no complete checkpoint under {p}: expected global_step<N>.AUC=<auc>/ with {MODEL_FILE} and "
+                f"{MANIFEST_FILE} (run `pcvr train` first)"
+            )
+        folder = found[-1][1]
+    if read_manifest(folder) is None:
+        raise TrainError(f"checkpoint {folder} is incomplete (no readable {MANIFEST_FILE}: an interrupted save "
+                         "or an older pcvr); use another checkpoint or retrain")
+    return folder
+
+
+def verify_checkpoint(folder: Path) -> dict:
+    """Check every file against the sha256 recorded when the checkpoint was saved; returns the manifest."""
+    manifest = read_manifest(folder)
+    if manifest is None:
+        raise TrainError(f"checkpoint {folder} is incomplete (no readable {MANIFEST_FILE})")
+    for name in (MODEL_FILE, SCHEMA_FILE, CONFIG_FILE):
+        if name not in manifest["sha256"]:
+            raise TrainError(f"checkpoint {folder}: {MANIFEST_FILE} lists no {name}")
+    for name, expected in manifest["sha256"].items():
+        file = folder / str(name)
+        if not file.is_file():
+            raise TrainError(f"checkpoint {folder} lacks {name}: use another checkpoint or retrain")
+        if file_sha256(file) != expected:
+            raise TrainError(f"checkpoint file {file} is damaged: its sha256 differs from the one recorded when "
+                             "it was saved; use another checkpoint or retrain")
+    return manifest
+
+
+# ------------------------------------------------------------------------------------------- load
+def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"):
+    """Rebuild (model, schema, TrainConfig, folder) from a checkpoint's files, after checking their
+    sha256 against the manifest."""
+    folder = find_checkpoint(path)
+    verify_checkpoint(folder)
+    raw_config = read_json_file(folder / CONFIG_FILE, "train config")
+    if not isinstance(raw_config, dict):
+        raise TrainError(f"{folder / CONFIG_FILE}: not a JSON object")
+    raw_config.pop("global_step", None)
+    config = TrainConfig.from_dict(raw_config)
+    try:
+        schema = parse_schema(read_json_file(folder / SCHEMA_FILE, "schema"), max_lens=config.max_lens)
+    except SchemaError as exc:
+        raise TrainError(f"{folder / SCHEMA_FILE}: {exc}") from exc
+    model = build_model(config.model, schema, config.model_config)
+    state = _load_safetensors(folder / MODEL_FILE)
+    missing, unexpected = model.load_state_dict(state, strict=False)
+    if missing or unexpected:
+        raise TrainError(f"checkpoint {folder} does not fit model {config.model!r}: missing {missing}, "
+                         f"unexpected {unexpected}")
+    return model.to(device), schema, config, folder
+
+
+def load_train_state(folder: Path, model, optimizers) -> dict[str, Any]:
+    """Put the model, the optimizers and the RNG back as `save_checkpoint` saved them in `folder`;
+    returns the rest of the saved train state (history, global_step, ...)."""
+    state = read_json_file(folder / STATE_FILE, "train state")
+    tensors = _load_safetensors(folder / OPTIMIZER_FILE)
+    raw_model(model).load_state_dict(_load_safetensors(folder / MODEL_FILE))
+    optimizers.load_state_dict(_join_tensors(state["optimizer"], tensors))
+    torch.set_rng_state(_join_tensors(state["rng"]["torch"], tensors))
+    if "cuda" in state["rng"] and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(_join_tensors(state["rng"]["cuda"], tensors))
+    return state
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    try:
+        return load_file(str(path))
+    except Exception as exc:  # safetensors raises its own SafetensorError (not importable by a stable name)
+        raise TrainError(f"{path}: not a readable safetensors file ({exc}); use another checkpoint or "
+                         "retrain") from exc

@@ -1,0 +1,108 @@
+"""What a run is asked to do: `TrainConfig` (saved complete in every checkpoint, so that `val` and
+`infer` rebuild the model from it), the checks of its names, and the device and precision it runs in."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from pcvr_lib.data.loader import PRESETS
+from pcvr_lib.data.split import SPLIT_METHODS
+from pcvr_lib.models import model_names
+from pcvr_lib.optim.registry import DENSE_OPTIMIZERS
+
+
+class TrainError(ValueError):
+    """A bad path or option for train / val / infer; the message names it."""
+
+
+@dataclass
+class TrainConfig:
+    model: str
+    data: str  # parquet file
+    run_dir: str
+    schema: str | None = None  # default: schema.json beside the data file
+    max_lens: str | None = None  # "seq_a:64,..." (default: the schema defaults)
+    model_config: dict = field(default_factory=dict)
+    experiment_name: str | None = None  # default: the model name
+    label: str | None = None  # default: the run dir's name
+    seed: int = 42
+    deterministic: bool = True
+    steps: int = 20
+    batch_size: int = 128
+    eval_batch_size: int = 256
+    eval_every: int = 0  # 0: validate once, after the last step
+    dense_optimizer: str = "adamw"
+    dense_lr: float = 1e-4
+    betas: tuple[float, float] = (0.9, 0.98)
+    weight_decay: float = 0.01
+    sparse_lr: float = 0.05
+    max_grad_norm: float = 1.0
+    init_output_prior: bool = True  # logit bias starts at the training labels' log-odds
+    eval_at_init: bool = False  # also score the holdout before the first step (shows what training added)
+    split: str = "timestamp_auto"
+    valid_ratio: float = 0.2
+    loader_preset: str = "none"  # pcvr_lib.data.loader.PRESETS: cache policy + augmentations for training
+    strict_time_filter: bool | None = None  # converter drops events at/after the request time (None: preset's)
+    device: str = "cpu"
+    amp: bool = False  # bf16 autocast
+    compile: bool = False
+    num_workers: int = 0
+    log_every: int = 0  # 0: silent
+    list_order: str = "auto"  # sequence list order: auto (told per row from the event times) or given
+
+    def to_dict(self) -> dict[str, Any]:
+        out = dataclasses.asdict(self)
+        out["betas"] = list(self.betas)
+        return out
+
+    @classmethod
+    def from_dict(cls, values: dict[str, Any]) -> TrainConfig:
+        known = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(values) - known)
+        if unknown:
+            raise TrainError(f"train config: unknown option(s) {unknown}")
+        values = dict(values)
+        if "betas" in values:
+            values["betas"] = tuple(values["betas"])
+        return cls(**values)
+
+
+def check_names(config: TrainConfig) -> None:
+    """Unknown model, optimizer or split names fail before any work, listing the valid ones."""
+    if config.model not in model_names():
+        raise TrainError(f"unknown model {config.model!r}; registered: {', '.join(model_names())}")
+    if config.dense_optimizer not in DENSE_OPTIMIZERS:
+        raise TrainError(f"unknown --dense-optimizer {config.dense_optimizer!r}; one of {', '.join(DENSE_OPTIMIZERS)}")
+    if config.split not in SPLIT_METHODS:
+        raise TrainError(f"unknown --split {config.split!r}; one of {', '.join(SPLIT_METHODS)}")
+    if config.loader_preset not in PRESETS:
+        raise TrainError(f"unknown --loader-preset {config.loader_preset!r}; one of {', '.join(PRESETS)}")
+
+
+def strict_time_filter(config: TrainConfig) -> bool:
+    """The converter's time filter: the config's when set, else its loader preset's."""
+    if config.strict_time_filter is not None:
+        return bool(config.strict_time_filter)
+    return PRESETS[config.loader_preset].strict_time_filter
+
+
+def resolve_device(name: str) -> torch.device:
+    try:
+        device = torch.device(name)
+    except RuntimeError as exc:
+        raise TrainError(f"--device {name!r} is not a torch device name (cpu, cuda, cuda:0, ...)") from exc
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise TrainError(f"--device {name!r}: CUDA is not available on this machine; use --device cpu")
+    return device
+
+
+def autocast(device: torch.device, amp: bool):
+    """bf16 autocast on `device` when `amp`, else a context that does nothing."""
+    if not amp:
+        return contextlib.nullcontext()
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)

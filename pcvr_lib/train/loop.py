@@ -1,0 +1,297 @@
+"""`train(TrainConfig) -> summary`: seeded training with holdout validation and checkpoints, writing
+training_summary.json and training_telemetry.json into the run dir.
+
+- Seeded (python, numpy, torch; deterministic algorithms on request), BCE with logits, the optimizers of
+  `pcvr_lib.optim` (AdamW lr 1e-4 betas (0.9, 0.98) for dense parameters, sparse Adagrad lr 0.05 for the
+  embedding tables), global grad-norm clipping at 1.0 over dense and sparse gradients; a step with a
+  non-finite loss (or gradient norm) is skipped and counted. Optional bf16 autocast (`amp`) and
+  torch.compile (with an eager fallback that is recorded). Batches come from `pcvr_lib.data.loader`
+  (`steps` mode: seeded draws of batch keys on the training side of the split).
+- Validation after the last step (and every `eval_every` steps) on the holdout side; each writes a
+  checkpoint (`pcvr_lib.train.checkpoint`).
+"""
+
+from __future__ import annotations
+
+import os
+import random
+import shutil
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import pyarrow.parquet as pq
+import torch
+import torch.nn.functional as F
+
+from pcvr_lib.data.convert import labels_from_label_type
+from pcvr_lib.errors import Interrupted, check_writable
+from pcvr_lib.metrics import classification_metrics
+from pcvr_lib.models import build_model
+from pcvr_lib.optim import build_optimizer_set, train_step
+from pcvr_lib.progress import StepProgress
+from pcvr_lib.train.checkpoint import (
+    CHECKPOINT_RE,
+    CONFIG_FILE,
+    RUN_ARTIFACTS,
+    STATE_FILE,
+    SUMMARY_FILE,
+    TMP_PREFIX,
+    complete_checkpoints,
+    finite_or_none,
+    load_train_state,
+    raw_model,
+    read_json_file,
+    read_manifest,
+    save_checkpoint,
+    verify_checkpoint,
+    write_json,
+)
+from pcvr_lib.train.config import TrainConfig, TrainError, autocast, check_names, resolve_device
+from pcvr_lib.train.evaluate import predict_batches
+from pcvr_lib.train.inputs import data_path, make_loader, read_schema, reading, schema_path
+from pcvr_lib.train.telemetry import Telemetry
+
+# where a resumed run must agree with the checkpoint it continues (the rest may change: steps, device, ...)
+RESUME_MUST_MATCH = ("model", "schema", "max_lens", "model_config", "seed", "deterministic", "batch_size",
+                     "dense_optimizer", "dense_lr", "betas", "weight_decay", "sparse_lr", "max_grad_norm",
+                     "init_output_prior", "split", "valid_ratio", "amp")
+
+
+def seed_everything(seed: int, deterministic: bool = True) -> None:
+    random.seed(seed)
+    np.random.seed(seed % 2**32)
+    torch.manual_seed(seed)
+    if torch.cuda.is_available():
+        torch.cuda.manual_seed_all(seed)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+    torch.use_deterministic_algorithms(deterministic, warn_only=True)
+    if torch.backends.cudnn.is_available():
+        torch.backends.cudnn.benchmark = not deterministic
+
+
+def train(config: TrainConfig, progress=None, *, overwrite: bool = False, resume: bool = False) -> dict[str, Any]:
+    """Train, validate, checkpoint and write training_summary.json + training_telemetry.json.
+
+    Everything is checked before the first step: options, device, data, schema, and the run dir, which
+    must be empty or new unless `overwrite` (the previous run's artifacts are removed first) or `resume`
+    (training continues after the run dir's last complete checkpoint, with its optimizer and RNG state).
+    `progress(step, steps, loss)` is called after each step when given. Ctrl-C raises
+    `pcvr_lib.errors.Interrupted` saying where training stopped and which checkpoint is the last good one."""
+    if config.steps < 1:
+        raise TrainError(f"steps must be >= 1, got {config.steps}")
+    if config.batch_size < 1 or config.eval_batch_size < 1:
+        raise TrainError("batch sizes must be >= 1")
+    if config.eval_every < 0 or config.log_every < 0:
+        raise TrainError("--eval-every and --log-every must be >= 0")
+    if overwrite and resume:
+        raise TrainError("--overwrite and --resume exclude each other: replace the run or continue it")
+    check_names(config)
+    device = resolve_device(config.device)
+    data = data_path(config.data)
+    schema = read_schema(schema_path(data, config.schema), config.max_lens)
+    run_dir = Path(config.run_dir)
+    start = _prepare_run_dir(run_dir, config, overwrite=overwrite, resume=resume)
+    previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
+    seed_everything(config.seed, config.deterministic)
+    try:
+        with reading(data):
+            return _train(config, device, data, schema, run_dir, progress, start)
+    finally:  # the deterministic switch is process-wide: give the caller its setting back
+        torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
+
+
+def _prepare_run_dir(run_dir: Path, config: TrainConfig, *, overwrite: bool, resume: bool) -> Path | None:
+    """Refuse a non-empty run dir unless overwrite/resume; returns the checkpoint to resume from."""
+    if run_dir.exists() and not run_dir.is_dir():
+        raise TrainError(f"--run-dir {run_dir} is a file, not a directory")
+    existing = sorted(p.name for p in run_dir.iterdir()) if run_dir.is_dir() else []
+    if existing and not (overwrite or resume):
+        shown = ", ".join(existing[:3]) + (", ..." if len(existing) > 3 else "")
+        raise TrainError(f"--run-dir {run_dir} is not empty ({shown}): pass --overwrite to replace that run, "
+                         "--resume to continue it, or choose a new --run-dir")
+    check_writable(run_dir, "--run-dir")
+    if overwrite:
+        for name in existing:
+            path = run_dir / name
+            if path.is_dir() and (CHECKPOINT_RE.match(name) or name.startswith(TMP_PREFIX)):
+                shutil.rmtree(path)
+            elif name in RUN_ARTIFACTS:
+                path.unlink()
+        return None
+    if not resume:
+        return None
+    resumable = [f for _, f in complete_checkpoints(run_dir) if (f / STATE_FILE).is_file()]
+    if not resumable:
+        raise TrainError(f"--resume: {run_dir} holds no complete checkpoint with optimizer state to continue from "
+                         "(train without --resume, or with --overwrite)")
+    folder = resumable[-1]
+    verify_checkpoint(folder)
+    saved = read_json_file(folder / CONFIG_FILE, "train config")
+    now = config.to_dict()
+    for key in RESUME_MUST_MATCH:
+        theirs = saved.get(key)
+        if key == "model_config":  # the saved one lists every option; the command's only overrides
+            theirs = {k: v for k, v in (theirs or {}).items() if k in now[key]}
+        if theirs != now[key]:
+            raise TrainError(f"--resume: {folder} was trained with {key}={saved.get(key)!r}, this command asks for "
+                             f"{now[key]!r}; use the same options (or --overwrite to start again)")
+    step = int(read_manifest(folder)["global_step"])
+    if step >= config.steps:
+        raise TrainError(f"--resume: {folder.name} is already at step {step}; ask for more --steps than that")
+    return folder
+
+
+def _compile(model, enabled: bool, meta: dict):
+    meta["compile_requested"] = enabled
+    meta["compile_active"] = False
+    if not enabled:
+        return model
+    try:
+        compiled = torch.compile(model)
+        meta["compile_active"] = True
+        return compiled
+    except Exception as exc:  # noqa: BLE001 - compile problems fall back to eager, recorded
+        meta["compile_fallback_reason"] = f"{type(exc).__name__}: {exc}"
+        return model
+
+
+def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, resume_from: Path | None):
+    model = build_model(config.model, schema, config.model_config).to(device)
+    meta: dict[str, Any] = {"model": config.model, "seed": config.seed, "amp": config.amp}
+    optimizers = build_optimizer_set(
+        model.dense_parameters(),
+        model.sparse_parameters(),
+        dense=config.dense_optimizer,
+        dense_options={"lr": config.dense_lr, "betas": tuple(config.betas), "weight_decay": config.weight_decay},
+        sparse_options={"lr": config.sparse_lr},
+    )
+    train_loader = make_loader(
+        data, schema, config, for_training=True, batch_size=config.batch_size, mode="steps", steps=config.steps,
+        seed=config.seed,
+        split=config.split, side="train", valid_ratio=config.valid_ratio, training=True,
+        num_workers=config.num_workers,
+    )
+    split = train_loader.split
+    history: dict[str, Any] = {"losses": [], "grad_norms": [], "skipped": 0, "clipped": 0, "checkpoints": [],
+                               "init_metrics": None}
+    start = 0
+    if resume_from is not None:  # model, optimizer, RNG and history as they were at that checkpoint
+        state = load_train_state(resume_from, model, optimizers)
+        history.update(state["history"])
+        meta["train_positive_rate"] = state.get("train_positive_rate")
+        start = int(state["global_step"])
+        meta["resumed_from"] = resume_from.name
+        train_loader.skip(start)
+    elif config.init_output_prior:
+        meta["train_positive_rate"] = _positive_rate(data, split.train_mask)
+        raw_model(model).set_output_prior(meta["train_positive_rate"])
+    runner = _compile(model, config.compile, meta)
+    val_result = None
+    telemetry = Telemetry("train", device)
+    eval_seconds = 0.0
+    if config.log_every:
+        print(f"train: {config.model} on {data} ({int(split.train_mask.sum())} train / {int(split.valid_mask.sum())} "
+              f"holdout rows), steps {start + 1}..{config.steps} of {config.batch_size} rows, run dir {run_dir}",
+              file=sys.stderr, flush=True)
+    bar = StepProgress(config.steps, start, f"train {config.model}", every=config.log_every)
+    done = start  # the last step completed (what Ctrl-C reports)
+    try:
+        with telemetry:
+            if config.eval_at_init and resume_from is None:
+                t0 = time.perf_counter()
+                m = _holdout(model, data, schema, config, split, device)["metrics"]
+                history["init_metrics"] = {k: m[k] for k in ("auc", "logloss", "sample_count")}
+                eval_seconds += time.perf_counter() - t0
+            for step, batch in enumerate(train_loader, start=start + 1):
+                model.train()
+                batch = batch.to(device, non_blocking=True)
+                with autocast(device, config.amp):
+                    logits = runner(batch)
+                if step == start + 1 and config.compile and meta["compile_active"]:
+                    meta["first_step_sec_with_compile"] = time.perf_counter() - telemetry.t0
+                loss = F.binary_cross_entropy_with_logits(logits.float().squeeze(-1), batch.label.float())
+                info = train_step(loss, optimizers, max_grad_norm=config.max_grad_norm, skip_nonfinite=True)
+                history["skipped"] += int(info["skipped"])
+                history["clipped"] += int(info["clip_coef"] < 1.0)
+                history["losses"].append(finite_or_none(info["loss"]))
+                history["grad_norms"].append(finite_or_none(info["grad_norm"]))
+                telemetry.rows += batch.batch_size
+                telemetry.batches += 1
+                telemetry.steps += 1
+                if progress is not None:
+                    progress(step, config.steps, info["loss"])
+                done = step
+                bar.update(step, batch.batch_size, info["loss"], info["grad_norm"])
+                if step == config.steps or (config.eval_every and step % config.eval_every == 0):
+                    t0 = time.perf_counter()
+                    val_result = _holdout(model, data, schema, config, split, device)
+                    # the name goes into the history before the save, so the checkpoint lists itself
+                    name = f"global_step{step}.AUC={val_result['metrics']['auc']:.6f}"
+                    history["checkpoints"] = [c for c in history["checkpoints"] if c != name] + [name]
+                    save_checkpoint(run_dir, model, schema, config, step, val_result["metrics"]["auc"],
+                                    optimizers=optimizers,
+                                    train_state={"history": history,
+                                                 "train_positive_rate": meta.get("train_positive_rate")})
+                    eval_seconds += time.perf_counter() - t0
+            telemetry.excluded = eval_seconds  # elapsed_sec and the rates cover the training steps only
+    except KeyboardInterrupt:
+        good = [f.name for _, f in complete_checkpoints(run_dir)]
+        last = f"last good checkpoint {run_dir / good[-1]}" if good else "no checkpoint saved yet"
+        raise Interrupted(f"training stopped after step {done} of {config.steps}; {last}"
+                          + ("; continue with the same command plus --resume" if good else "")) from None
+    finally:
+        bar.close()
+    train_meta = dict(meta, skipped_steps=history["skipped"], clipped_steps=history["clipped"],
+                      holdout_eval_sec=eval_seconds, loader=train_loader.stats())
+    train_telemetry = telemetry.to_dict(model, train_meta)
+    write_json(run_dir / "training_telemetry.json", train_telemetry)
+    metrics = val_result["metrics"]
+    checkpoints = [str(run_dir / name) for name in history["checkpoints"]]
+    summary = {
+        "run_dir": str(run_dir),
+        "experiment_name": config.experiment_name or config.model,
+        "label": config.label or run_dir.name,
+        "model": config.model,
+        "seed": config.seed,
+        "data_path": str(data),
+        "split": {"method": config.split, "valid_ratio": config.valid_ratio,
+                  "train_rows": int(split.train_mask.sum()), "valid_rows": int(split.valid_mask.sum()),
+                  "params": split.params, "flags": list(split.flags)},
+        "steps": config.steps,
+        "resumed_from": meta.get("resumed_from"),
+        "skipped_steps": history["skipped"],
+        "clipped_steps": history["clipped"],
+        "losses": history["losses"],
+        "grad_norms": history["grad_norms"],
+        "validation_metrics": {"auc": metrics["auc"], "logloss": metrics["logloss"], "brier": metrics["brier"],
+                               "auc_ci": metrics.get("auc_ci"), "sample_count": metrics["sample_count"],
+                               "metric_source": "training_validation"},
+        "validation_score_diagnostics": metrics["score_diagnostics"],
+        "init_validation_metrics": history["init_metrics"],
+        "checkpoints": checkpoints,
+        "best_checkpoint": checkpoints[-1],
+        "checkpoint_sha256": read_manifest(Path(checkpoints[-1]))["sha256"],
+        "train_config": config.to_dict(),
+        "model_config": model.config.to_dict(),
+        "telemetry": train_telemetry,
+    }
+    write_json(run_dir / SUMMARY_FILE, summary)
+    return summary
+
+
+def _positive_rate(data: Path, rows: np.ndarray) -> float:
+    """Share of positive labels (the converter's label rule) among the given rows."""
+    label_type = pq.read_table(data, columns=["label_type"]).column("label_type").combine_chunks()
+    labels = labels_from_label_type(label_type)
+    return float(labels[rows].mean(dtype=np.float64)) if rows.any() else 0.5
+
+
+def _holdout(model, data, schema, config: TrainConfig, split, device) -> dict:
+    loader = make_loader(data, schema, config, batch_size=config.eval_batch_size, mode="sweep", split=split,
+                         side="valid", training=True, num_workers=0)
+    preds = predict_batches(model, loader, device, config.amp)
+    return {"predictions": preds, "metrics": classification_metrics(preds["target"], preds["probability"])}

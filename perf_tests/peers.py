@@ -1,0 +1,169 @@
+"""The benchmark peers, declared once: third-party implementations a user would otherwise call.
+
+`PEERS` names each peer, the ops it computes, the package it needs, whether it is the baseline of
+`speedup_vs_torch` and whether its device time is gated (torch.compile and flex_attention recompile and
+autotune in every process, so their times are informational). `status(name)` says whether a peer can run
+here, and why not; the factories below build a peer's callable for one case. The library's own backends
+(torch, triton, tilelang, cuembed) are pcvr_lib.kernels.dispatch's; our "torch" backend is also the
+torch-eager peer of every op.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pcvr_lib.kernels import dispatch
+from pcvr_lib.kernels.norms import rms_norm_torch
+
+NORMS = ("rms_norm", "layer_norm")
+ATTENTION = ("flash_attention",)
+
+
+@dataclass(frozen=True)
+class Peer:
+    name: str
+    ops: tuple[str, ...]
+    what: str
+    package: str | None = None  # a module that must import for the peer to run
+    needs_cuda: bool = True
+    baseline: bool = False  # speedup_vs_torch divides by this peer's time
+    gated: bool = True  # `pcvr diff` gates its device time
+
+
+PEERS: dict[str, Peer] = {peer.name: peer for peer in (
+    Peer("torch", (*NORMS, "embedding_bag_mean", *ATTENTION), needs_cuda=False, baseline=True,
+         what="torch eager: F.rms_norm / F.layer_norm, F.embedding_bag on in-range ids, SDPA's default dispatch"),
+    Peer("torch_compile", NORMS, needs_cuda=False, gated=False, what="torch.compile of the torch eager norm"),
+    Peer("liger", NORMS, package="liger_kernel", what="Liger-Kernel's RMSNorm / LayerNorm Functions"),
+    Peer("sdpa", ATTENTION, what="SDPA's default dispatch with the boolean mask built once, as a model calls it"),
+    Peer("sdpa_flash", ATTENTION, what="SDPA forced to its flash kernel (no mask)"),
+    Peer("sdpa_efficient", ATTENTION, what="SDPA forced to its memory-efficient kernel"),
+    Peer("sdpa_cudnn", ATTENTION, what="SDPA forced to cuDNN attention"),
+    Peer("flex", ATTENTION, gated=False, what="torch.compile'd flex_attention with the block mask of the case"),
+)}
+SDPA_FORCED = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
+
+
+def is_peer(name: str) -> bool:
+    return name in PEERS
+
+
+def gated(name: str) -> bool:
+    """Whether a case of `name` (a peer or one of our backends) has its device time gated."""
+    return PEERS[name].gated if name in PEERS else True
+
+
+def for_op(op: str) -> tuple[str, ...]:
+    """The peers of `op`, in the table's order (the baseline first)."""
+    return tuple(name for name, peer in PEERS.items() if op in peer.ops)
+
+
+def status(name: str, device=None) -> tuple[bool, str]:
+    """(ok, reason) of a peer on `device` (default: cuda if present)."""
+    peer = PEERS[name]
+    if peer.package is not None:
+        problem = dispatch.package_problem(peer.package)
+        if problem:
+            return False, f"{name}: {problem}"
+    dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    if peer.needs_cuda and dev.type != "cuda":
+        return False, f"{name}: no CUDA device"
+    return True, "ok"
+
+
+# ------------------------------------------------------------------ norms
+
+
+def norm_peer(op: str, name: str, eps: float):
+    """A norm peer as a callable (x, weight[, bias]) -> y."""
+    if name == "torch":
+        if op == "rms_norm":
+            return lambda x, w: rms_norm_torch(x, w, eps)
+        return lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, eps)
+    if name == "torch_compile":
+        torch._dynamo.reset()  # a fresh compile per case: no recompile limits, no dynamic-shape reuse
+        if op == "rms_norm":
+            return torch.compile(lambda x, w: rms_norm_torch(x, w, eps), dynamic=False)
+        return torch.compile(lambda x, w, b: F.layer_norm(x, (x.shape[-1],), w, b, eps), dynamic=False)
+    if name == "liger":
+        if op == "rms_norm":
+            from liger_kernel.ops.rms_norm import LigerRMSNormFunction
+
+            # in_place=False: the benchmark reuses one grad tensor, which in-place would overwrite
+            return lambda x, w: LigerRMSNormFunction.apply(x, w, eps, 0.0, "llama", False)
+        from liger_kernel.ops.layer_norm import LigerLayerNormFunction
+
+        return lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, eps)
+    raise ValueError(f"{op}: no peer {name!r}; peers: {', '.join(for_op(op))}")
+
+
+# ------------------------------------------------------------------ attention
+
+
+class sdpa_only:  # noqa: N801 - used like a function: `with sdpa_only("sdpa_flash"):`
+    """Enable exactly one SDPA implementation through torch's global switches (restored on exit)."""
+
+    SWITCHES = {"sdpa_flash": "flash", "sdpa_efficient": "mem_efficient", "sdpa_cudnn": "cudnn"}
+
+    def __init__(self, name: str):
+        if name not in self.SWITCHES:
+            raise ValueError(f"unknown SDPA backend {name!r}; known: {', '.join(self.SWITCHES)}")
+        self.want = self.SWITCHES[name]
+
+    def __enter__(self):
+        cuda = torch.backends.cuda
+        self.saved = (cuda.flash_sdp_enabled(), cuda.mem_efficient_sdp_enabled(), cuda.math_sdp_enabled(),
+                      cuda.cudnn_sdp_enabled())
+        cuda.enable_flash_sdp(self.want == "flash")
+        cuda.enable_mem_efficient_sdp(self.want == "mem_efficient")
+        cuda.enable_math_sdp(False)
+        cuda.enable_cudnn_sdp(self.want == "cudnn")
+        return self
+
+    def __exit__(self, *exc):
+        cuda = torch.backends.cuda
+        cuda.enable_flash_sdp(self.saved[0])
+        cuda.enable_mem_efficient_sdp(self.saved[1])
+        cuda.enable_math_sdp(self.saved[2])
+        cuda.enable_cudnn_sdp(self.saved[3])
+
+
+def flex_peer(kw: dict, B: int, H: int, S: int, device, compile: bool = True):
+    """torch's flex_attention (compiled, one compile per case) with the block mask of flash_attention's mask
+    keyword arguments `kw` (key lengths, window + global queries, or a role mask; self-attention of length S):
+    a callable (q, k, v) -> out. The block mask is built here, outside any timed call. compile=False: eager
+    flex_attention (the CPU test of the mask functions)."""
+    from torch.nn.attention.flex_attention import create_block_mask, flex_attention
+
+    rm = kw.get("role_mask")
+    if rm is not None:
+        roles, vis = rm.roles.to(device=device, dtype=torch.long), rm.visibility.to(device)
+        valid = rm.key_valid.to(device) if rm.key_valid is not None else torch.ones_like(roles, dtype=torch.bool)
+
+        def mask_mod(b, h, i, j):
+            return (vis[roles[b, i], roles[b, j]] & valid[b, j]) | (i == j)
+    else:
+        kl = kw.get("key_lengths")
+        lengths = (kl.to(device=device, dtype=torch.long).clamp(min=0) if kl is not None
+                   else torch.full((B,), S, device=device, dtype=torch.long))
+        window, n_global = kw.get("window"), kw.get("global_queries", 0)
+        if window is None and not kw.get("causal") and not kw.get("causal_valid"):
+            def mask_mod(b, h, i, j):
+                return j < lengths[b]
+        elif window is not None:
+            def mask_mod(b, h, i, j):
+                valid_row = i < lengths[b]
+                in_window = (j <= i) & (i - j < window) & valid_row
+                is_global = valid_row & (i >= lengths[b] - n_global) & (j < lengths[b])
+                return in_window | is_global | (i == j)
+        else:
+            raise ValueError(f"flex_peer: no block mask for {sorted(kw)} (key lengths, window, role_mask only)")
+    block_mask = create_block_mask(mask_mod, B, None, S, S, device=device)
+    attend = flex_attention
+    if compile:
+        torch._dynamo.reset()  # a fresh compile per case
+        attend = torch.compile(flex_attention, dynamic=False)
+    return lambda q, k, v: attend(q, k, v, block_mask=block_mask)
