@@ -26,7 +26,7 @@ sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 
 import pcvr_lib.kernels.attention as attention  # noqa: E402
-from pcvr_lib.kernels import _triton, flash_attention  # noqa: E402
+from pcvr_lib.kernels import _triton, dispatch, flash_attention  # noqa: E402
 from pcvr_lib.kernels.attention import triton_impl  # noqa: E402
 
 
@@ -63,7 +63,8 @@ def main(argv=None) -> int:
     launches = []
     _triton.Launcher.__call__ = lambda self, *a, **k: launches.append(self.name)
     _triton.Launcher.jit = lambda self, *a, **k: launches.append(self.name)
-    attention._impl = lambda backend, device: triton_impl
+    # the CUDA path's cached lookup, keyed by the CPU tensors' device index (-1)
+    dispatch.IMPLEMENTATIONS[(attention.OP, "triton", -1)] = triton_impl
 
     B, H, S, D = args.batch, args.heads, args.seq, args.dim
     q, k, v, grad_out = (torch.randn(B, H, S, D, dtype=torch.bfloat16) for _ in range(4))
