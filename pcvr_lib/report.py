@@ -127,7 +127,7 @@ def sources_summary(data: dict) -> str:
     states = [source_state(data, b) for b in data["benchmarks"]]
     counts = {state: sum(s["state"] == state for s in states)
               for state in (sources.FRESH, sources.STALE, sources.UNKNOWN, sources.THIRD_PARTY)}
-    notes = {sources.UNKNOWN: "no digest: recorded before source digests",
+    notes = {sources.UNKNOWN: "no digest recorded: a run from before source digests",
              sources.THIRD_PARTY: "peers: a library's code, its version in machine_info.libraries"}
     changed = sorted({path for s in states for path in s["changed"]})
     if changed:

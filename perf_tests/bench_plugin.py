@@ -6,7 +6,8 @@ pytest-benchmark's JSON of such a case raises, so the file was never written (ol
 it empty). SIGTERM, what `timeout` sends by default, killed the process before that. Here:
 
 - the first SIGTERM or SIGINT raises KeyboardInterrupt in the main thread (pytest's path for Ctrl-C); later
-  ones are ignored, so that the results get written (`timeout -k` or SIGKILL still end a stuck run);
+  ones, and any that comes while the session finishes, are ignored, so that the results get written
+  (`timeout -k` or SIGKILL still end a stuck run);
 - the cases whose test did not finish its call are dropped from the run before pytest-benchmark writes it:
   only finished cases, each with all its rounds;
 - the JSON says what happened in a top-level `cut` field: null for a complete run, else {"reason",
@@ -18,6 +19,7 @@ perf_tests/conftest.py loads it; a test directory of its own can load it with `p
 
 from __future__ import annotations
 
+import os
 import signal
 
 import pytest
@@ -28,6 +30,7 @@ CUT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
 class BenchCut:
     def __init__(self):
         self.signal: str | None = None  # the signal that cut the run
+        self.finishing = False  # the session is writing its results: signals wait
         self.previous: dict[int, object] = {}
         self.timed: set[str] = set()  # node ids whose call phase reported
         self.started: set[str] = set()
@@ -54,9 +57,11 @@ class BenchCut:
         self.previous.clear()
 
     def on_signal(self, signum, _frame) -> None:
-        if self.signal is not None:
-            return  # already stopping: let the finished cases be written
-        self.signal = signal.Signals(signum).name
+        name = signal.Signals(signum).name
+        if self.signal is not None or self.finishing:  # let the finished cases be written
+            os.write(2, f"\n{name} ignored: the benchmark results are being written (SIGKILL stops it)\n".encode())
+            return
+        self.signal = name
         raise KeyboardInterrupt(f"benchmark run cut by {self.signal}")
 
     # ------------------------------------------------------------ which cases finished
@@ -76,6 +81,7 @@ class BenchCut:
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)  # before pytest-benchmark's own wrapper writes the JSON
     def pytest_sessionfinish(self, session, exitstatus):
+        self.finishing = True
         reason = self.signal or ("KeyboardInterrupt" if exitstatus == pytest.ExitCode.INTERRUPTED else None)
         reason = reason or session.shouldfail or session.shouldstop or None
         if reason:

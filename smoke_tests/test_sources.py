@@ -120,8 +120,8 @@ def test_report_marks_stale_and_unknown_cases_in_its_tables_and_its_json(tmp_pat
     path.write_text(json.dumps(run))
     assert main(["report", str(path), "--json", str(tmp_path / "report.json")]) == 0
     out = capsys.readouterr().out
-    assert ("sources: 1 fresh, 1 stale (changed: pcvr_lib/kernels/norms/tilelang_impl.py), 1 unknown (no digest: "
-            "recorded before source digests)") in out
+    assert ("sources: 1 fresh, 1 stale (changed: pcvr_lib/kernels/norms/tilelang_impl.py), 1 unknown (no digest "
+            "recorded: a run from before source digests)") in out
     assert "cut (SIGTERM): 3 case(s) kept, 3 of 5 finished, 1 interrupted (dropped), 1 not run" in out
     rows = {line.split()[1]: line.split()[5] for line in out.splitlines() if line.startswith("g ")}  # median "10 us"
     assert rows == {"test_a": "fresh", "test_b": "stale", "test_c": "unknown"}
