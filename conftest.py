@@ -84,6 +84,8 @@ def pytest_benchmark_update_json(config, benchmarks, output_json):
             subjects.add(extra["sources"])
     output_json["source_files"] = sources.run_file_digests(subjects)
     terminal = config.pluginmanager.get_plugin("terminalreporter")
+    if terminal is not None and any(missing.values()):
+        terminal.write("\n")  # after the progress line
     for key, names in missing.items():
         if names and terminal is not None:
             terminal.write_line(f"warning: {len(names)} benchmark case(s) record no extra_info.{key} "
