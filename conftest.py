@@ -64,11 +64,34 @@ def pytest_benchmark_update_commit_info(config, commit_info):
 
 def pytest_benchmark_update_json(config, benchmarks, output_json):
     """Every case records a fingerprint of its workload (pcvr_lib.compare.WORKLOAD_KEYS), so a comparison
-    flags a case whose workload changed under the same id instead of comparing two different things."""
+    flags a case whose workload changed under the same id instead of comparing two different things, and
+    the run records the digest of every source file its cases ran (`source_files`, pcvr_lib.sources), so
+    `pcvr report` can name the files that changed since. A case that does not say what its call returns
+    or which sources it runs is counted and named on the terminal: its fingerprint or its freshness
+    cannot be judged."""
+    from pcvr_lib import sources
     from pcvr_lib.compare import fingerprint
 
+    subjects = set()
+    missing: dict[str, list[str]] = {"returns": [], "sources": []}
     for bench in output_json["benchmarks"]:
-        bench.setdefault("extra_info", {}).setdefault("fingerprint", fingerprint(bench["extra_info"]))
+        extra = bench.setdefault("extra_info", {})
+        extra.setdefault("fingerprint", fingerprint(extra))
+        for key, names in missing.items():
+            if not extra.get(key):
+                names.append(bench["fullname"])
+        if extra.get("sources"):
+            subjects.add(extra["sources"])
+    output_json["source_files"] = sources.run_file_digests(subjects)
+    terminal = config.pluginmanager.get_plugin("terminalreporter")
+    if terminal is not None and any(missing.values()):
+        terminal.write("\n")  # after the progress line
+    for key, names in missing.items():
+        if names and terminal is not None:
+            terminal.write_line(f"warning: {len(names)} benchmark case(s) record no extra_info.{key} "
+                                f"(e.g. {names[0]}): " + ("their fingerprint cannot tell what the call returned"
+                                                          if key == "returns" else "their sources state is unknown"),
+                                yellow=True)
 
 
 @pytest.hookimpl(tryfirst=True)  # before -k / -m deselect: a listed test is checked against everything collected

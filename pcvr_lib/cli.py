@@ -28,7 +28,7 @@ from pcvr_lib.errors import CommandError, Interrupted
 COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("pcvr_lib.data.generate", "write demo-like PCVR parquet data from a schema"),
     "inspect": ("pcvr_lib.data.inspect_file", "what a parquet file holds: rows, list order, nulls, out-of-vocab"),
-    "report": ("pcvr_lib.report", "print a pytest-benchmark JSON file as a table (--view summary|cases|optim|data)"),
+    "report": ("pcvr_lib.report", "print a benchmark JSON file as a table (--view ...) and its sources state"),
     "diff": ("pcvr_lib.compare.diff", "compare two stored benchmark runs against the noise floor (exit 1: regressed)"),
     "noise": ("pcvr_lib.compare.noise", "run the suite N times (or read runs) and store the noise floor"),
     "compare": ("pcvr_lib.compare.interleaved",

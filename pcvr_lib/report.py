@@ -1,8 +1,12 @@
-"""`pcvr report FILE [--view summary|cases|optim|data|models]`: the one printer of pytest-benchmark JSON.
+"""`pcvr report FILE [--view summary|cases|optim|data|models|status] [--json OUT]`: the one printer of
+pytest-benchmark JSON.
 
-Views: `summary` (every case, the extra_info columns it has), `cases` (kernels: one row per case with
-every backend's per-call [device] time and the ratios), `optim` (optimizers), `data` (data pipeline),
-`models` (model x backend x phase).
+Views: `summary` (every case, the extra_info columns it has, whether its sources are still this tree's),
+`cases` (kernels: one row per case with every backend's per-call [device] time and the ratios), `optim`
+(optimizers), `data` (data pipeline), `models` (model x backend x phase), `status` (the header lines only).
+Every view starts with the machine, whether the run was cut (perf_tests/bench_plugin.py) and the state of
+the cases' sources (pcvr_lib.sources: fresh, stale, unknown, third-party); a stale case's cells say `stale`.
+`--json OUT` writes each case's id, median, sources state and changed files.
 Comparisons of runs live in pcvr_lib/compare/ (`pcvr diff`, `pcvr compare`, `pcvr noise`).
 """
 
@@ -13,6 +17,8 @@ import math
 import re
 import sys
 from pathlib import Path
+
+from pcvr_lib import sources
 
 # extra_info keys worth a column, in display order, with their header and format.
 SUMMARY_FIELDS = [
@@ -75,13 +81,13 @@ def summary_rows(data: dict) -> tuple[list[str], list[list[str]]]:
     benches = data["benchmarks"]
     extras = [b.get("extra_info", {}) for b in benches]
     fields = [f for f in SUMMARY_FIELDS if any(_extra_value(e, f[0]) is not None for e in extras)]
-    header = ["group", "case", "stat", "median", *[h for _, h, _ in fields]]
+    header = ["group", "case", "stat", "median", "sources", *[h for _, h, _ in fields]]
     rows = []
     for bench in sorted(benches, key=lambda b: (b.get("group") or "", b["name"])):
         stats = bench.get("stats") or {}
         extra = bench.get("extra_info", {})
         cells = [bench.get("group") or "-", bench.get("param") or bench["name"], extra.get("stat", "median"),
-                 _format_seconds(stats.get("median"))]
+                 _format_seconds(stats.get("median")), source_state(data, bench)["state"]]
         for key, _, fmt in fields:
             value = _extra_value(extra, key)
             cells.append(fmt.format(value) if isinstance(value, int | float) else "-")
@@ -109,6 +115,47 @@ def machine_summary(data: dict) -> str:
     measured = info.get("measured_tree")
     commit = measured.split()[0].rstrip(":") if measured else (info.get("id") or "")[:10]
     return " | ".join(str(p) for p in parts) + (f" | commit {commit}" if commit else "")
+
+
+def source_state(data: dict, bench: dict) -> dict:
+    """pcvr_lib.sources.case_state of one case of a run (fresh, stale, unknown, third-party)."""
+    return sources.case_state(bench.get("extra_info") or {}, data.get("source_files") or {})
+
+
+def sources_summary(data: dict) -> str:
+    """One line: how many cases ran code that is still this tree's, and which files changed."""
+    states = [source_state(data, b) for b in data["benchmarks"]]
+    counts = {state: sum(s["state"] == state for s in states)
+              for state in (sources.FRESH, sources.STALE, sources.UNKNOWN, sources.THIRD_PARTY)}
+    notes = {sources.UNKNOWN: "no digest recorded: a run from before source digests",
+             sources.THIRD_PARTY: "peers: a library's code, its version in machine_info.libraries"}
+    changed = sorted({path for s in states for path in s["changed"]})
+    if changed:
+        notes[sources.STALE] = "changed: " + ", ".join(changed)
+    parts = [f"{n} {state}" + (f" ({notes[state]})" if state in notes else "") for state, n in counts.items() if n]
+    return "sources: " + ", ".join(parts)
+
+
+def cut_summary(data: dict) -> str | None:
+    """The line of a run that a signal, a timeout or -x cut short (the `cut` field bench_plugin writes)."""
+    cut = data.get("cut")
+    if not cut:
+        return None
+    return (f"cut ({cut.get('reason')}): {len(data['benchmarks'])} case(s) kept, {cut.get('finished')} of "
+            f"{cut.get('collected')} finished, {len(cut.get('interrupted') or [])} interrupted (dropped), "
+            f"{cut.get('not_run')} not run")
+
+
+def _stale_mark(data: dict, bench: dict) -> str:
+    return " stale" if source_state(data, bench)["state"] == sources.STALE else ""
+
+
+def report_json(data: dict) -> dict:
+    """What `--json` writes: per case its id, statistic, median and sources state."""
+    cases = [{"id": b.get("fullname") or b.get("name"), "stat": (b.get("extra_info") or {}).get("stat", "median"),
+              "median": (b.get("stats") or {}).get("median"), **source_state(data, b)}
+             for b in data["benchmarks"]]
+    return {"cut": data.get("cut"), "sources": sources_summary(data), "cases": cases}
 
 
 # ---------------------------------------------------------------- views
@@ -148,7 +195,7 @@ def cases_view(data: dict) -> str:
         shape = e["shape"] + (f",dist={e['dist']}" if "dist" in e else "")
         per_call, device, _ = case_times(bench)
         cases.setdefault((e["dir"], e["op"], shape, e["dtype"]), {})[e["backend"]] = {
-            "per_call": per_call, "device": device, **e}
+            "per_call": per_call, "device": device, **e, "_stale": _stale_mark(data, bench)}
     backends = sorted({b for by in cases.values() for b in by}, key=_backend_order)
     with_flops = any(by[b].get("tflops") is not None for by in cases.values() for b in by if b in KERNEL_OURS)
     lines = []
@@ -161,7 +208,8 @@ def cases_view(data: dict) -> str:
         for (dr, op, shape, dtype), by in cases.items():
             if dr != direction:
                 continue
-            cells = [f"{by[b]['per_call']:.1f} [{_fmt(by[b]['device'], '.1f')}]" if b in by else "-" for b in backends]
+            cells = [f"{by[b]['per_call']:.1f} [{_fmt(by[b]['device'], '.1f')}]{by[b]['_stale']}" if b in by else "-"
+                     for b in backends]
             ours = [b for b in KERNEL_OURS if b in by]
             peers = {b: by[b]["per_call"] for b in by if b not in KERNEL_OURS}
             best = min(ours, key=lambda b: by[b]["per_call"]) if ours else None
@@ -246,12 +294,12 @@ def models_view(data: dict) -> str:
         name, backend, phase = m.groups()
         gpu = b.get("extra_info", {}).get("stat") == "device"
         per_call, device, _ = case_times(b) if gpu else (b["stats"]["median"] * 1e6, None, None)
-        cases.setdefault((name, phase), {})[backend] = (per_call, device)
+        cases.setdefault((name, phase), {})[backend] = (per_call, device, _stale_mark(data, b))
         notes.setdefault((name, phase), set()).update(b.get("extra_info", {}).get("torch_ops", []))
     backends = ("torch", "triton", "tilelang")
     rows = []
     for (name, phase), by in cases.items():
-        cells = [f"{by[k][0]:.0f} [{_fmt(by[k][1], '.0f')}]" if k in by else "-" for k in backends]
+        cells = [f"{by[k][0]:.0f} [{_fmt(by[k][1], '.0f')}]{by[k][2]}" if k in by else "-" for k in backends]
         ours = [k for k in ("triton", "tilelang") if k in by]
         best = min(ours, key=lambda k: by[k][0]) if ours else None
         vs = f"{by['torch'][0] / by[best][0]:.2f}x ({best})" if best and "torch" in by else "-"
@@ -266,12 +314,14 @@ VIEWS = {
     "cases": cases_view,
     "optim": optim_view,
     "data": data_view,
+    "status": lambda data: f"{len(data['benchmarks'])} case(s)",
 }
 
 
 def add_report_arguments(parser) -> None:
     parser.add_argument("json_file", nargs="?", default="results/bench.json", help="pytest-benchmark JSON")
     parser.add_argument("--view", choices=sorted(VIEWS), default="summary", help="which table (default summary)")
+    parser.add_argument("--json", metavar="OUT", help="also write each case's median and sources state to OUT")
 
 
 def run_report(args) -> int:
@@ -283,6 +333,12 @@ def run_report(args) -> int:
     if not data["benchmarks"]:
         print(f"pcvr report: error: {args.json_file} holds no benchmark results", file=sys.stderr)
         return EXIT_REFUSED
+    if args.json:
+        Path(args.json).write_text(json.dumps(report_json(data), indent=1) + "\n")
     print(machine_summary(data))
+    cut = cut_summary(data)
+    if cut:
+        print(cut)
+    print(sources_summary(data))
     print(VIEWS[args.view](data))
     return 0

@@ -1,4 +1,5 @@
-"""The benchmarks' shared pytest hooks: readable parametrize ids and the planted slowdown of the validation runs.
+"""The benchmarks' shared pytest hooks: readable parametrize ids, the planted slowdown of the validation runs,
+and the plugin that keeps a cut run's results (perf_tests/bench_plugin.py).
 
 The peers are declared in perf_tests/peers.py; the case runner is perf_tests/kernel_bench.py.
 """
@@ -11,6 +12,12 @@ import torch
 from pcvr_lib.kernels.norms import config as norms_config
 from pcvr_lib.kernels.tolerance import DTYPE_NAMES
 from perf_tests.planted import planted_norm_tile
+
+
+def pytest_configure(config):
+    """A run stopped by SIGINT, SIGTERM or a timeout still writes the JSON of its finished cases, marked cut."""
+    if not config.pluginmanager.has_plugin("perf_tests.bench_plugin"):
+        config.pluginmanager.import_plugin("perf_tests.bench_plugin")
 
 
 def pytest_make_parametrize_id(config, val, argname):

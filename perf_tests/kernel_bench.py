@@ -4,7 +4,8 @@ Every case: skip with the dispatcher's (or the peers table's) reason when the ba
 against the fp64 reference FIRST (a mismatch fails the case, nothing is timed); time with
 `pcvr_lib.timing.bench_gpu`; fill `extra_info` with bytes, GB/s, fraction of the measured copy ceiling,
 speedup vs torch eager measured in the same run, speedup vs the best peer measured in the same run,
-max errors and compile seconds.
+max errors and compile seconds, what the call returns (part of the workload's fingerprint) and the sources it
+runs (`pcvr_lib.sources`: a peer's are a library's, ours are digested).
 
 Speedups need the baselines' times: parametrize so that "torch" comes first and the other peers
 (perf_tests/peers.py) before our backends. When torch eager has not run yet for a case key (e.g.
@@ -21,7 +22,7 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-from pcvr_lib import timing
+from pcvr_lib import sources, timing
 from pcvr_lib.kernels import dispatch
 from pcvr_lib.kernels.tolerance import DTYPE_NAMES
 from perf_tests import peers
@@ -87,7 +88,7 @@ def timed_first_call(fn: Callable[[], object]) -> tuple[object, float]:
 
 
 def run_case(benchmark, *, key: CaseKey, backend: str, call: Callable[[], object],
-             check: Callable[[], tuple[float, float]], bytes_moved: int, flops: int | None = None,
+             check: Callable[[], tuple[float, float]], bytes_moved: int, returns: str, flops: int | None = None,
              compile_s: float | None = None, torch_call: Callable[[], object] | None = None,
              rounds: int = 30, graph: bool = True) -> dict:
     """Check, then time one case; returns the extra_info it recorded.
@@ -95,10 +96,13 @@ def run_case(benchmark, *, key: CaseKey, backend: str, call: Callable[[], object
     `check()` runs the backend on fresh (poisoned) outputs and asserts them against the fp64 reference,
     returning (max abs error, max rel error); it raises on a mismatch, which fails the case untimed.
     `torch_call` times torch eager for the same key when that case has not run in this session.
+    `returns` says what `call` returns (e.g. "out, dq, dk, dv"): two calls that return different things are
+    different workloads, so it is part of the fingerprint (pcvr_lib.compare.WORKLOAD_KEYS).
     """
     benchmark.group = f"{key.op} {key.shape} {key.dtype} {key.direction}"
     benchmark.extra_info.update({"op": key.op, "backend": backend, "shape": key.shape, "dtype": key.dtype,
-                                 "dir": key.direction})
+                                 "dir": key.direction, "returns": returns,
+                                 **sources.stamp(sources.kernel_subject(key.op, backend, not peers.is_peer(backend)))})
     max_abs, max_rel = check()
     benchmark.extra_info.update({"max_abs_error": max_abs, "max_rel_error": max_rel})
 

@@ -34,7 +34,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pcvr_lib import precompile
+from pcvr_lib import precompile, sources
 from pcvr_lib.kernels import flash_attention
 from pcvr_lib.kernels.attention import OP
 from pcvr_lib.kernels.attention.reference import reference as attention_reference
@@ -170,6 +170,9 @@ def make_call(backend, q, k, v, do, kw, attn_mask, direction):
     return step
 
 
+RETURNS = {"fwd": "out", "fwd+bwd": "out, dq, dk, dv (torch.autograd.grad)"}
+
+
 def _as_list(result):
     return list(result) if isinstance(result, tuple) else [result]
 
@@ -214,7 +217,8 @@ def test_attention_perf(benchmark, backend, shape, mask, dtype, direction):
         flops = workload.flops(B, H, S, D, nominal, direction)
         nbytes = workload.bytes_moved(B, H, S, D, q.element_size(), direction)
         info = kb.run_case(benchmark, key=key, backend=backend, call=call, check=check, bytes_moved=nbytes,
-                           flops=flops, compile_s=first_s if backend in ("triton", "tilelang") else None,
+                           returns=RETURNS[direction], flops=flops,
+                           compile_s=first_s if backend in ("triton", "tilelang") else None,
                            rounds=20, graph=(direction == "fwd"))
     if not benchmark.enabled:
         return
@@ -238,6 +242,10 @@ def cpu_case(benchmark, backend, shape, mask, dtype, direction):
         pytest.skip(f"{backend}: no CUDA device (GPU benchmark)")
     q, k, v, do, kw, attn_mask = problem(shape, mask, dtype, "cpu")
     call = make_call(backend, q, k, v, do, kw, attn_mask, direction)
+    benchmark.extra_info.update({"op": OP, "backend": backend, "shape": f"{shape[0]},mask={mask}", "dtype": dtype,
+                                 "dir": direction, "returns": RETURNS[direction],
+                                 **sources.stamp(sources.kernel_subject(OP, backend, ours=backend == "torch")),
+                                 "note": "CPU smoke run, not a GPU timing"})
     got = _as_list(benchmark(call))
     ref = case_reference(q, k, v, do, attn_mask, direction)
     for a, r in zip(got, ref, strict=True):

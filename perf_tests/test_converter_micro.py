@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
-from pcvr_lib import timing  # noqa: E402
+from pcvr_lib import sources, timing  # noqa: E402
 from pcvr_lib.data.convert import Converter  # noqa: E402
 from pcvr_lib.data.generate import generate_dataset  # noqa: E402
 from pcvr_lib.schema import load_schema  # noqa: E402
@@ -179,6 +179,8 @@ def test_converter_micro(benchmark, micro_batches, strict):
     # after the timed rounds, so the per-batch figures see the same warm state (the first pass over freshly
     # generated data pays page faults that made one cold pass read 3x slow)
     benchmark.extra_info.update(measure(converter, micro_batches, passes=3))
+    benchmark.extra_info.update(returns="the converted batches (pcvr_lib.data.batch.Batch)",
+                                **sources.stamp("data:convert"))
 
 
 def ab_list_order(schema, batches, data_order: str, strict: bool, passes: int) -> dict[str, float]:

@@ -24,7 +24,7 @@ import pyarrow.parquet as pq
 import pytest
 import torch
 
-from pcvr_lib import timing
+from pcvr_lib import sources, timing
 from pcvr_lib.data.cache import CACHE_POLICIES, belady_hit_count, make_cache
 from pcvr_lib.data.convert import Converter
 from pcvr_lib.data.generate import generate_dataset, generation_info
@@ -108,8 +108,13 @@ def policy_hit_rates(trace, capacity) -> dict[str, float]:
     return rates
 
 
+RETURNS = {"loader": "every planned batch of the file, converted (pcvr_lib.data.batch.Batch)",
+           "convert": "the converted batches (pcvr_lib.data.batch.Batch)"}
+
+
 def run_loader_case(benchmark, cfg, schema, path, preset):
     info = benchmark.extra_info
+    info.update(returns=RETURNS["loader"], **sources.stamp("data:loader"))
     timings: list[float] = []
     holder: dict = {}
 
@@ -207,6 +212,7 @@ def run_loader_case(benchmark, cfg, schema, path, preset):
 
 def run_convert_case(benchmark, cfg, schema, path, preset):
     info = benchmark.extra_info
+    info.update(returns=RETURNS["convert"], **sources.stamp("data:convert"))
     strict = PRESETS[preset].strict_time_filter
     pf = pq.ParquetFile(path)
     size = cfg["batch_size"]
@@ -343,6 +349,8 @@ def test_loader_workers(benchmark, setup, preset, workers):
             assert cache["hits"] == belady_hit_count([key for _, _, key in loader.plan_items()], loader.cache_capacity)
     per_worker = cache.get("per_worker") or [cache]
     benchmark.extra_info.update(
+        returns=RETURNS["loader"],
+        **sources.stamp("data:loader"),
         preset=preset,
         cache_capacity=loader.cache_capacity if preset != "none" else 0,
         cache_hit_rate=cache["hit_rate"],

@@ -28,7 +28,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pcvr_lib import precompile
+from pcvr_lib import precompile, sources
 from pcvr_lib.kernels import compile_log
 from pcvr_lib.kernels import embedding_bag as eb
 from pcvr_lib.kernels.testing import poisoned_outputs
@@ -98,6 +98,9 @@ def make_call(backend, weight, ids, grad_out, direction):
     return step
 
 
+RETURNS = {"fwd": "the bag means", "fwd+bwd": "output and the weight gradient with duplicate rows summed"}
+
+
 def grad_check(grad, weight, ids, grad_out):
     """Coalesced sparse gradient vs float64 (computed on the device), atol relative to sum of |terms|."""
     num_rows, dim = weight.shape
@@ -152,10 +155,8 @@ def test_embedding_bag_perf(benchmark, backend, shape, dtype, dist, direction):
     key = kb.CaseKey(OP, f"{shape[0]},dist={dist}", dtype, direction)
     torch_call = make_call("torch", weight, ids, grad_out, direction)
     info = kb.run_case(benchmark, key=key, backend=backend, call=call, check=check,
-                       bytes_moved=workload.bytes_moved(weight, ids, direction), compile_s=compile_s,
-                       torch_call=torch_call, rounds=15, graph=(direction == "fwd"))
-    if direction == "fwd+bwd":
-        benchmark.extra_info["returns"] = "output and the weight gradient with duplicate rows summed"
+                       bytes_moved=workload.bytes_moved(weight, ids, direction), returns=RETURNS[direction],
+                       compile_s=compile_s, torch_call=torch_call, rounds=15, graph=(direction == "fwd"))
     benchmark.extra_info.update({"dist": dist, "shape": shape[0], "first_call_s": round(first_s, 3),
                                  "compiled_now": bool(new), "ids_dtype": str(ids.dtype).replace("torch.", "")})
     assert info["max_abs_error"] == info["max_abs_error"]  # NaN never passes
@@ -171,4 +172,6 @@ def cpu_case(benchmark, shape, dtype, dist, direction):
     if direction == "fwd+bwd":
         grad_check(result[1], weight, ids, grad_out)
     benchmark.extra_info.update({"op": OP, "backend": "torch", "shape": shape[0], "dtype": dtype, "dist": dist,
-                                 "dir": direction, "note": "CPU smoke run, not a GPU timing"})
+                                 "dir": direction, "returns": RETURNS[direction],
+                                 **sources.stamp(sources.kernel_subject(OP, "torch", ours=False)),
+                                 "note": "CPU smoke run, not a GPU timing"})

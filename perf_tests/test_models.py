@@ -37,7 +37,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pcvr_lib import timing
+from pcvr_lib import sources, timing
 from pcvr_lib.kernels import dispatch
 from pcvr_lib.kernels.tolerance import ULP, flash_rule, max_abs_error
 from pcvr_lib.models import model_names
@@ -174,6 +174,8 @@ def _checked(name: str, backend: str) -> ModelStep:
     pytest.fail(_FAILED[(name, backend)])
 
 
+RETURNS = {"train_step": "one optimizer step taken: forward, backward, step (parameters updated in place)",
+           "infer": "the logits (no gradient)"}
 CASES = [pytest.param(m, b, p, id=f"model={m},backend={b},phase={p}")
          for m in model_names() for b in BACKENDS for p in PHASES]
 
@@ -190,7 +192,8 @@ def test_model(benchmark, name, backend, phase):
     benchmark.group = f"model={name},phase={phase}"
     step = _step(name, backend)  # checked against torch first (non-torch backends)
     info = {"batch": step.batch.batch_size, "parameters": step.model.parameter_counts(),
-            "loss_after_step": step.loss_after_step, "torch_loss_after_step": _REFERENCE[name]["loss"]}
+            "loss_after_step": step.loss_after_step, "torch_loss_after_step": _REFERENCE[name]["loss"],
+            "returns": RETURNS[phase], **sources.stamp(f"model:{name}:{backend}")}
     if backend != "torch":
         info["checked"] = "logits at init and loss after one step vs torch (flash-attention rule at bf16)"
     call = step.train_step if phase == "train_step" else step.infer

@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from pcvr_lib import sources
 from pcvr_lib.kernels import _tilelang, _triton, compile_log, layer_norm, rms_norm
 from pcvr_lib.kernels.norms import check_norm_inputs, config, rows_view
 from pcvr_lib.kernels.testing import grad_input_term_scale, grad_param_term_scale, poisoned_outputs
@@ -117,9 +118,10 @@ def test_norm(benchmark, key, backend, shape, dtype):
         def torch_call():
             return torch_fn(*tensors)
 
+    returns = ("the gradients of x and of the parameters (torch.autograd.grad of y)" if grad else "y")
     kb.run_case(benchmark, key=key, backend=backend, call=call, check=check,
-                bytes_moved=workload.bytes_moved(key.op, shape, dtype, key.direction), compile_s=compile_s,
-                torch_call=torch_call, rounds=ROUNDS)
+                bytes_moved=workload.bytes_moved(key.op, shape, dtype, key.direction), returns=returns,
+                compile_s=compile_s, torch_call=torch_call, rounds=ROUNDS)
     if backend == "triton":
         benchmark.extra_info["triton_launch"] = {name: path for name, path in _triton.launch_paths().items()
                                                  if name.startswith(key.op)}
@@ -163,6 +165,14 @@ HOST_PARTS = ["torch_empty_like", "torch_tiny_kernel_launch", "check_norm_inputs
               "rms_norm_triton_call", "rms_norm_tilelang_call", "rms_norm_torch_call"]
 
 
+def _host_part_subject(part: str) -> str:
+    """The code a host part runs: torch's own calls, our norm package's input handling, or a backend's launch."""
+    if part.startswith("torch_"):
+        return sources.kernel_subject("rms_norm", "torch", ours=False)
+    backend = next((b for b in ("triton", "tilelang") if b in part), "torch")
+    return sources.kernel_subject("rms_norm", backend, ours=True)
+
+
 @pytest.mark.gpu
 @pytest.mark.explore
 @pytest.mark.parametrize("part", HOST_PARTS, ids=lambda p: f"host_part={p}")
@@ -172,7 +182,9 @@ def test_host_overhead(benchmark, part):
     kb.require_gpu_backend("rms_norm", "triton")
     fn = _host_parts()[part]
     benchmark.group = "host overhead per call (8192x128 fp16)"
-    benchmark.extra_info.update({"host_part": part, "timer": "wall_clock_host_only"})
+    benchmark.extra_info.update({"host_part": part, "timer": "wall_clock_host_only",
+                                 "returns": "the part's own result (host time only, nothing synchronised)",
+                                 **sources.stamp(_host_part_subject(part))})
     benchmark.pedantic(fn, rounds=30, iterations=50, warmup_rounds=2)
     torch.cuda.synchronize()
 
@@ -198,7 +210,7 @@ def test_copy_rate_at_norm_sizes(benchmark, shape):
         return 0.0, 0.0
 
     kb.run_case(benchmark, key=key, backend="torch", call=lambda: y.copy_(x), check=check,
-                bytes_moved=2 * x.numel() * x.element_size(), rounds=ROUNDS)
+                bytes_moved=2 * x.numel() * x.element_size(), returns="y (y.copy_(x))", rounds=ROUNDS)
 
 
 # ------------------------------------------------------------------ Triton tile-size exploration
@@ -275,5 +287,6 @@ def test_triton_tile_exploration(benchmark, monkeypatch, op, shape, kernel, tile
     benchmark.extra_info.update({"block_config": list(blocks), "tile": tile, "programs_per_sm": per_sm,
                                  "kernel": kernel})
     passes = 2 if kernel == "fwd" else 3  # bwd kernel: reads x and dy, writes dx (stats and partials small)
+    returns = "y (the forward kernel alone)" if kernel == "fwd" else "dx and the parameter gradients (backward kernel)"
     kb.run_case(benchmark, key=key, backend="triton", call=call, check=check,
-                bytes_moved=passes * x.numel() * x.element_size(), rounds=ROUNDS)
+                bytes_moved=passes * x.numel() * x.element_size(), returns=returns, rounds=ROUNDS)

@@ -26,7 +26,7 @@ import time
 import pytest
 import torch
 
-from pcvr_lib import timing
+from pcvr_lib import sources, timing
 from pcvr_lib.optim import OptimizerSet, build_optimizer, orthogonality_error, orthogonalize, train_step
 from pcvr_lib.optim.newton_schulz import resolve_coefficients
 from pcvr_lib.workloads.optim import make_task, pcvr_dense_shapes
@@ -48,6 +48,8 @@ CI_SIZES = {"mlp": dict(batch=64, features=16, hidden=64, depth=4),
             "pcvr_dense": dict(shapes=pcvr_dense_shapes(d=16))}
 CPU_ROUNDS = 5
 
+RETURNS = {"step": "the parameters updated in place by optimizer.step (one fixed gradient)",
+           "train_step": "the loss; parameters updated in place (forward, backward, grad-norm clipping, step)"}
 # median seconds per call, by (group, device, workload, variant), to report ratios to fused AdamW
 _MEDIANS: dict[tuple, float] = {}
 
@@ -122,6 +124,8 @@ def _report(benchmark, group: str, variant: str, device: str, workload: str, tas
             step_alone: float) -> None:
     dense = opts.dense
     info = benchmark.extra_info
+    info["returns"] = RETURNS[group]
+    info.update(sources.stamp("optim"))
     info["parameters"] = sum(p.numel() for p in task.parameters())
     info["tensors"] = sum(1 for _ in task.parameters())  # the workload's shape list (pcvr_dense follows the model)
     info["optimizer_state_bytes"] = _state_bytes(dense)

@@ -1,36 +1,77 @@
 """The README's result figures are the committed snapshots' numbers: each one is recomputed here from
 `.benchmarks/` and must appear in README.md as written (a re-measured snapshot fails this test until the
-README follows it)."""
+README follows it), and each describes the code of this tree: a figure from a case whose sources changed
+since its snapshot (pcvr_lib.sources: `stale`) fails unless the README says "stale since <its digest>" on
+the figure's line; a figure from a snapshot recorded before source digests (`unknown`) needs the README
+section that quotes it to say that its snapshot (named in backquotes) predates source digests."""
 
 import json
+import re
+from dataclasses import dataclass
 from functools import cache
 from pathlib import Path
 
 import pytest
 
+from pcvr_lib import sources
 from pcvr_lib.report import case_times
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
+UNKNOWN_NOTE = re.compile(r"predates?\s+source\s+digests")  # the words an unknown figure's section must hold
+
+_READ: list[tuple[str, dict]] = []  # (snapshot, case) read since the last claim was made
+
+
+@dataclass(frozen=True)
+class Claim:
+    text: str  # as README.md must say it
+    cases: tuple[tuple[str, dict], ...]  # (snapshot, case) the figures come from
+
+
+def claim(text: str) -> Claim:
+    """A README figure and the snapshot cases read to compute it (every read since the previous claim)."""
+    cases = tuple(_READ)
+    _READ.clear()
+    return Claim(text, cases)
+
+
+CLAIMS: list[Claim] = []
+
+
+def say(text: str) -> None:
+    """The README quotes `text`, computed from the cases read since the previous figure."""
+    CLAIMS.append(claim(text))
 
 
 @cache
+def run(name: str) -> dict:
+    return json.loads((ROOT / ".benchmarks" / name).read_text())
+
+
 def snapshot(name: str) -> list[dict]:
-    return json.loads((ROOT / ".benchmarks" / name).read_text())["benchmarks"]
+    """Every case of a snapshot, all counted as read by the claim being made."""
+    _READ.extend((name, b) for b in run(name)["benchmarks"])
+    return run(name)["benchmarks"]
+
+
+def read(name: str, bench: dict) -> dict:
+    _READ.append((name, bench))
+    return bench
 
 
 def kernel(name: str, **match) -> tuple[float, float, dict]:
     """(per-call us, device us, extra_info) of the one case of a kernel snapshot matching every key."""
-    found = [b for b in snapshot(name) if all(b["extra_info"].get(k) == v for k, v in match.items())]
+    found = [b for b in run(name)["benchmarks"] if all(b["extra_info"].get(k) == v for k, v in match.items())]
     assert len(found) == 1, f"{name}: {len(found)} cases match {match}"
-    per_call, device, _ = case_times(found[0])
+    per_call, device, _ = case_times(read(name, found[0]))
     return per_call, device, found[0]["extra_info"]
 
 
 def named(name: str, test_name: str) -> dict:
-    found = [b for b in snapshot(name) if b["name"] == test_name]
+    found = [b for b in run(name)["benchmarks"] if b["name"] == test_name]
     assert len(found) == 1, f"{name}: no case {test_name}"
-    return found[0]
+    return read(name, found[0])
 
 
 def norm(op, backend, shape, dtype="fp16", direction="fwd"):
@@ -45,79 +86,80 @@ def attention(backend, shape, mask, dtype="fp16", direction="fwd"):
     return per_call, device, b["extra_info"]
 
 
-def kernel_claims() -> list[str]:
-    claims = []
+def kernel_claims() -> None:
     t, _, e = norm("rms_norm", "tilelang", "65536x1024")
-    claims.append(f"| RMSNorm fwd 65536x1024 fp16 | {t:.1f} us, {e['fraction_of_copy_ceiling']:.1%} of copy ceiling "
-                  f"| {norm('rms_norm', 'torch', '65536x1024')[0]:.1f} "
-                  f"| torch.compile {norm('rms_norm', 'torch_compile', '65536x1024')[0]:.1f} |")
+    say(f"| RMSNorm fwd 65536x1024 fp16 | {t:.1f} us, {e['fraction_of_copy_ceiling']:.1%} of copy ceiling "
+        f"| {norm('rms_norm', 'torch', '65536x1024')[0]:.1f} "
+        f"| torch.compile {norm('rms_norm', 'torch_compile', '65536x1024')[0]:.1f} |")
     t, _, e = norm("rms_norm", "tilelang", "262144x128")
     others = [norm("rms_norm", b, "262144x128")[1] for b in ("torch_compile", "liger", "triton", "tilelang")]
-    claims.append(f"| RMSNorm fwd 262144x128 fp16 | {t:.1f} us, {e['fraction_of_copy_ceiling']:.1%} "
-                  f"| {norm('rms_norm', 'torch', '262144x128')[0]:.1f} "
-                  f"| torch.compile {norm('rms_norm', 'torch_compile', '262144x128')[0]:.1f} "
-                  f"| torch.compile, Liger, Triton, TileLang: {min(others):.1f}-{max(others):.1f} us of device time "
-                  f"(torch eager {norm('rms_norm', 'torch', '262144x128')[1]:.1f}) |")
+    say(f"| RMSNorm fwd 262144x128 fp16 | {t:.1f} us, {e['fraction_of_copy_ceiling']:.1%} "
+        f"| {norm('rms_norm', 'torch', '262144x128')[0]:.1f} "
+        f"| torch.compile {norm('rms_norm', 'torch_compile', '262144x128')[0]:.1f} "
+        f"| torch.compile, Liger, Triton, TileLang: {min(others):.1f}-{max(others):.1f} us of device time "
+        f"(torch eager {norm('rms_norm', 'torch', '262144x128')[1]:.1f}) |")
     t, _, e = norm("layer_norm", "tilelang", "262144x128")
     torch_t = norm("layer_norm", "torch", "262144x128")[0]
     compiled = norm("layer_norm", "torch_compile", "262144x128")[0]
-    claims.append(f"| LayerNorm fwd 262144x128 fp16 | {t:.1f} us, {e['fraction_of_copy_ceiling']:.1%} | {torch_t:.1f} "
-                  f"| torch.compile {compiled:.1f} | {torch_t / t:.1f}x torch |")
+    say(f"| LayerNorm fwd 262144x128 fp16 | {t:.1f} us, {e['fraction_of_copy_ceiling']:.1%} | {torch_t:.1f} "
+        f"| torch.compile {compiled:.1f} | {torch_t / t:.1f}x torch |")
     t, d, _ = norm("rms_norm", "tilelang", "8192x128")
     tt, td, _ = norm("rms_norm", "torch", "8192x128")
-    claims.append(f"| RMSNorm fwd 8192x128 fp16 | {t:.1f} [{d:.1f}] us | {tt:.1f} [{td:.1f}] | torch "
-                  f"| launch-bound: lowest device time, {tt / t:.2f}x per call |")
+    say(f"| RMSNorm fwd 8192x128 fp16 | {t:.1f} [{d:.1f}] us | {tt:.1f} [{td:.1f}] | torch "
+        f"| launch-bound: lowest device time, {tt / t:.2f}x per call |")
     t, d, _ = norm("rms_norm", "triton", "65536x1024", direction="fwd+bwd")
     tt = norm("rms_norm", "torch", "65536x1024", direction="fwd+bwd")[0]
-    claims.append(f"| RMSNorm fwd+bwd 65536x1024 fp16 | {t:.1f} [{d:.1f}] us | {tt:.1f} | - | {tt / t:.2f}x torch;")
+    say(f"| RMSNorm fwd+bwd 65536x1024 fp16 | {t:.1f} [{d:.1f}] us | {tt:.1f} | - | {tt / t:.2f}x torch;")
     t, d, _ = norm("layer_norm", "tilelang", "65536x1024", "bf16", "fwd+bwd")
     tt = norm("layer_norm", "torch", "65536x1024", "bf16", "fwd+bwd")[0]
-    claims.append(f"| LayerNorm fwd+bwd 65536x1024 bf16 | {t:.1f} [{d:.1f}] us | {tt:.1f} | - | {tt / t:.2f}x torch |")
+    say(f"| LayerNorm fwd+bwd 65536x1024 bf16 | {t:.1f} [{d:.1f}] us | {tt:.1f} | - | {tt / t:.2f}x torch |")
     t, _, e = kernel("h200/kernels_embedding.json", backend="triton", shape="B65536xV1MxD128xbag8", dtype="fp16",
                      dir="fwd", dist="uniform")
     tt = kernel("h200/kernels_embedding.json", backend="torch", shape="B65536xV1MxD128xbag8", dtype="fp16",
                 dir="fwd", dist="uniform")[0]
-    claims.append(f"| embedding bag fwd B65536 V1M D128 bag8 fp16 | {t:.1f} us ({e['fraction_of_copy_ceiling']:.1%} "
-                  f"of ceiling) | {tt / t:.1f}x faster than F.embedding_bag |")
+    say(f"| embedding bag fwd B65536 V1M D128 bag8 fp16 | {t:.1f} us ({e['fraction_of_copy_ceiling']:.1%} "
+        f"of ceiling) | {tt / t:.1f}x faster than F.embedding_bag |")
+    best: dict = {}  # fwd+bwd: the best of ours against torch (both sides' cases are read), per case
+    for b in run("h200/kernels_embedding.json")["benchmarks"]:
+        e = read("h200/kernels_embedding.json", b)["extra_info"] if b["extra_info"]["dir"] == "fwd+bwd" else {}
+        if e.get("backend") in ("triton", "tilelang"):
+            key = (e["shape"], e["dtype"], e["dist"])
+            best[key] = max(best.get(key, 0.0), e["speedup_vs_torch"])
+    say(f"| embedding bag fwd+bwd, sparse grad | | {min(best.values()):.1f}x-{max(best.values()):.1f}x faster |")
     t, d, _ = attention("triton", "B64xH8xS256xD64", "key_lengths")
     c = attention("sdpa_cudnn", "B64xH8xS256xD64", "key_lengths")[0]
-    claims.append(f"| flash attention fwd B64 H8 S256 D64 + key lengths | {t:.1f} [{d:.1f}] us "
-                  f"| SDPA cuDNN masked {c:.1f} | | {c / t:.2f}x |")
+    say(f"| flash attention fwd B64 H8 S256 D64 + key lengths | {t:.1f} [{d:.1f}] us "
+        f"| SDPA cuDNN masked {c:.1f} | | {c / t:.2f}x |")
     t, d, e = attention("triton", "B16xH8xS1024xD64", "none")
     c = attention("sdpa_cudnn", "B16xH8xS1024xD64", "none")[0]
-    claims.append(f"| flash attention fwd B16 H8 S1024 D64 | {t:.1f} [{d:.1f}] us, {e['tflops']:.0f} TFLOP/s "
-                  f"| SDPA cuDNN {c:.1f} | | {c / t:.2f}x: missed |")
+    say(f"| flash attention fwd B16 H8 S1024 D64 | {t:.1f} [{d:.1f}] us, {e['tflops']:.0f} TFLOP/s "
+        f"| SDPA cuDNN {c:.1f} | | {c / t:.2f}x: missed |")
     t, d, _ = attention("triton", "B4xH16xS4096xD128", "none", "bf16", "fwd+bwd")
     c = attention("sdpa_cudnn", "B4xH16xS4096xD128", "none", "bf16", "fwd+bwd")[0]
-    claims.append(f"| flash attention fwd+bwd B4 H16 S4096 D128 bf16 | {t:.0f} [{d:.0f}] us | SDPA cuDNN {c:.0f} "
-                  f"| | {c / t:.2f}x")
+    say(f"| flash attention fwd+bwd B4 H16 S4096 D128 bf16 | {t:.0f} [{d:.0f}] us | SDPA cuDNN {c:.0f} "
+        f"| | {c / t:.2f}x")
     t, d, _ = attention("tilelang", "B8xH8xS128xD64", "key_lengths")
     s = attention("sdpa_efficient", "B8xH8xS128xD64", "key_lengths")[0]
-    claims.append(f"| flash attention fwd PCVR B8 H8 S128 D64 + key lengths | {t:.1f} [{d:.1f}] us "
-                  f"| SDPA {s:.1f} masked |")
+    say(f"| flash attention fwd PCVR B8 H8 S128 D64 + key lengths | {t:.1f} [{d:.1f}] us "
+        f"| SDPA {s:.1f} masked |")
     sdpa = [attention(b, "B8xH8xS128xD64", m, dt, "fwd") for b in ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
             for m in ("none", "key_lengths") for dt in ("fp16", "bf16")
             if not (b == "sdpa_flash" and m == "key_lengths")]
-    claims.append(f"SDPA forward\n{min(x[0] for x in sdpa):.1f}-{max(x[0] for x in sdpa):.1f} us per call at the PCVR "
-                  f"shape, {min(x[1] for x in sdpa):.1f}-{max(x[1] for x in sdpa):.1f} us of device time")
+    say(f"SDPA forward\n{min(x[0] for x in sdpa):.1f}-{max(x[0] for x in sdpa):.1f} us per call at the PCVR "
+        f"shape, {min(x[1] for x in sdpa):.1f}-{max(x[1] for x in sdpa):.1f} us of device time")
     host = {b["extra_info"]["host_part"]: b["stats"]["median"] * 1e6 for b in snapshot("h200/norm_host_parts.json")}
-    claims.append(f"a tiny torch kernel launch costs {host['torch_tiny_kernel_launch']:.1f} us of host time, a Triton\n"
-                  f"launch {host['triton_direct_launch']:.1f} us ({host['triton_jit_launch']:.1f} us through the JIT "
-                  f"wrapper) and a TileLang executable call {host['tilelang_executable_call']:.1f} us")
-    return claims
+    say(f"a tiny torch kernel launch costs {host['torch_tiny_kernel_launch']:.1f} us of host time, a Triton\n"
+        f"launch {host['triton_direct_launch']:.1f} us ({host['triton_jit_launch']:.1f} us through the JIT "
+        f"wrapper) and a TileLang executable call {host['tilelang_executable_call']:.1f} us")
 
 
-def optim_claims() -> list[str]:
+def optim_claims() -> None:
     def step(name, variant, workload):
         b = named(name, f"test_optimizer_step[optimizer={variant},device=cuda,workload={workload}]")
         return b["stats"]["median"] * 1e6
 
     main = "h200/optim.json"
     follow = "h200/optim_orthogonal_followup.json"
-    fused_mlp, fused_dense = step(main, "fused_adamw", "mlp"), step(main, "fused_adamw", "pcvr_dense")
-    muon, ortho = step(main, "muon", "mlp"), step(main, "orthogonal_adamw", "mlp")
-    muon_d, ortho_d = step(main, "muon", "pcvr_dense"), step(main, "orthogonal_adamw", "pcvr_dense")
-    ortho_follow = step(follow, "orthogonal_adamw", "pcvr_dense")
     current = "h200/optim_current.json"  # stats hold device time; per-call in extra_info
 
     def now(variant):
@@ -127,88 +169,180 @@ def optim_claims() -> list[str]:
     (f_dev, f_call), (m_dev, m_call), (o_dev, o_call) = now("fused_adamw"), now("muon"), now("orthogonal_adamw")
     tensors = named(current, "test_optimizer_step[optimizer=fused_adamw,device=cuda,workload=pcvr_dense]")[
         "extra_info"]["tensors"]
-    return [
+    say(
         f"| PCVR dense shapes, current {tensors}-tensor workload (`optim_current.json`): device time [per call] "
         f"| {f_dev:.1f} us [{f_call:.1f}] | {m_dev:.1f} us = {m_dev / f_dev:.2f}x [{m_call:.1f}] "
-        f"| {o_dev:.1f} us = {o_dev / f_dev:.2f}x [{o_call:.1f}] |",
+        f"| {o_dev:.1f} us = {o_dev / f_dev:.2f}x [{o_call:.1f}] |")
+    fused_mlp, muon, ortho = (step(main, v, "mlp") for v in ("fused_adamw", "muon", "orthogonal_adamw"))
+    say(
         f"| reference MLP | {fused_mlp:.1f} us | {muon:.1f} us = {muon / fused_mlp:.2f}x (target <= 3x) "
         f"| {ortho:.1f} us = {ortho / fused_mlp:.2f}x (target <= 2x, missed; bf16 variant "
-        f"{step(follow, 'orthogonal_adamw_bf16', 'mlp'):.1f} us) |",
+        f"{step(follow, 'orthogonal_adamw_bf16', 'mlp'):.1f} us) |")
+    fused_dense, muon_d, ortho_d = (step(main, v, "pcvr_dense") for v in ("fused_adamw", "muon", "orthogonal_adamw"))
+    ortho_follow = step(follow, "orthogonal_adamw", "pcvr_dense")
+    say(
         f"| {fused_dense:.1f} us | {muon_d:.1f} us = {muon_d / fused_dense:.2f}x | {ortho_d:.1f} us = "
-        f"{ortho_d / fused_dense:.2f}x; {ortho_follow:.1f} us = {ortho_follow / fused_dense:.2f}x in the follow-up run",
-    ]
+        f"{ortho_d / fused_dense:.2f}x; {ortho_follow:.1f} us = {ortho_follow / fused_dense:.2f}x in the follow-up run")
 
 
-def data_claims() -> list[str]:
+def data_claims() -> None:
     name = "cpu/make-bench-2core.json"
-    micro = [named(name, f"test_converter_micro[strict={s}]")["extra_info"] for s in (0, 1)]
-    loaders = {p: named(name, f"test_data_pipeline[preset={p},mode=loader]")["extra_info"]
-               for p in ("none", "cache", "opt", "augment")}
-    converts = [b["extra_info"]["ratio_to_copy_floor"] for b in snapshot(name)
+
+    def micro():
+        return [named(name, f"test_converter_micro[strict={s}]")["extra_info"] for s in (0, 1)]
+
+    def loader(preset):
+        return named(name, f"test_data_pipeline[preset={preset},mode=loader]")["extra_info"]
+
+    strict0, strict1 = micro()
+    say(f"{strict0['rows_per_sec']:,.0f} / {strict1['rows_per_sec']:,.0f} rows/s "
+        f"({strict0['rows_per_sec'] / 6400:.1f}x / {strict1['rows_per_sec'] / 6400:.1f}x "
+        "the reference's 6,400)")
+    converts = [read(name, b)["extra_info"]["ratio_to_copy_floor"] for b in run(name)["benchmarks"]
                 if "ratio_to_copy_floor" in b["extra_info"]]
-    opt = loaders["opt"]
-    return [
-        f"{micro[0]['rows_per_sec']:,.0f} / {micro[1]['rows_per_sec']:,.0f} rows/s "
-        f"({micro[0]['rows_per_sec'] / 6400:.1f}x / {micro[1]['rows_per_sec'] / 6400:.1f}x the reference's 6,400)",
-        f"| {min(converts):.2f}-{max(converts):.2f} |",
-        f"| {loaders['none']['ratio_to_pyarrow_read']:.2f} (opt {opt['ratio_to_pyarrow_read']:.2f}, "
-        f"cache {loaders['cache']['ratio_to_pyarrow_read']:.2f}, "
-        f"augment {loaders['augment']['ratio_to_pyarrow_read']:.2f})",
-        f"{opt['cache_hit_rate']:.1%} = Belady's optimum on the trace",
-        f"LRU {opt['hit_rates_same_trace']['lru']:.1%}",
-        f"One converted 256-row batch is {micro[0]['bytes_per_batch'] / 1e6:.1f} MB",
-    ]
+    say(f"| {min(converts):.2f}-{max(converts):.2f} |")
+    say(f"| {loader('none')['ratio_to_pyarrow_read']:.2f} (opt {loader('opt')['ratio_to_pyarrow_read']:.2f}, "
+        f"cache {loader('cache')['ratio_to_pyarrow_read']:.2f}, "
+        f"augment {loader('augment')['ratio_to_pyarrow_read']:.2f})")
+    say(f"{loader('opt')['cache_hit_rate']:.1%} = Belady's optimum on the trace")
+    say(f"LRU {loader('opt')['hit_rates_same_trace']['lru']:.1%}")
+    say(f"One converted 256-row batch is {micro()[0]['bytes_per_batch'] / 1e6:.1f} MB")
 
 
-def attention_model_claims() -> list[str]:
+def attention_model_claims() -> None:
     """The table at the models' attention shapes (attention_models.json): per shape and direction, the best
     peer (SDPA or flex) and the best of ours by device time, their ratio, the per-call ratio, met at 1.5x."""
+    name = "h200/attention_models.json"
+    before = len(CLAIMS)
     cases = {}
-    for b in snapshot("h200/attention_models.json"):
+    for b in run(name)["benchmarks"]:
         e = b["extra_info"]
-        cases.setdefault((e["shape"], e["dir"]), {})[e["backend"]] = (e["device_us"], e["per_call_us"])
-    claims = []
+        cases.setdefault((e["shape"], e["dir"]), {})[e["backend"]] = (e["device_us"], e["per_call_us"], b)
     for (shape, direction), by in cases.items():
+        for *_, b in by.values():
+            read(name, b)
         peers = {k: v for k, v in by.items() if k.startswith("sdpa") or k == "flex"}
         ours = {k: v for k, v in by.items() if k in ("triton", "tilelang")}
         peer = min(peers, key=lambda k: peers[k][0])
         best = min(ours, key=lambda k: ours[k][0])
         ratio = peers[peer][0] / ours[best][0]
         per_call = min(v[1] for v in peers.values()) / min(v[1] for v in ours.values())
-        claims.append(f"| {shape} {direction} | {peers[peer][0]:.1f} ({peer}) | {ours[best][0]:.1f} ({best}) "
-                      f"| {ratio:.2f}x | {per_call:.2f}x | {'met' if ratio >= 1.5 else 'missed'} |")
-    assert len(claims) == 8, "four shapes, fwd and fwd+bwd"
-    return claims
+        say(f"| {shape} {direction} | {peers[peer][0]:.1f} ({peer}) | {ours[best][0]:.1f} ({best}) "
+            f"| {ratio:.2f}x | {per_call:.2f}x | {'met' if ratio >= 1.5 else 'missed'} |")
+    assert len(CLAIMS) - before == 8, "four shapes, fwd and fwd+bwd"
 
 
-def model_claims() -> list[str]:
+def model_claims() -> None:
     """The train-step table (models.json: per call and device ms, torch / the faster of ours) and the smoke's
     worst paired AUC difference (smoke_s6/compare_*.json, every verdict `same`)."""
     times = {}
-    for b in snapshot("h200/models.json"):
+    snap = "h200/models.json"
+    for b in run(snap)["benchmarks"]:
         name = b["name"][b["name"].index("[") + 1:-1]
         model, backend, phase = (part.split("=")[1] for part in name.split(","))
-        times[model, backend, phase] = (b["extra_info"]["per_call_us"] / 1e3, b["extra_info"]["device_us"] / 1e3)
-    claims = []
+        times[model, backend, phase] = (b["extra_info"]["per_call_us"] / 1e3, b["extra_info"]["device_us"] / 1e3, b)
     for model in ("baseline", "interformer", "onetrans", "tokenformer", "symbiosis", "dualq", "queryformer"):
         torch_t, triton_t, tilelang_t = (times[model, b, "train_step"] for b in ("torch", "triton", "tilelang"))
+        for *_, b in (torch_t, triton_t, tilelang_t):
+            read(snap, b)
         per_call = torch_t[0] / min(triton_t[0], tilelang_t[0])
         device = torch_t[1] / min(triton_t[1], tilelang_t[1])
         cells = " | ".join(f"{t[0]:.1f} [{t[1]:.1f}]" for t in (torch_t, triton_t, tilelang_t))
-        claims.append(f"| {model} | {cells} | {per_call:.2f}x | {device:.2f}x |")
+        say(f"| {model} | {cells} | {per_call:.2f}x | {device:.2f}x |")
     compares = [json.loads((ROOT / ".benchmarks/h200/smoke_s6" / f"compare_{b}.json").read_text())["models"]
                 for b in ("triton", "tilelang")]
     verdicts = [v for c in compares for v in c.values()]
     assert len(verdicts) == 14 and all(v["verdict"] == "same" for v in verdicts), "the README says: all seven, both"
     worst = max(verdicts, key=lambda v: v["max_abs_auc_diff"])
-    claims.append(f"largest paired difference {worst['max_abs_auc_diff']:.4f} against that\n"
-                  f"model's seed SD {worst['seed_noise']:.4f}")
-    return claims
+    say(f"largest paired difference {worst['max_abs_auc_diff']:.4f} against that\n"
+        f"model's seed SD {worst['seed_noise']:.4f}")
 
 
-ALL_CLAIMS = kernel_claims() + optim_claims() + data_claims() + attention_model_claims() + model_claims()
+for figures in (kernel_claims, optim_claims, data_claims, attention_model_claims, model_claims):
+    figures()
+ALL_CLAIMS = tuple(CLAIMS)
 
 
-@pytest.mark.parametrize("claim", ALL_CLAIMS, ids=lambda c: c[:60])
-def test_readme_figure_matches_the_snapshot(claim):
-    assert claim in README, f"README.md does not say (from the committed snapshot):\n{claim}"
+def recorded_files(name: str) -> dict:
+    return run(name).get("source_files") or {}
+
+
+def figure_lines(text: str, readme: str) -> str:
+    """The whole README lines that hold `text`."""
+    at = readme.index(text)
+    end = readme.find("\n", at + len(text))
+    return readme[readme.rfind("\n", 0, at) + 1:end if end >= 0 else len(readme)]
+
+
+def section_of(text: str, readme: str) -> str:
+    """The README section (from one heading to the next) that holds `text`."""
+    at = readme.index(text)
+    starts = [m.start() for m in re.finditer(r"(?m)^#{1,6} ", readme)]
+    start = max((x for x in starts if x <= at), default=0)
+    end = min((x for x in starts if x > at), default=len(readme))
+    return readme[start:end]
+
+
+def freshness_problems(figure: Claim, readme: str, source_files=recorded_files) -> list[str]:
+    """Why the README may not quote `figure` as it stands: a case it comes from ran code that has changed
+    since (stale) and the figure's line does not say "stale since <digest>", or its snapshot predates source
+    digests (unknown) and the figure's section does not say so."""
+    problems = []
+    for name, bench in figure.cases:
+        state = sources.case_state(bench.get("extra_info") or {}, source_files(name))
+        if state["state"] == sources.STALE and f"stale since {state['recorded']}" not in figure_lines(figure.text,
+                                                                                                     readme):
+            problems.append(f"{name} {bench['name']}: its sources changed since the snapshot "
+                            f"({', '.join(state['changed']) or state['subject']}): re-measure it, or write "
+                            f"\"stale since {state['recorded']}\" beside the figure")
+        if state["state"] == sources.UNKNOWN:
+            section = section_of(figure.text, readme)
+            if not UNKNOWN_NOTE.search(section) or f"`{Path(name).name}`" not in section:
+                problems.append(f"{name} {bench['name']}: recorded before source digests; the README section "
+                                f"that quotes it must say that `{Path(name).name}` predates source digests")
+    return problems
+
+
+@pytest.mark.parametrize("figure", ALL_CLAIMS, ids=lambda c: c.text[:60])
+def test_readme_figure_matches_the_snapshot(figure):
+    assert figure.text in README, f"README.md does not say (from the committed snapshot):\n{figure.text}"
+
+
+@pytest.mark.parametrize("figure", ALL_CLAIMS, ids=lambda c: c.text[:60])
+def test_readme_figure_describes_this_trees_code(figure):
+    problems = freshness_problems(figure, README)
+    assert not problems, "\n".join(sorted(set(problems)))
+
+
+# ---------------------------------------------------------------- the freshness rule itself
+
+
+def made_up(extra_info: dict, text: str = "| RMSNorm fwd | 1.0 us |") -> Claim:
+    return Claim(text, (("h200/made_up.json", {"name": "test_norm[made-up]", "extra_info": extra_info}),))
+
+
+def no_files(_name: str) -> dict:
+    return {}
+
+
+def test_a_figure_from_a_fresh_case_passes():
+    figure = made_up(sources.stamp("kernel:rms_norm:triton"))
+    assert freshness_problems(figure, f"### Kernels\n{figure.text}\n", no_files) == []
+
+
+def test_a_figure_from_a_stale_case_needs_stale_since_its_digest_beside_it():
+    figure = made_up({"sources": "kernel:rms_norm:triton", "sources_digest": "not-this-tree"})
+    readme = f"### Kernels\n{figure.text}\n"
+    assert "stale since not-this-tree" in freshness_problems(figure, readme, no_files)[0]
+    assert freshness_problems(figure, readme.replace(" |\n", " | stale since not-this-tree |\n"), no_files) == []
+    elsewhere = readme + "\nstale since not-this-tree\n"  # not on the figure's line
+    assert freshness_problems(figure, elsewhere, no_files)
+
+
+def test_a_figure_from_a_snapshot_without_digests_needs_the_sections_note():
+    figure = made_up({"op": "rms_norm"})
+    readme = f"### Kernels\n{figure.text}\n### Other\n`made_up.json` predates source digests\n"
+    assert freshness_problems(figure, readme, no_files)  # the note is in another section
+    assert freshness_problems(figure, f"### Kernels\n{figure.text}\nmade_up.json predates source digests\n", no_files)
+    noted = f"### Kernels\n{figure.text}\nThese figures (`made_up.json`) predate source digests.\n"
+    assert freshness_problems(figure, noted, no_files) == []

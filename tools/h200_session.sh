@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One H200 `run` (device tool; carry .gpu-site and .cache/tlpack): the steps named as arguments, in order,
-# each with its own time limit so a slow step cannot starve the rest (`timeout -s INT` lets pytest-benchmark
-# still write its JSON). Logs and JSON go to $OUT; a short summary is printed last.
+# each with its own time limit so a slow step cannot starve the rest (`timeout -s INT`: a cut benchmark step
+# still writes the JSON of its finished cases, marked cut). Logs and JSON go to $OUT; a short summary is printed last.
 #
 #   bash tools/h200_session.sh warm accuracy sweep                            # accuracy, tile sweeps + tune
 #   bash tools/h200_session.sh warm perf_norms perf_embedding perf_attention  # the kernel snapshots
@@ -55,13 +55,21 @@ KERNEL_SUITE=(perf_tests/test_norms.py perf_tests/test_embedding_bag.py perf_tes
 GATED="not torch_compile"  # torch.compile peers are never gated; sweeps and host probes are -m explore
 BUDGET=${BUDGET:-585}  # seconds for the whole command (the run tool's limit is 600)
 step() {  # step NAME SECONDS COMMAND...: run with a limit (cut to what is left of BUDGET), log to $OUT/NAME.log
+  # A step cut by its limit gets SIGINT (SIGKILL 15 s later): a benchmark step still writes the JSON of its
+  # finished cases, marked cut (perf_tests/bench_plugin.py); each step names its own JSON, printed with what it kept.
   local name=$1 limit=$2; shift 2
-  local t=$(date +%s) left=$(( BUDGET - ($(date +%s) - T0) ))
+  local t=$(date +%s) left=$(( BUDGET - ($(date +%s) - T0) )) json="" arg
   if (( left < 15 )); then echo "$name: skipped, no time left"; return; fi
   (( limit > left )) && limit=$left
+  for arg in "$@"; do [[ $arg == --benchmark-json=* ]] && json=${arg#--benchmark-json=}; done
   timeout -k 15 -s INT "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
   echo "[$(( $(date +%s) - T0 ))s] $name rc=$rc ($(( $(date +%s) - t ))s): $(grep -E '(passed|failed|error|ready|variants)' "$OUT/$name.log" | tail -1)"
+  if [ -n "$json" ] && [ -s "$json" ]; then  # the report's lines after the machine: cut?, sources, case count
+    echo "  $(basename "$json"): $(python3 -m pcvr_lib report "$json" --view status 2>&1 | awk 'NR > 1 {printf "%s%s", (NR > 2 ? " | " : ""), $0}')"
+  elif [ -n "$json" ]; then
+    echo "  $(basename "$json"): not written (see $name.log)"
+  fi
 }
 
 for s in "$@"; do

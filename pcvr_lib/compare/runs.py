@@ -17,10 +17,11 @@ from pcvr_lib.timing import PROBE_NOMINAL_S
 EXIT_OK, EXIT_REGRESSED = 0, 1  # and pcvr_lib.report.EXIT_REFUSED (2): unreadable input, refused request
 EXIT_INCONCLUSIVE = 3  # pcvr compare: a gated case still "unclear" after the last pair
 # extra_info keys that describe the workload (not its timing): a change in any of them under one case id
-# means two different workloads, which are flagged and never compared
+# means two different workloads, which are flagged and never compared. `returns` says what the timed call
+# returns (e.g. a coalesced or a raw sparse gradient): same shapes and bytes, another job.
 WORKLOAD_KEYS = ("op", "shape", "dtype", "dir", "bytes", "flops", "tensors", "parameters", "measured_rows",
                  "measured_batches", "batch_size", "bytes_per_batch", "passes", "scale", "preset", "mode",
-                 "strict_time_filter", "cache_capacity", "l2", "rotations")
+                 "strict_time_filter", "cache_capacity", "l2", "rotations", "returns")
 
 
 def fingerprint(extra_info: dict) -> str:

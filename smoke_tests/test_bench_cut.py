@@ -1,0 +1,83 @@
+"""A benchmark run cut by SIGINT or SIGTERM (what `timeout -s INT` and `timeout` send) writes the JSON of every
+finished case and says that it was cut (perf_tests/bench_plugin.py), for real: a pytest process on a tiny
+benchmark file, signalled while its second case runs."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+CASES = textwrap.dedent("""
+    import os
+    import time
+    from pathlib import Path
+
+    import pytest
+
+
+    @pytest.mark.parametrize("i", range(4))
+    def test_case(benchmark, i):
+        benchmark.extra_info["i"] = i
+
+        def call():
+            if i == 1 and os.environ.get("CUT_MARK"):
+                Path(os.environ["CUT_MARK"]).write_text("case 1 is timing")
+                time.sleep(60)  # the signal lands here, inside a round: partial statistics
+
+        benchmark.pedantic(call, rounds=3, iterations=1)
+""")
+
+
+def run_tiny_suite(tmp_path: Path, cut: signal.Signals | None) -> tuple[int, str, dict]:
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["perf_tests.bench_plugin"]\n')
+    (tmp_path / "test_cut_cases.py").write_text(CASES)
+    mark = tmp_path / "mark"
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "CUT_MARK": str(mark) if cut else ""}
+    env.pop("PYTEST_ADDOPTS", None)
+    proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_cut_cases.py",
+                             "--benchmark-json=out.json"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
+    try:
+        if cut is not None:
+            deadline = time.monotonic() + 30
+            while not mark.exists():
+                assert proc.poll() is None, f"pytest ended before the cut:\n{proc.stdout.read()}"
+                assert time.monotonic() < deadline, "the second case never started"
+                time.sleep(0.05)
+            proc.send_signal(cut)
+        out, _ = proc.communicate(timeout=30)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    path = tmp_path / "out.json"
+    assert path.is_file() and path.stat().st_size, f"no JSON written:\n{out}"
+    return proc.returncode, out, json.loads(path.read_text())
+
+
+@pytest.mark.parametrize("cut", [signal.SIGINT, signal.SIGTERM], ids=lambda s: s.name)
+def test_a_cut_run_keeps_its_finished_cases_and_says_it_was_cut(tmp_path, cut):
+    rc, out, data = run_tiny_suite(tmp_path, cut)
+    assert rc == pytest.ExitCode.INTERRUPTED, out
+    assert [b["extra_info"]["i"] for b in data["benchmarks"]] == [0], out  # the finished case, not the cut one
+    assert len(data["benchmarks"][0]["stats"]["data"]) == 3
+    assert data["cut"] == {"reason": cut.name, "collected": 4, "finished": 1,
+                           "interrupted": ["test_cut_cases.py::test_case[1]"], "not_run": 2}
+    assert (f"benchmark run cut ({cut.name}) after 1 of 4 test(s): out.json holds the 1 finished benchmark case(s); "
+            "1 interrupted (dropped), 2 not run") in out
+
+
+def test_a_complete_run_says_it_was_not_cut(tmp_path):
+    rc, out, data = run_tiny_suite(tmp_path, None)
+    assert rc == 0, out
+    assert len(data["benchmarks"]) == 4 and data["cut"] is None
+    assert "benchmark run cut" not in out
