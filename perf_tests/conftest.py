@@ -1,4 +1,4 @@
-"""The benchmarks' shared pytest hooks: readable parametrize ids and the planted slowdown of the validation runs.
+"""The benchmarks' shared pytest hooks: readable parametrize ids and the planted slowdowns of the validation runs.
 
 The peers are declared in perf_tests/peers.py; the case runner is perf_tests/kernel_bench.py.
 """
@@ -10,7 +10,7 @@ import torch
 
 from pcvr_lib.kernels.norms import config as norms_config
 from pcvr_lib.kernels.tolerance import DTYPE_NAMES
-from perf_tests.planted import planted_norm_tile
+from perf_tests.planted import plant_host_delay, planted_host_us, planted_norm_tile
 
 
 def pytest_make_parametrize_id(config, val, argname):
@@ -30,4 +30,15 @@ def _planted_norm_tile(monkeypatch):
     tile = planted_norm_tile()
     if tile is not None:
         monkeypatch.setattr(norms_config, "TILE_ELEMENTS", tile)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _planted_host_delay(monkeypatch):
+    """With PCVR_PLANTED_HOST_US set (only for validating the comparison: perf_tests/planted.py), the Triton
+    RMSNorm forward wrapper spins that long in Python before its launch: a host-only regression (the
+    device work is unchanged) that `pcvr diff` must flag by counted work, in those cases only."""
+    us = planted_host_us()
+    if us is not None:
+        plant_host_delay(monkeypatch, us)
     yield
