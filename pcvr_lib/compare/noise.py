@@ -4,6 +4,7 @@ holds it, and the threshold of each case's metric taken from it."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import statistics
@@ -46,10 +47,35 @@ def _percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
 
 
+def run_identity(run: dict) -> str:
+    """What tells one stored run from another: pytest-benchmark's session time with the commit, else (a run
+    without them) a digest of its cases."""
+    when, commit = run.get("datetime"), (run.get("commit_info") or {}).get("id")
+    if when:
+        return f"datetime {when}, commit {commit or '?'}"
+    digest = hashlib.sha256(json.dumps(run["benchmarks"], sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return f"cases digest {digest}"
+
+
+def check_distinct(runs: list[dict], sources: list[str]) -> None:
+    """A noise floor from one run given twice would claim 0% spread: every run must be another run (another
+    file, and another session time and commit, or other cases)."""
+    seen: dict[str, str] = {}
+    for run, src in zip(runs, sources, strict=True):
+        path = Path(src)
+        keys = [f"file {path.resolve()}"] if path.is_file() else []
+        for key in [*keys, run_identity(run)]:
+            if key in seen:
+                raise ReportError(f"{seen[key]} and {src} are the same run ({key}): a noise floor needs at least 2 "
+                                  "distinct runs of the same tree; give each run once")
+            seen[key] = src
+
+
 def build_noise(runs: list[dict], sources: list[str]) -> dict:
     """Per-case and per-group spread of every metric over runs of one tree on one machine."""
     if len(runs) < 2:
         raise ReportError(f"a noise floor needs at least 2 runs of the same tree, got {len(runs)}")
+    check_distinct(runs, sources)
     for run, src in zip(runs[1:], sources[1:], strict=True):
         check_same_machine(runs[0], run, sources[0], src)
     per_run = [cases_of(r) for r in runs]
