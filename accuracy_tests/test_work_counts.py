@@ -147,8 +147,9 @@ def test_a_count_that_differs_between_calls_is_recorded_as_unstable():
 def _as_run(counts: dict[str, dict]) -> dict:
     """A stored GPU run holding these counts (device and host times are not measured here: one value for all)."""
     cases = [{"group": "g", "name": f"test_norm[{cid}]", "fullname": f"perf_tests/test_norms.py::test_norm[{cid}]",
-              "stats": {"median": 10e-6}, "extra_info": {"stat": "device", "op": cid.split(",")[0][3:], "dir": "fwd",
-                                                        "host_us": 12.0, "per_call_us": 15.0, "work": work}}
+              "stats": {"median": 10e-6}, "extra_info": {"stat": "device", "op": cid.split(",")[0][3:],
+                                                        "dir": cid.rsplit("dir=", 1)[1], "host_us": 12.0,
+                                                        "per_call_us": 15.0, "work": work}}
              for cid, work in counts.items()]
     return {"machine_info": {"gpu": {"name": "NVIDIA H200"}}, "benchmarks": cases}
 

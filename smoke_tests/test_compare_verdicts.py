@@ -192,3 +192,15 @@ def test_informational_cases_are_not_counted(tmp_path):
     code, rows = _diff(tmp_path, [_case("test_k[b=compile]", gated=False, work=WORK)],
                        [_case("test_k[b=compile]", gated=False, work={**WORK, "python_calls": 999})])
     assert code == compare.EXIT_OK and not [r for r in rows if r.unit == "per call"]
+
+
+def test_diff_json_is_written_when_it_refuses(tmp_path, capsys):
+    broken = _case("test_k[a=1]")
+    broken["stats"]["median"] = math.nan
+    base = _write(tmp_path / "base.json", [_case("test_k[a=1]")])
+    new = _write(tmp_path / "new.json", [broken], when="2026-12-02T11:00:00")
+    out = tmp_path / "diff.json"
+    assert main(["diff", str(base), str(new), "--json", str(out)]) == compare.EXIT_REFUSED
+    written = json.loads(out.read_text())
+    assert written["failed"] is None and "case test_k[a=1]: stats.median is nan" in written["error"]
+    assert written["error"] in capsys.readouterr().err

@@ -253,7 +253,8 @@ def add_arguments(parser) -> None:
                         help="with --run, last: test paths and pytest args (-k ...)")
     parser.add_argument("--storage", default=".benchmarks", help="where 'latest' and run numbers are looked up")
     parser.add_argument("--noise", help="noise file (default .benchmarks/<machine>/noise.json when it exists)")
-    parser.add_argument("--json", dest="json_out", help="also write the comparison rows as JSON here")
+    parser.add_argument("--json", dest="json_out", help="also write the comparison rows as JSON here (when it "
+                        "refuses: the error)")
     parser.add_argument("--all", action="store_true", help="list every case, not only those outside threshold")
 
 
@@ -271,12 +272,18 @@ def run(args) -> int:
         rows, noise = diff_files(args.base, args.new, args.noise)
     except ReportError as exc:
         print(f"pcvr diff: error: {exc}", file=sys.stderr)
+        if args.json_out:  # the refusal is the result: a script that keeps this file keeps why
+            _write_json(args.json_out, {"base": args.base, "new": args.new, "failed": None, "error": str(exc)})
         return EXIT_REFUSED
     print(f"pcvr diff: {args.base} -> {args.new}; thresholds from "
           + (f"the noise floor of {noise['runs']} runs" if noise else "the floors only (no noise file)"))
     print(diff_table(rows, args.all))
     if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps({"base": args.base, "new": args.new, "failed": failed(rows),
-                                                   "rows": [asdict(r) for r in rows]}, indent=1))
+        _write_json(args.json_out, {"base": args.base, "new": args.new, "failed": failed(rows),
+                                    "rows": [asdict(r) for r in rows]})
     return EXIT_REGRESSED if failed(rows) else EXIT_OK
+
+
+def _write_json(path: str, data: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=1))
