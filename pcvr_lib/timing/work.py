@@ -6,8 +6,9 @@ it. What a call does on the host can be counted instead, once per case, outside 
 warm-up calls (caches filled, lazy imports done, autotuning over):
 
   python_calls  Python functions entered and C functions called from Python during one call (sys.setprofile's
-                "call" and "c_call" events; on Python >= 3.12 in every thread, so the autograd engine's
-                device thread, which runs a CUDA backward, is counted too; on 3.11 the calling thread only)
+                "call" and "c_call" events; on Python >= 3.12 in every thread but those Python's threading
+                module started, so the autograd engine's device thread, which runs a CUDA backward, is
+                counted too; on 3.11 the calling thread only)
   torch_ops     aten ops dispatched during one call (a TorchDispatchMode; the autograd engine carries it into
                 the backward)
   host_reads    those of them that read device values back to the host: on CUDA each one is a sync
@@ -40,11 +41,21 @@ def _noop() -> None:
     return None
 
 
+def _other_python_threads() -> frozenset[int]:
+    """Idents of the threads Python's threading module started, this one excepted (a test runner's I/O thread, a
+    timer): their work is no part of the call. Threads started in C++ (the autograd engine's) are not among them."""
+    here = threading.get_ident()
+    return frozenset(t.ident for t in threading.enumerate()
+                     if t.ident is not None and t.ident != here and not isinstance(t, threading._DummyThread))
+
+
 def _raw_python_calls(fn: Callable[[], object]) -> int:
     counter = itertools.count()  # next() is one C call: no Python frame of its own, safe across threads
+    others = _other_python_threads()
+    ident = threading.get_ident
 
     def on_event(frame, event, arg):
-        if event in _CALL_EVENTS:
+        if event in _CALL_EVENTS and ident() not in others:
             next(counter)
 
     set_profile = _SET_PROFILE_ALL or sys.setprofile
