@@ -204,3 +204,23 @@ def test_diff_json_is_written_when_it_refuses(tmp_path, capsys):
     written = json.loads(out.read_text())
     assert written["failed"] is None and "case test_k[a=1]: stats.median is nan" in written["error"]
     assert written["error"] in capsys.readouterr().err
+
+
+def test_cases_of_a_renamed_benchmark_file_are_matched_by_test_id(tmp_path):
+    """The committed snapshots name perf_tests/test_kernels.py, today's runs test_norms.py: matched by the test
+    id, unique on both sides, so a diff against the snapshot compares every case instead of failing them all as
+    MISSING; the noise file's entry is found the same way."""
+    def renamed(case):
+        return {**case, "fullname": case["fullname"].replace("test_k.py", "test_norms.py")}
+
+    base = [_case("test_k[a=1]", work=WORK), _case("test_k[a=2]")]
+    code, rows = _diff(tmp_path, base, [renamed(_case("test_k[a=1]", device_us=30.0, work=WORK)),
+                                        renamed(_case("test_k[a=2]"))])
+    assert code == compare.EXIT_REGRESSED  # a=1 is 50% slower: compared, not missing
+    verdicts = {(compare.short_id(r.case), r.metric): r.verdict for r in rows}
+    assert verdicts[("test_k[a=1]", "device")] == "REGRESSED" and verdicts[("test_k[a=2]", "device")] == "ok"
+    assert "MISSING" not in verdicts.values() and "new" not in verdicts.values()
+    assert "matched by test id in perf_tests/test_norms.py" in next(r.why for r in rows if r.verdict == "REGRESSED")
+    noise = {"cases": {"perf_tests/test_k.py::test_k[a=1]": {"device": {"spread": 0.3}}}}
+    assert compare.noise_case(noise, "perf_tests/test_norms.py::test_k[a=1]") == {"device": {"spread": 0.3}}
+    assert compare.noise_case(noise, "perf_tests/test_norms.py::test_k[a=9]") is None

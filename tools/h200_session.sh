@@ -7,7 +7,7 @@
 #   bash tools/h200_session.sh warm perf_norms perf_embedding perf_attention  # the kernel snapshots
 #   REPS=3 bash tools/h200_session.sh warm planted noise                      # planted slowdown + noise floor
 # (BUDGET=seconds caps the whole command; steps: warm warm_norms accuracy accuracy_norms accuracy_attention
-#  sweep norm_sweep tune host perf_norms perf_embedding perf_attention noise planted aa aa1 aa2 planted_host optim
+#  sweep norm_sweep tune host perf_norms perf_embedding perf_attention noise planted aa aa1 aa2 gate planted_host optim
 #  gpu_timer host_ab smoke
 #  accuracy_parallel perf_models smoke_triton smoke_tilelang tune_long tune_small tune_one_tile tune_masks pcvr_ab
 #  profile_host)
@@ -30,6 +30,9 @@
 #   `aa1` in one call and `aa2` in the next still pair two runs of one machine session. AA_K narrows the suite
 #   (e.g. AA_K=bf16 when both runs must fit one call), AA_S is each run's limit (240 s). AA_BASE=FILE (a run of
 #   an earlier lease, carried): aa2 also diffs it with run 2 both ways ($OUT/aa_cross_{12,21}.json).
+# gate: the gated kernel suite once ($OUT/gate_run.json), `pcvr diff` of the committed snapshot of that suite
+#   (GATE_BASE, default .benchmarks/h200/kernels.json; its cases are matched by test id across the renamed
+#   benchmark files) against it: $OUT/gate_diff.json and .log. aa2 writes the same diff for its run 2.
 # planted_host: the RMSNorm cases of every backend (64: the torch.compile peer left out) without and with
 #   PCVR_PLANTED_HOST_US=5 (the Triton RMSNorm forward wrapper spins ~5 us of Python per call:
 #   perf_tests/planted.py), $OUT/planted_host_{clean,5us}.json, then `pcvr diff` clean -> planted
@@ -104,11 +107,16 @@ for s in "$@"; do
       if [ "$s" != aa1 ]; then
         diff_step aa_diff_12 "$KEEP/aa_run1.json" "$KEEP/aa_run2.json"
         diff_step aa_diff_21 "$KEEP/aa_run2.json" "$KEEP/aa_run1.json"
+        diff_step gate_diff "${GATE_BASE:-.benchmarks/h200/kernels.json}" "$KEEP/aa_run2.json"
         if [ -n "${AA_BASE:-}" ]; then
           diff_step aa_cross_12 "$AA_BASE" "$KEEP/aa_run2.json"
           diff_step aa_cross_21 "$KEEP/aa_run2.json" "$AA_BASE"
         fi
       fi ;;
+    gate)
+      step gate_run "${AA_S:-240}" $PYTEST "${KERNEL_SUITE[@]}" -k "$GATED${AA_K:+ and $AA_K}" --benchmark-only \
+        --benchmark-json="$OUT/gate_run.json"
+      diff_step gate_diff "${GATE_BASE:-.benchmarks/h200/kernels.json}" "$OUT/gate_run.json" ;;
     planted_host)
       sel="test_norm and rms_norm and not torch_compile"
       step planted_host_clean 150 $PYTEST perf_tests/test_norms.py -k "$sel" --benchmark-only \
@@ -236,7 +244,7 @@ for f in "$OUT"/attention_tune_window.log "$OUT"/attention_tune_key_lengths.log;
 [ -f "$OUT/kernels_norms.json" ] && python3 -m pcvr_lib report "$OUT/kernels_norms.json" --view cases | cut -c1-160 | head -80
 [ -f "$OUT/noise.log" ] && cat "$OUT/noise.log"
 [ -f "$OUT/optim.json" ] && python3 -m pcvr_lib report "$OUT/optim.json" --view optim
-for f in "$OUT"/aa_diff_12.log "$OUT"/aa_diff_21.log "$OUT"/aa_cross_12.log "$OUT"/aa_cross_21.log; do
+for f in "$OUT"/aa_diff_12.log "$OUT"/aa_diff_21.log "$OUT"/aa_cross_12.log "$OUT"/aa_cross_21.log "$OUT"/gate_diff.log; do
   [ -f "$f" ] && { echo "$(basename "$f" .log):"; grep -E "REGRESSED|MISSING|CHANGED| shift " "$f" | head -30; tail -2 "$f"; }; done
 [ -f "$OUT/planted_host_diff.log" ] && { echo "planted_host_diff (expected: the 16 Triton cases, python_calls):"
   grep -E "REGRESSED|MISSING|CHANGED" "$OUT/planted_host_diff.log" | cut -c1-160 | head -40; tail -2 "$OUT/planted_host_diff.log"; }

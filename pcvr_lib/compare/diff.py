@@ -15,6 +15,7 @@ from pcvr_lib.compare.runs import (
     EXIT_OK,
     EXIT_REGRESSED,
     Case,
+    align_cases,
     cases_of,
     check_same_machine,
     current_machine,
@@ -123,8 +124,10 @@ def diff_runs(base: dict, new: dict, noise: dict | None) -> list[Row]:
     """Compare two stored runs case by case (no running). The gated statistic (device or CPU time) against its
     noise threshold; host and per-call time reported with their change, never gated (`REPORTED`); GPU cases'
     counted work compared exactly (`work_rows`). A base case the new run lacks, or holds with another workload
-    fingerprint or another kind of statistic, is not comparable and fails the comparison like a missing one."""
-    old_cases, new_cases = cases_of(base, "base run"), cases_of(new, "new run")
+    fingerprint or another kind of statistic, is not comparable and fails the comparison like a missing one.
+    Cases are matched by full id, else by test id (`align_cases`: a benchmark file renamed)."""
+    old_cases = cases_of(base, "base run")
+    new_cases, renamed = align_cases(old_cases, cases_of(new, "new run"))
     not_comparable = work_comparable(base, new)
     rows = shift_rows(old_cases, new_cases, base, new)
     for cid, old in old_cases.items():
@@ -148,6 +151,8 @@ def diff_runs(base: dict, new: dict, noise: dict | None) -> list[Row]:
             verdict = "informational"
         else:
             verdict = "REGRESSED" if change > limit else "faster" if change < -limit else "ok"
+        if cid in renamed:
+            source += f"; matched by test id in {renamed[cid].split('::')[0]}"
         rows.append(Row(cid, old.kind, b * 1e6, n * 1e6, change, limit, verdict, source))
         for metric in REPORTED:
             if metric in old.values and metric in now.values:

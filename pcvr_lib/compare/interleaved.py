@@ -24,6 +24,7 @@ from pcvr_lib.compare.runs import (
     EXIT_OK,
     EXIT_REGRESSED,
     Case,
+    align_cases,
     cases_of,
     check_same_machine,
     load_run,
@@ -72,12 +73,13 @@ def abba_order(rounds: int) -> list[str]:
     return ["base", "new", "new", "base"] * rounds
 
 
-def ab_samples(runs: list[dict], metric_kind: str) -> dict[str, list[list[float]]]:
+def ab_samples(runs: list[dict], metric_kind: str, base: dict[str, Case] | None = None) -> dict[str, list[list[float]]]:
     """Per case: for every run of one side, in order, the samples of one metric (Case.rounds: a CPU case's
-    timed rounds; else the run's one value)."""
+    timed rounds; else the run's one value). With `base` (a run's cases), keyed like them (`align_cases`)."""
     out: dict[str, list[list[float]]] = {}
     for run in runs:
-        for cid, case in cases_of(run).items():
+        cases = cases_of(run) if base is None else align_cases(base, cases_of(run))[0]
+        for cid, case in cases.items():
             metric = case.kind if metric_kind == "stat" else metric_kind
             if metric in case.values:
                 out.setdefault(cid, []).append(list(case.rounds.get(metric) or [case.values[metric]]))
@@ -132,12 +134,12 @@ def ab_compare(base_runs: list[dict], new_runs: list[dict], noise: dict | None) 
     base_cases = cases_of(base_runs[0], "base run")
     comparable = set(base_cases)
     for run in [*base_runs, *new_runs]:  # a case in every run, with the same workload and kind of statistic
-        cases = cases_of(run, "run")
+        cases = align_cases(base_cases, cases_of(run, "run"))[0]
         comparable = {cid for cid in comparable if cid in cases and cases[cid].fingerprint ==
                       base_cases[cid].fingerprint and cases[cid].kind == base_cases[cid].kind}
     missing = sorted(set(base_cases) - comparable)
     for metric_kind in ("stat", "host", "per_call"):
-        a, b = ab_samples(base_runs, metric_kind), ab_samples(new_runs, metric_kind)
+        a, b = ab_samples(base_runs, metric_kind, base_cases), ab_samples(new_runs, metric_kind, base_cases)
         for cid in sorted(a.keys() & b.keys() & comparable):
             case = base_cases[cid]
             metric = case.kind if metric_kind == "stat" else metric_kind

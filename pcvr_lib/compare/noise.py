@@ -21,6 +21,7 @@ from pcvr_lib.compare.runs import (
     machine_name,
     machine_of,
     pct,
+    short_id,
 )
 from pcvr_lib.compare.suite import run_suite
 from pcvr_lib.report import EXIT_REFUSED, ReportError, format_table
@@ -125,6 +126,16 @@ def load_noise(path: Path | None) -> dict | None:
     return noise
 
 
+def noise_case(noise: dict, cid: str) -> dict | None:
+    """A case's entry in a noise file: by full id, else by test id when exactly one entry has it (the noise runs
+    may predate a rename of the benchmark file)."""
+    if cid in noise["cases"]:
+        return noise["cases"][cid]
+    test = short_id(cid)
+    matches = [entry for other, entry in noise["cases"].items() if short_id(other) == test]
+    return matches[0] if len(matches) == 1 else None
+
+
 def threshold(noise: dict | None, case: Case, metric: str, base_s: float) -> tuple[float, str]:
     """(relative threshold, where it came from) for one metric of one case."""
     k = (noise or {}).get("k", K)
@@ -132,7 +143,7 @@ def threshold(noise: dict | None, case: Case, metric: str, base_s: float) -> tup
     abs_floor = (noise or {}).get("abs_floor_s", ABS_FLOOR_S).get(metric, 0.0)
     candidates = {"rel floor": rel_floor, "abs floor": abs_floor / base_s if base_s > 0 else 0.0}
     if noise:
-        observed = ((noise["cases"].get(case.id) or {}).get(metric) or {}).get("spread")
+        observed = ((noise_case(noise, case.id) or {}).get(metric) or {}).get("spread")
         if observed is not None and math.isfinite(observed):
             candidates[f"{k:g}x case spread"] = k * observed
         group = ((noise.get("groups") or {}).get(case.group) or {}).get(metric)

@@ -8,6 +8,7 @@ import json
 import math
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -106,6 +107,23 @@ def cases_of(data: dict, source: str = "run") -> dict[str, Case]:
         out[cid] = Case(cid, case_group(bench), kind, extra.get("gated", True) is not False,
                         extra.get("fingerprint") or fingerprint(extra), values, rounds, work)
     return out
+
+
+def align_cases(old: dict[str, Case], new: dict[str, Case]) -> tuple[dict[str, Case], dict[str, str]]:
+    """The new run's cases keyed like the base's: by full id, else by test id (the part after "::") where that
+    is unique in both runs, so a benchmark file renamed between the runs (perf_tests/test_kernels.py ->
+    test_norms.py) keeps its cases comparable. Returns (the new cases so keyed, {base id: new id} of those
+    matched by test id)."""
+    tests_old = Counter(short_id(cid) for cid in old)
+    tests_new = Counter(short_id(cid) for cid in new)
+    by_test = {short_id(cid): cid for cid in new if tests_new[short_id(cid)] == 1 and cid not in old}
+    aligned, renamed = dict(new), {}
+    for cid in old:
+        test = short_id(cid)
+        if cid not in new and tests_old[test] == 1 and test in by_test:
+            aligned[cid] = aligned.pop(by_test[test])
+            renamed[cid] = by_test[test]
+    return aligned, renamed
 
 
 def machine_of(data: dict) -> dict[str, str]:
