@@ -14,6 +14,7 @@ from pathlib import Path
 from pcvr_lib.compare.runs import (
     EXIT_OK,
     Case,
+    align_cases,
     cases_of,
     check_same_machine,
     host_probe_us,
@@ -79,7 +80,9 @@ def build_noise(runs: list[dict], sources: list[str]) -> dict:
     check_distinct(runs, sources)
     for run, src in zip(runs[1:], sources[1:], strict=True):
         check_same_machine(runs[0], run, sources[0], src)
-    per_run = [cases_of(r) for r in runs]
+    first_cases = cases_of(runs[0], sources[0])
+    per_run = [first_cases] + [align_cases(first_cases, cases_of(r, src))[0] for r, src in zip(runs[1:], sources[1:],
+                                                                                                strict=True)]
     ids = sorted(set.intersection(*(set(c) for c in per_run)))
     if not ids:
         raise ReportError("the runs share no case: " + ", ".join(sources))
