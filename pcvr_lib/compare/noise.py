@@ -78,11 +78,10 @@ def build_noise(runs: list[dict], sources: list[str]) -> dict:
     if len(runs) < 2:
         raise ReportError(f"a noise floor needs at least 2 runs of the same tree, got {len(runs)}")
     check_distinct(runs, sources)
+    per_run = [cases_of(runs[0], sources[0])]
     for run, src in zip(runs[1:], sources[1:], strict=True):
         check_same_machine(runs[0], run, sources[0], src)
-    first_cases = cases_of(runs[0], sources[0])
-    per_run = [first_cases] + [align_cases(first_cases, cases_of(r, src))[0] for r, src in zip(runs[1:], sources[1:],
-                                                                                                strict=True)]
+        per_run.append(align_cases(per_run[0], cases_of(run, src))[0])  # keyed like the first run's cases
     ids = sorted(set.intersection(*(set(c) for c in per_run)))
     if not ids:
         raise ReportError("the runs share no case: " + ", ".join(sources))
