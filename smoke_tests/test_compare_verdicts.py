@@ -179,7 +179,10 @@ def test_a_case_without_comparable_counts_is_not_gated_by_counts_and_says_why(tm
     assert why[("test_k[a=3]", "python_calls")] == "differed between the counted calls of the new run [120, 122]"
     assert why[("test_k[a=4]", "launches")] == "counted in the base run only"
     assert _work_verdicts(rows)[("test_k[a=3]", "torch_ops")] == "ok"  # the steady counts still gate
-    assert "not counted: " in capsys.readouterr().out
+    summary = capsys.readouterr().out.strip().splitlines()[-1]
+    assert summary == ("host work: 2 case(s) gated by counted work (exact); not counted: counted in the base run only "
+                       "(1), counting failed in the new run (1), differed between the counted calls of the new run "
+                       "(1), no work counts in the base run (1)"), summary
     code, rows = _diff(tmp_path, [_case("test_k[a=1]", work=WORK)], [_case("test_k[a=1]", work={**WORK,
                                                                                                 "python_calls": 500})],
                        torch_version="2.13.0")

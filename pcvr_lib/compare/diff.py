@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from dataclasses import asdict, dataclass
@@ -197,15 +198,16 @@ def diff_table(rows: list[Row], everything: bool = False) -> str:
     for r in rows:
         counts[r.verdict] = counts.get(r.verdict, 0) + 1
     lines = [table, ", ".join(f"{v}: {n}" for v, n in sorted(counts.items(), key=lambda kv: ORDER.get(kv[0], 99)))]
-    gated_by_counts = len({r.case for r in rows if r.unit == "per call" and r.verdict in ("ok", "REGRESSED",
-                                                                                          "improved")})
-    reasons: dict[str, int] = {}
-    for r in rows:
-        if r.verdict == "not counted":
-            reason = r.why.split(" (")[0].split(":")[0]
-            reasons[reason] = reasons.get(reason, 0) + 1
-    lines.append(f"host work: {gated_by_counts} case(s) gated by counted work (exact)" + (
-        "; not counted: " + ", ".join(f"{why} ({n})" for why, n in sorted(reasons.items())) if reasons else ""))
+    work = [r for r in rows if r.unit == "per call"]
+    if work:  # GPU cases: how many have their host work gated, and why the others have not
+        gated = len({r.case for r in work if r.verdict in ("ok", "REGRESSED", "improved")})
+        reasons: dict[str, int] = {}
+        for r in work:
+            if r.verdict == "not counted":
+                reason = re.split(r" \(|: | \[", r.why)[0]  # the kind of reason, without its values
+                reasons[reason] = reasons.get(reason, 0) + 1
+        lines.append(f"host work: {gated} case(s) gated by counted work (exact)" + (
+            "; not counted: " + ", ".join(f"{why} ({n})" for why, n in sorted(reasons.items())) if reasons else ""))
     return "\n".join(lines)
 
 
