@@ -69,8 +69,9 @@ smoke: setup
 	$(PYTHON) -m pcvr_lib smoke --models $(SMOKE_MODELS) --seeds $(SMOKE_SEEDS) --steps $(SMOKE_STEPS) \
 		--device $(SMOKE_DEVICE) --out $(SMOKE_OUT) $(SMOKE_ARGS)
 
-# Runs the perf suite, then `pcvr diff` against a stored run of the same machine: device/CPU time and host
-# time gated with noise-floor thresholds; exit 1 on a regression or a missing case, 2 when it refuses.
+# Runs the perf suite, then `pcvr diff` against a stored run of the same machine: device/CPU time gated with
+# noise-floor thresholds, counted work exactly, host and per-call time reported; exit 1 on a regression or a
+# missing (or not comparable) case, 2 when it refuses.
 compare: setup
 	$(PYTHON) -m pcvr_lib diff $(COMPARE_WITH) --run $(RESULTS)/compare.json --json $(RESULTS)/diff.json \
 		--tests $(COMPARE_TESTS)

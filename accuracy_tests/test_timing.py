@@ -38,7 +38,7 @@ def test_update_machine_info_lists_versions():
     assert "triton" in info["libraries"] and "tilelang" in info["libraries"]
     if not torch.cuda.is_available():
         assert info["gpu"] is None
-    else:  # every GPU run records the host's speed (compare.host_factors divides host ratios by it)
+    else:  # every GPU run records the host's speed (pcvr diff prints it beside the host shifts)
         probe = info["host_probe"]
         assert 0.5 < probe["us"] < 1000 and len(probe["samples_us"]) == 3 and probe["call"] == timing.HOST_PROBE_CALL
 
@@ -275,6 +275,7 @@ class _FakeGpu:
     def __init__(self, monkeypatch):
         self.clock = 0.0
         self.capturing = None
+        self.launched = 0  # eager launches (what the profiler would list)
         gpu = self
 
         class Event:
@@ -310,12 +311,20 @@ class _FakeGpu:
                             "synchronize": lambda: None, "_sleep": lambda cycles: self.launch(0.5e-3)}.items():
             monkeypatch.setattr(torch.cuda, name, value, raising=False)
         monkeypatch.setattr(timing.gpu, "flush_l2", lambda device=None, size=0: self.launch(40e-6))
+        monkeypatch.setattr(timing.work, "device_launches", self.launches_of)
 
     def launch(self, seconds):
         if self.capturing is not None:
             self.capturing.ops.append(seconds)
         else:
             self.clock += seconds
+            self.launched += 1
+
+    def launches_of(self, fn, calls):
+        before = self.launched
+        for _ in range(calls):
+            fn()
+        return self.launched - before
 
 
 def test_bench_gpu_device_time_from_a_graph_of_many_calls_with_the_flushes_subtracted(monkeypatch):
@@ -351,3 +360,27 @@ def test_bench_gpu_disabled_runs_once_untimed(monkeypatch):
     bench.pedantic = lambda target, **kw: target()
     info = timing.bench_gpu(bench, lambda: gpu.launch(4e-6), l2="warm")
     assert info["l2"] == "warm" and "device_us" not in info
+
+
+def test_bench_gpu_records_the_counted_work_of_gated_cases(monkeypatch):
+    """A gated case stores its counted work (timing.work), launches included; one more Python call on the host
+    is exactly one more python_calls and nothing else; informational cases (torch.compile peers) are not
+    counted; --benchmark-disable counts nothing."""
+    gpu = _FakeGpu(monkeypatch)
+
+    def call():
+        gpu.launch(4e-6)
+
+    def slower_call():
+        abs(1)
+        gpu.launch(4e-6)
+
+    work = timing.bench_gpu(_FakeBenchmark(), call, rounds=3, warmup_rounds=1)["work"]
+    assert work["launches"] == 1 and work["torch_ops"] == 0 and work["host_reads"] == 0 and "unstable" not in work
+    assert work["python_calls"] == 1  # call() makes one call: gpu.launch
+    slower = timing.bench_gpu(_FakeBenchmark(), slower_call, rounds=3, warmup_rounds=1)["work"]
+    assert slower == {**work, "python_calls": work["python_calls"] + 1}
+    assert "work" not in timing.bench_gpu(_FakeBenchmark(), call, rounds=3, gated=False)
+    disabled = _FakeBenchmark(enabled=False)
+    disabled.pedantic = lambda target, **kw: target()
+    assert "work" not in timing.bench_gpu(disabled, call, l2="warm")

@@ -1,4 +1,4 @@
-"""The benchmarks' shared pytest hooks: readable parametrize ids, the planted slowdown of the validation runs,
+"""The benchmarks' shared pytest hooks: readable parametrize ids, the planted slowdowns of the validation runs,
 and the plugin that keeps a cut run's results (perf_tests/bench_plugin.py).
 
 The peers are declared in perf_tests/peers.py; the case runner is perf_tests/kernel_bench.py.
@@ -11,7 +11,7 @@ import torch
 
 from pcvr_lib.kernels.norms import config as norms_config
 from pcvr_lib.kernels.tolerance import DTYPE_NAMES
-from perf_tests.planted import planted_norm_tile
+from perf_tests.planted import plant_host_delay, planted_host_us, planted_norm_tile
 
 
 def pytest_configure(config):
@@ -37,4 +37,15 @@ def _planted_norm_tile(monkeypatch):
     tile = planted_norm_tile()
     if tile is not None:
         monkeypatch.setattr(norms_config, "TILE_ELEMENTS", tile)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def _planted_host_delay(monkeypatch):
+    """With PCVR_PLANTED_HOST_US set (only for validating the comparison: perf_tests/planted.py), the Triton
+    RMSNorm forward wrapper spins that long in Python before its launch: a host-only regression (the
+    device work is unchanged) that `pcvr diff` must flag by counted work, in those cases only."""
+    us = planted_host_us()
+    if us is not None:
+        plant_host_delay(monkeypatch, us)
     yield

@@ -201,9 +201,9 @@ def test_model(benchmark, name, backend, phase):
     if not CUDA:
         timing.bench_cpu(benchmark, call, rounds=3)
         return
-    # a call takes milliseconds: a few profiled rounds and host samples keep a case at ~1-2 s
+    # a call takes milliseconds: a few profiled rounds, host samples and counted calls keep a case at ~1-2 s
     result = timing.bench_gpu(benchmark, call, graph=False, rounds=3, warmup_rounds=0, calls=1, l2="warm",
-                              host_samples=3)
+                              host_samples=3, work_calls=1)
     per_call = result.get("per_call_us")
     if per_call:
         if backend == "torch":

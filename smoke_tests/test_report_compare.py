@@ -116,15 +116,23 @@ def test_diff_passes_an_identical_run_and_fails_a_regression(tmp_path, capsys):
                                                                         ("test_x[a=2]", "ok")}
 
 
-def test_diff_gates_device_and_host_time_separately(tmp_path, capsys):
+def test_diff_gates_device_time_and_reports_host_time(tmp_path, capsys):
+    """Across stored runs host and per-call time are reported with their change, never a failure: on the lent
+    H200 host they moved 31-94% per group between two runs of one tree minutes apart."""
     base = _run(tmp_path / "a.json", [_gpu_case("test_k[op=n]", 100.0, 40.0)], gpu="NVIDIA H200")
-    host = _run(tmp_path / "b.json", [_gpu_case("test_k[op=n]", 100.5, 52.0)], gpu="NVIDIA H200")
+    host = _run(tmp_path / "b.json", [_gpu_case("test_k[op=n]", 100.5, 92.0)], gpu="NVIDIA H200")
     device = _run(tmp_path / "c.json", [_gpu_case("test_k[op=n]", 110.0, 40.0)], gpu="NVIDIA H200")
-    assert main(["diff", str(base), str(host)]) == compare.EXIT_REGRESSED
+    assert main(["diff", str(base), str(host)]) == compare.EXIT_OK
     out = capsys.readouterr().out
-    assert "host" in out and "+30.0%" in out
+    shift_line = next(line for line in out.splitlines() if line.startswith("group g") and " host " in line)
+    assert "+130.0%" in shift_line and "shift" in shift_line and "REGRESSED" not in out, out
+    rows = compare.diff_runs(json.loads(base.read_text()), json.loads(host.read_text()), None)
+    (host_row,) = [r for r in rows if r.metric == "host" and not r.case.startswith("group")]
+    assert host_row.verdict == "reported" and host_row.change == pytest.approx(1.3)
+    assert "beyond" in host_row.why and "not gated" in host_row.why
     rows = compare.diff_runs(json.loads(base.read_text()), json.loads(device.read_text()), None)
-    assert [(r.metric, r.verdict) for r in rows] == [("device", "REGRESSED"), ("host", "ok")]
+    assert [(r.metric, r.verdict) for r in rows if not r.case.startswith("group")] == [
+        ("device", "REGRESSED"), ("host", "reported"), ("per_call", "reported"), ("work", "not counted")]
 
 
 def _host_run(path, hosts, probe_us=None, device_us=20.0):
@@ -137,39 +145,19 @@ def _host_run(path, hosts, probe_us=None, device_us=20.0):
     return json.loads(run.read_text())
 
 
-def _host_verdicts(rows):
-    return {r.case.split("::")[-1]: r.verdict for r in rows if r.metric == "host"}
-
-
-def test_host_time_is_compared_on_the_base_runs_host_speed(tmp_path):
-    """Another host issues every call 2x slower: with the host probe 2x slower too, nothing is
-    flagged; a launcher 1.5x slower on an unchanged host (probe the same) is flagged in every case and shows as
-    the group's host shift; without a probe the group's median ratio is the factor, so a common shift is no
-    per-case alarm but its own `host shift` row, while one case out of line is still flagged."""
+def test_each_groups_host_shift_is_reported_with_the_host_probes(tmp_path):
+    """Another host issues every call 2x slower: the group's shift row says +100% beside the probes, and nothing
+    fails; one case 3x slower is reported on its own row, not a failure either."""
     hosts = [10.0, 12.0, 15.0, 20.0, 11.0, 14.0, 16.0, 18.0]
     base = _host_run(tmp_path / "a.json", hosts, probe_us=5.0)
-    slower_host = _host_run(tmp_path / "b.json", [2 * h for h in hosts], probe_us=10.0)
+    slower_host = _host_run(tmp_path / "b.json", [2 * h for h in hosts[:-1]] + [3 * hosts[-1]], probe_us=10.0)
     rows = compare.diff_runs(base, slower_host, None)
-    assert set(_host_verdicts(rows).values()) == {"ok"}
-    (shift,) = [r for r in rows if r.verdict == "host shift"]
-    assert shift.case == "group rms_norm fwd" and shift.change == pytest.approx(0.0) and "probe" in shift.why
     assert not compare.failed(rows)
-    assert compare.failed(compare.diff_runs(base, slower_host, None, normalise_host=False))  # gated as measured
-    launcher = _host_run(tmp_path / "c.json", [1.5 * h for h in hosts], probe_us=5.0)
-    rows = compare.diff_runs(base, launcher, None)
-    assert set(_host_verdicts(rows).values()) == {"REGRESSED"}
-    assert [r.change for r in rows if r.verdict == "host shift"] == [pytest.approx(0.5)]
-    # no probe: the median ratio of the group
-    base, common = _host_run(tmp_path / "d.json", hosts), _host_run(tmp_path / "e.json", [2 * h for h in hosts])
-    rows = compare.diff_runs(base, common, None)
-    assert set(_host_verdicts(rows).values()) == {"ok"} and not compare.failed(rows)
-    assert [r.change for r in rows if r.verdict == "host shift"] == [pytest.approx(1.0)]
-    one_off = _host_run(tmp_path / "f.json", [2 * h for h in hosts[:-1]] + [3 * hosts[-1]])
-    assert [c for c, v in _host_verdicts(compare.diff_runs(base, one_off, None)).items() if v == "REGRESSED"] == [
-        "test_k[i=7]"]
-    # a device-bound case (host < 0.25 x device): its host time is not gated
-    heavy, heavier = (_host_run(tmp_path / f"{n}.json", [h], device_us=100.0) for n, h in (("g", 10.0), ("h", 30.0)))
-    assert _host_verdicts(compare.diff_runs(heavy, heavier, None)) == {"test_k[i=0]": "informational"}
+    shifts = {r.metric: r for r in rows if r.verdict == "shift"}
+    assert shifts["host"].case == "group rms_norm fwd" and shifts["host"].change == pytest.approx(1.0)
+    assert "host probe 5.00 -> 10.00 us (+100.0%)" in shifts["host"].why
+    (odd,) = [r for r in rows if r.case.endswith("[i=7]") and r.metric == "host"]
+    assert odd.verdict == "reported" and odd.change == pytest.approx(2.0)
 
 
 def test_diff_missing_case_fails_and_changed_workload_is_flagged(tmp_path, capsys):
@@ -188,7 +176,7 @@ def test_diff_never_fails_on_an_informational_case(tmp_path):
     new = _run(tmp_path / "b.json", [_gpu_case("test_k[b=compile]", 9.0, 10.0, gated=False)], gpu="NVIDIA H200")
     assert main(["diff", str(base), str(new)]) == compare.EXIT_OK
     rows = compare.diff_runs(json.loads(base.read_text()), json.loads(new.read_text()), None)
-    assert {r.verdict for r in rows} == {"informational"}
+    assert {r.verdict for r in rows} == {"informational", "reported"}  # not counted either: never gated
 
 
 @pytest.mark.parametrize(("other", "why"), [

@@ -7,7 +7,8 @@
 #   bash tools/h200_session.sh warm perf_norms perf_embedding perf_attention  # the kernel snapshots
 #   REPS=3 bash tools/h200_session.sh warm planted noise                      # planted slowdown + noise floor
 # (BUDGET=seconds caps the whole command; steps: warm warm_norms accuracy accuracy_norms accuracy_attention
-#  sweep norm_sweep tune host perf_norms perf_embedding perf_attention noise planted optim gpu_timer host_ab smoke
+#  sweep norm_sweep tune host perf_norms perf_embedding perf_attention noise planted aa aa1 aa2 gate planted_host optim
+#  gpu_timer host_ab smoke
 #  accuracy_parallel perf_models smoke_triton smoke_tilelang tune_long tune_small tune_one_tile tune_masks pcvr_ab
 #  profile_host)
 # pcvr_ab: tools/attention_pcvr_ab.py, our flash_attention against every SDPA backend at the PCVR shape, per call,
@@ -22,6 +23,22 @@
 # planted: the Triton RMSNorm cases with PCVR_PLANTED_NORM_TILE=256 (256 elements per program instead of
 #   2048: perf_tests/conftest.py), $OUT/planted_tile256.json, and `pcvr diff` of it against noise_rep1.
 #   (First, so that a budget cut falls on the last noise repetition, not on the planted run.)
+# aa1, aa2 (aa: both): the A/A of the host gate. aa1 runs the gated kernel suite once ($OUT/aa_run1.json), aa2
+#   once more ($OUT/aa_run2.json) and `pcvr diff`s the two both ways ($OUT/aa_diff_12.json, aa_diff_21.json and
+#   their .log; 0 alarms expected: device time within its threshold, counted work equal). Each run is also kept
+#   in $KEEP (results/h200_session/, ignored by git, so it stays on the machine between calls of one lease):
+#   `aa1` in one call and `aa2` in the next still pair two runs of one machine session. AA_K narrows the suite
+#   (e.g. AA_K=bf16 when both runs must fit one call), AA_S is each run's limit (240 s). AA_BASE=FILE (a run of
+#   an earlier lease, carried): aa2 also diffs it with run 2 both ways ($OUT/aa_cross_{12,21}.json).
+# gate: the gated kernel suite once ($OUT/gate_run.json), `pcvr diff` of the committed snapshot of that suite
+#   (GATE_BASE, default .benchmarks/h200/kernels.json; its cases are matched by test id across the renamed
+#   benchmark files) against it: $OUT/gate_diff.json and .log. aa2 writes the same diff for its run 2.
+# planted_host: the RMSNorm cases of every backend (64: the torch.compile peer left out) without and with
+#   PCVR_PLANTED_HOST_US=5 (the Triton RMSNorm forward wrapper spins ~5 us of Python per call:
+#   perf_tests/planted.py), $OUT/planted_host_{clean,5us}.json, then `pcvr diff` clean -> planted
+#   ($OUT/planted_host_diff.json): exactly the 16 Triton cases REGRESSED, by python_calls (+2 per call).
+# Every pytest run of these steps has PYTHONHASHSEED fixed (0 unless set), so two runs hash strings alike; every
+#   diff step writes its --json even when it fails (exit 1) or refuses (exit 2: {"error": ...}).
 # Afterwards, on any machine: notes/comparison.md "H200" lists the commands that turn these into the
 # committed noise file and fixtures.
 #
@@ -44,7 +61,9 @@
 # host_ab: tools/launch_host_ab.py between the tree in .trees/base (carry it) and this one.
 set -u
 . .gpu-site/activate.sh
-export PYTHONUNBUFFERED=1 TILELANG_CACHE_DIR=$PWD/.cache/tilelang
+export PYTHONUNBUFFERED=1 TILELANG_CACHE_DIR=$PWD/.cache/tilelang PYTHONHASHSEED=${PYTHONHASHSEED:-0}
+KEEP=results/h200_session  # runs kept on the machine between calls of one lease (aa1 -> aa2)
+mkdir -p "$KEEP"
 T0=$(date +%s)
 mkdir -p .cache
 [ -f .cache/tlpack/tl.tar.xz ] && tar -C .cache -xJf .cache/tlpack/tl.tar.xz
@@ -72,8 +91,47 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit (cut to what is left 
   fi
 }
 
+diff_step() {  # diff_step NAME BASE NEW: pcvr diff of two runs, its rows in $OUT/NAME.json, its table in NAME.log
+  local name=$1 base=$2 new=$3
+  if [ ! -s "$base" ] || [ ! -s "$new" ]; then echo "$name: skipped, no JSON in $base or $new"; return; fi
+  python3 -m pcvr_lib diff "$base" "$new" --json "$OUT/$name.json" --all > "$OUT/$name.log" 2>&1
+  local rc=$?
+  echo "[$(( $(date +%s) - T0 ))s] $name rc=$rc: $(tail -2 "$OUT/$name.log" | tr '\n' ' ')"
+}
+keep() {  # keep FILE: a copy in $KEEP (a later call of this lease finds it there)
+  [ -s "$1" ] && cp "$1" "$KEEP/"
+}
+
 for s in "$@"; do
   case $s in
+    aa|aa1|aa2)
+      for i in 1 2; do
+        [ "$s" = aa$(( 3 - i )) ] && continue  # aa1: run 1 only; aa2: run 2 only; aa: both
+        rm -f "$KEEP/aa_run$i.json"  # never pair a run of an earlier call by mistake
+        step "aa_run$i" "${AA_S:-240}" $PYTEST "${KERNEL_SUITE[@]}" -k "$GATED${AA_K:+ and $AA_K}" --benchmark-only \
+          --benchmark-json="$OUT/aa_run$i.json"
+        keep "$OUT/aa_run$i.json"
+      done
+      if [ "$s" != aa1 ]; then
+        diff_step aa_diff_12 "$KEEP/aa_run1.json" "$KEEP/aa_run2.json"
+        diff_step aa_diff_21 "$KEEP/aa_run2.json" "$KEEP/aa_run1.json"
+        diff_step gate_diff "${GATE_BASE:-.benchmarks/h200/kernels.json}" "$KEEP/aa_run2.json"
+        if [ -n "${AA_BASE:-}" ]; then
+          diff_step aa_cross_12 "$AA_BASE" "$KEEP/aa_run2.json"
+          diff_step aa_cross_21 "$KEEP/aa_run2.json" "$AA_BASE"
+        fi
+      fi ;;
+    gate)
+      step gate_run "${AA_S:-240}" $PYTEST "${KERNEL_SUITE[@]}" -k "$GATED${AA_K:+ and $AA_K}" --benchmark-only \
+        --benchmark-json="$OUT/gate_run.json"
+      diff_step gate_diff "${GATE_BASE:-.benchmarks/h200/kernels.json}" "$OUT/gate_run.json" ;;
+    planted_host)
+      sel="test_norm and rms_norm and not torch_compile"
+      step planted_host_clean 150 $PYTEST perf_tests/test_norms.py -k "$sel" --benchmark-only \
+        --benchmark-json="$OUT/planted_host_clean.json"
+      PCVR_PLANTED_HOST_US=${PLANTED_HOST_US:-5} step planted_host_5us 150 $PYTEST perf_tests/test_norms.py -k "$sel" \
+        --benchmark-only --benchmark-json="$OUT/planted_host_5us.json"
+      diff_step planted_host_diff "$OUT/planted_host_clean.json" "$OUT/planted_host_5us.json" ;;
     warm)
       step precompile 180 python3 -m pcvr_lib.precompile --workers 16 --run-triton ;;
     warm_norms)
@@ -194,6 +252,10 @@ for f in "$OUT"/attention_tune_window.log "$OUT"/attention_tune_key_lengths.log;
 [ -f "$OUT/kernels_norms.json" ] && python3 -m pcvr_lib report "$OUT/kernels_norms.json" --view cases | cut -c1-160 | head -80
 [ -f "$OUT/noise.log" ] && cat "$OUT/noise.log"
 [ -f "$OUT/optim.json" ] && python3 -m pcvr_lib report "$OUT/optim.json" --view optim
+for f in "$OUT"/aa_diff_12.log "$OUT"/aa_diff_21.log "$OUT"/aa_cross_12.log "$OUT"/aa_cross_21.log "$OUT"/gate_diff.log; do
+  [ -f "$f" ] && { echo "$(basename "$f" .log):"; grep -E "REGRESSED|MISSING|CHANGED| shift " "$f" | head -30; tail -2 "$f"; }; done
+[ -f "$OUT/planted_host_diff.log" ] && { echo "planted_host_diff (expected: the 16 Triton cases, python_calls):"
+  grep -E "REGRESSED|MISSING|CHANGED" "$OUT/planted_host_diff.log" | cut -c1-160 | head -40; tail -2 "$OUT/planted_host_diff.log"; }
 [ -f "$OUT/planted_tile256.json" ] && [ -f "$OUT/noise_rep1.json" ] && python3 -m pcvr_lib diff \
   "$OUT/noise_rep1.json" "$OUT/planted_tile256.json" --noise "$OUT/noise_h200.json" --all 2>&1 | grep -v MISSING | tail -25
 [ -f "$OUT/attention.json" ] && python3 -m pcvr_lib report "$OUT/attention.json" --view cases | cut -c1-160 | head -40

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import statistics
 import sys
 from dataclasses import asdict, dataclass
@@ -15,6 +16,7 @@ from pcvr_lib.compare.runs import (
     EXIT_OK,
     EXIT_REGRESSED,
     Case,
+    align_cases,
     cases_of,
     check_same_machine,
     current_machine,
@@ -26,76 +28,109 @@ from pcvr_lib.compare.runs import (
 )
 from pcvr_lib.compare.suite import run_suite
 from pcvr_lib.report import EXIT_REFUSED, ReportError, format_table
+from pcvr_lib.timing.work import COUNTS
 
 
 @dataclass
 class Row:
     case: str
     metric: str
-    base_us: float | None
-    new_us: float | None
+    base: float | None  # us (times) or per call (counted work, unit "per call")
+    new: float | None
     change: float | None  # new / base - 1
     threshold: float | None
-    verdict: str  # ok | faster | REGRESSED | MISSING | WORKLOAD CHANGED | STAT CHANGED | informational | new
+    # REGRESSED | MISSING | WORKLOAD CHANGED | STAT CHANGED (each: exit 1) | shift | faster | improved | ok |
+    # reported | informational | not counted | new
+    verdict: str
     why: str = ""
+    unit: str = "us"
 
 
-MIN_CASES_FOR_GROUP_FACTOR = 4  # fewer gated cases with host time: the run-wide median is the group's factor
-MIN_CASES_FOR_MEDIAN_FACTOR = 8  # without a host probe and fewer cases than this: no host factor at all
-# Host time is gated where a user can feel it: when it is at least this fraction of the device time. A call of
-# milliseconds on the GPU hides its 50-300 us of issue time, and that host time scatters 3x between runs of
-# one tree (the issuing thread waits on a busy GPU; S4096 attention in notes/comparison.md).
-HOST_GATED_FRACTION = 0.25
+# Not gated across stored runs: host and per-call time move by tens of percent between two processes on a shared
+# host (31-94% per group between two runs minutes apart on the lent H200 host, notes/comparison.md). Each is
+# reported per case with its change, and per group as its median shift; host regressions are gated by counts.
+REPORTED = ("host", "per_call")
+FAILING = ("REGRESSED", "MISSING", "WORKLOAD CHANGED", "STAT CHANGED")
+# what counted work depends on besides the code: a new interpreter or library calls a different number of functions
+WORK_VERSIONS = ("torch", "triton", "tilelang", "liger_kernel", "numpy")
 
 
-def host_gated(case: Case) -> bool:
-    """Whether a case's host time is gated: its host time is >= HOST_GATED_FRACTION x its device time."""
-    host, device = case.values.get("host"), case.values.get("device")
-    return host is not None and device is not None and host >= HOST_GATED_FRACTION * device
+def _versions(run: dict) -> dict[str, str | None]:
+    info = run.get("machine_info") or {}
+    libraries = info.get("libraries") or {}
+    return {"python": info.get("python_version"), **{name: libraries.get(name) for name in WORK_VERSIONS}}
 
 
-def host_factors(old_cases: dict[str, Case], new_cases: dict[str, Case], base: dict,
-                 new: dict) -> tuple[dict[str, float], dict[str, float], str]:
-    """How much slower the new run's host issues the same calls, per group: (factor by which host ratios are
-    divided, common shift left after that division, where the factor came from).
+def work_comparable(base: dict, new: dict) -> str | None:
+    """Why the counted work of two runs cannot be compared (another Python or library version), or None."""
+    a, b = _versions(base), _versions(new)
+    changed = [f"{k} {a[k]} -> {b[k]}" for k in a if a[k] != b[k]]
+    return f"counts not comparable: {', '.join(changed)}" if changed else None
 
-    Host time follows the host's speed, which differs between hosts of one kind (one H200 host issued the
-    same calls about 2x slower than another, notes/comparison.md). With a host probe in both runs the factor is the
-    probe ratio, and a shift of our own code (a slower launcher) stays visible in every case it touches;
-    without one it is the median host ratio of the group's gated cases, which also absorbs a shift common to
-    the group: the common shift is then reported on its own line (`host shift` rows), never hidden."""
-    ratios: dict[str, list[float]] = {}
+
+def _work_missing(case: Case, side: str) -> str | None:
+    if not case.work:
+        return f"no work counts in the {side} run: host work not gated for this case"
+    if case.work.get("error"):
+        return f"counting failed in the {side} run ({case.work['error']}): host work not gated for this case"
+    return None
+
+
+def work_rows(old: Case, now: Case, not_comparable: str | None) -> list[Row]:
+    """Counted work per call (timing.work), compared exactly: more is REGRESSED, fewer improved. A case without
+    counts on one side, or whose count differed between the counted calls, is `not counted` (and says why)."""
+    reason = not_comparable or _work_missing(old, "base") or _work_missing(now, "new")
+    if reason:
+        return [Row(old.id, "work", None, None, None, None, "not counted", reason, "per call")]
+    rows = []
+    for name in COUNTS:
+        b, n = old.work.get(name), now.work.get(name)
+        if b is None or n is None:
+            unsteady = [(side, c.work["unstable"][name]) for side, c in (("base", old), ("new", now))
+                        if name in (c.work.get("unstable") or {})]
+            if unsteady:
+                rows.append(Row(old.id, name, b, n, None, None, "not counted", "; ".join(
+                    f"differed between the counted calls of the {side} run {values}" for side, values in unsteady),
+                    "per call"))
+            elif (b is None) != (n is None):
+                rows.append(Row(old.id, name, b, n, None, None, "not counted",
+                                f"counted in the {'new' if b is None else 'base'} run only", "per call"))
+            continue
+        verdict = "REGRESSED" if n > b else "improved" if n < b else "ok"
+        change = n / b - 1 if b else (0.0 if n == b else float("inf"))
+        rows.append(Row(old.id, name, b, n, change, 0.0, verdict, f"{n - b:+d} per call (counted, exact)", "per call"))
+    return rows
+
+
+def shift_rows(old_cases: dict[str, Case], new_cases: dict[str, Case], base: dict, new: dict) -> list[Row]:
+    """Per group and reported metric (host, per-call time): the median change over the group's gated cases, with
+    the runs' host probes beside it (the host-speed probe of each GPU run, timing.host_probe)."""
+    ratios: dict[tuple[str, str], list[float]] = {}
     for cid, old in old_cases.items():
         now = new_cases.get(cid)
-        if (now is None or not (old.gated and now.gated) or now.fingerprint != old.fingerprint
-                or not host_gated(old) or "host" not in now.values or old.values["host"] <= 0):
+        if now is None or now.fingerprint != old.fingerprint or not (old.gated and now.gated):
             continue
-        ratios.setdefault(old.group, []).append(now.values["host"] / old.values["host"])
-    if not ratios:
-        return {}, {}, "none"
-    every = [r for v in ratios.values() for r in v]
-    medians = {g: statistics.median(v if len(v) >= MIN_CASES_FOR_GROUP_FACTOR else every) for g, v in ratios.items()}
+        for metric in REPORTED:
+            if metric in old.values and metric in now.values:
+                ratios.setdefault((old.group, metric), []).append(now.values[metric] / old.values[metric])
     probe_base, probe_new = host_probe_us(base), host_probe_us(new)
-    if probe_base and probe_new:
-        factor = probe_new / probe_base
-        return ({g: factor for g in ratios}, {g: m / factor for g, m in medians.items()},
-                f"host probe {probe_base:.2f} -> {probe_new:.2f} us (x{factor:.2f})")
-    if len(every) < MIN_CASES_FOR_MEDIAN_FACTOR:  # too few cases to tell the host from the code: as measured
-        return {}, {}, "none"
-    return medians, medians, "median host ratio of each group's cases (no host probe in both runs)"
+    probe = (f"; host probe {probe_base:.2f} -> {probe_new:.2f} us ({pct(probe_new / probe_base - 1)})"
+             if probe_base and probe_new else "")
+    return [Row(f"group {group}", metric, None, None, statistics.median(v) - 1, None, "shift",
+                f"median over {len(v)} cases, reported, not gated{probe}")
+            for (group, metric), v in sorted(ratios.items())]
 
 
-def diff_runs(base: dict, new: dict, noise: dict | None, normalise_host: bool = True) -> list[Row]:
-    """Compare two stored runs case by case (no running). Host time is gated only where it is felt
-    (`host_gated`) and compared after dividing by the host's speed ratio between the runs (`host_factors`);
-    each group's common host shift is its own row. `normalise_host=False`: neither (host time of every
-    case gated as measured), to show what the two change (tools/validate_comparison.py)."""
-    old_cases, new_cases = cases_of(base), cases_of(new)
-    factors, shifts, source = host_factors(old_cases, new_cases, base, new) if normalise_host else ({}, {}, "")
-    rows = []
-    for group in sorted(shifts):
-        rows.append(Row(f"group {group}", "host shift", None, None, shifts[group] - 1, None, "host shift",
-                        f"host factor x{factors[group]:.2f}: {source}"))
+def diff_runs(base: dict, new: dict, noise: dict | None) -> list[Row]:
+    """Compare two stored runs case by case (no running). The gated statistic (device or CPU time) against its
+    noise threshold; host and per-call time reported with their change, never gated (`REPORTED`); GPU cases'
+    counted work compared exactly (`work_rows`). A base case the new run lacks, or holds with another workload
+    fingerprint or another kind of statistic, is not comparable and fails the comparison like a missing one.
+    Cases are matched by full id, else by test id (`align_cases`: a benchmark file renamed)."""
+    old_cases = cases_of(base, "base run")
+    new_cases, renamed = align_cases(old_cases, cases_of(new, "new run"))
+    not_comparable = work_comparable(base, new)
+    rows = shift_rows(old_cases, new_cases, base, new)
     for cid, old in old_cases.items():
         now = new_cases.get(cid)
         if now is None:
@@ -104,60 +139,76 @@ def diff_runs(base: dict, new: dict, noise: dict | None, normalise_host: bool = 
             continue
         if now.fingerprint != old.fingerprint:
             rows.append(Row(cid, old.kind, None, None, None, None, "WORKLOAD CHANGED",
-                            f"fingerprint {old.fingerprint} -> {now.fingerprint}: not compared"))
+                            f"fingerprint {old.fingerprint} -> {now.fingerprint}: not compared (counts as missing)"))
             continue
         if now.kind != old.kind:
             rows.append(Row(cid, old.kind, None, None, None, None, "STAT CHANGED",
-                            f"stats hold {old.kind} in the base, {now.kind} now: not compared"))
+                            f"stats hold {old.kind} in the base, {now.kind} now: not compared (counts as missing)"))
             continue
-        for metric in (old.kind, "host"):
-            if metric not in old.values or metric not in now.values:
-                continue
-            b, n = old.values[metric], now.values[metric]
-            # host time on the base run's host speed (new us stays what was measured)
-            factor = factors.get(old.group, 1.0) if metric == "host" else 1.0
-            change = n / factor / b - 1 if b > 0 else float("inf")
-            limit, source = threshold(noise, old, metric, b)
-            if metric == "host" and old.group in factors:
-                source += f", host x{factors[old.group]:.2f} taken out"
-            if metric == "host" and normalise_host and not host_gated(old):
-                verdict, source = "informational", f"host < {HOST_GATED_FRACTION:g} x device time: not felt per call"
-            elif not (old.gated and now.gated):
-                verdict = "informational"
-            elif change > limit:
-                verdict = "REGRESSED"
-            elif change < -limit:
-                verdict = "faster"
-            else:
-                verdict = "ok"
-            rows.append(Row(cid, metric, b * 1e6, n * 1e6, change, limit, verdict, source))
+        b, n = old.values[old.kind], now.values[old.kind]  # both positive (cases_of refuses anything else)
+        change = n / b - 1
+        limit, source = threshold(noise, old, old.kind, b)
+        if not (old.gated and now.gated):
+            verdict = "informational"
+        else:
+            verdict = "REGRESSED" if change > limit else "faster" if change < -limit else "ok"
+        if cid in renamed:
+            source += f"; matched by test id in {renamed[cid].split('::')[0]}"
+        rows.append(Row(cid, old.kind, b * 1e6, n * 1e6, change, limit, verdict, source))
+        for metric in REPORTED:
+            if metric in old.values and metric in now.values:
+                b, n = old.values[metric], now.values[metric]
+                limit, source = threshold(noise, old, metric, b)
+                side = "beyond" if abs(n / b - 1) > limit else "within"
+                rows.append(Row(cid, metric, b * 1e6, n * 1e6, n / b - 1, limit, "reported",
+                                f"{side} {source}; reported, not gated across stored runs"))
+        if old.kind == "device" and old.gated and now.gated:
+            rows += work_rows(old, now, not_comparable)
     for cid in new_cases.keys() - old_cases.keys():
         rows.append(Row(cid, new_cases[cid].kind, None, None, None, None, "new", "not in the base run"))
     return rows
 
 
 def failed(rows: list[Row]) -> bool:
-    return any(r.verdict in ("REGRESSED", "MISSING") for r in rows)
+    """A gated case regressed, or a base case has no comparison in the new run (missing or not comparable)."""
+    return any(r.verdict in FAILING for r in rows)
 
 
-def _us(x: float | None) -> str:
-    return "-" if x is None else f"{x:.3f}"
+def _value(x: float | None, unit: str) -> str:
+    if x is None:
+        return "-"
+    return f"{x:.0f}" if unit == "per call" else f"{x:.3f}"
+
+
+ORDER = {"REGRESSED": 0, "MISSING": 1, "WORKLOAD CHANGED": 2, "STAT CHANGED": 3, "shift": 4, "faster": 5,
+         "improved": 6, "ok": 7, "reported": 8, "informational": 9, "not counted": 10, "new": 11}
+QUIET = ("ok", "reported", "informational", "not counted")  # listed with --all only
 
 
 def diff_table(rows: list[Row], everything: bool = False) -> str:
-    order = {"REGRESSED": 0, "MISSING": 1, "WORKLOAD CHANGED": 2, "STAT CHANGED": 3, "host shift": 4, "faster": 5,
-             "ok": 6, "informational": 7, "new": 8}
-    shown = rows if everything else [r for r in rows if r.verdict not in ("ok", "informational")]
-    shown = sorted(shown, key=lambda r: (order.get(r.verdict, 9), r.case, r.metric))
+    shown = rows if everything else [r for r in rows if r.verdict not in QUIET]
+    shown = sorted(shown, key=lambda r: (ORDER.get(r.verdict, 99), r.case, r.metric))
     table = format_table(
-        ["case", "metric", "base us", "new us", "change", "threshold", "verdict", "why"],
-        [[short_id(r.case), r.metric, _us(r.base_us), _us(r.new_us), pct(r.change),
-          "-" if r.threshold is None else f"{100 * r.threshold:.1f}%", r.verdict, r.why] for r in shown],
+        ["case", "metric", "base", "new", "change", "threshold", "verdict", "why"],
+        [[short_id(r.case), r.metric, _value(r.base, r.unit), _value(r.new, r.unit), pct(r.change),
+          "-" if r.threshold is None else ("exact" if r.unit == "per call" else f"{100 * r.threshold:.1f}%"),
+          r.verdict, r.why] for r in shown],
     ) if shown else "(no case outside its threshold)"
     counts: dict[str, int] = {}
     for r in rows:
         counts[r.verdict] = counts.get(r.verdict, 0) + 1
-    return table + "\n" + ", ".join(f"{v}: {n}" for v, n in sorted(counts.items(), key=lambda kv: order.get(kv[0], 9)))
+    lines = [table, ", ".join(f"{v}: {n}" for v, n in sorted(counts.items(), key=lambda kv: ORDER.get(kv[0], 99)))]
+    work = [r for r in rows if r.unit == "per call"]
+    if work:  # GPU cases: how many have their host work gated, and why the others have not
+        gated = len({r.case for r in work if r.verdict in ("ok", "REGRESSED", "improved")})
+        reasons: dict[str, int] = {}
+        for r in work:
+            if r.verdict == "not counted":
+                reason = re.split(r" \(|: | \[", r.why)[0]  # the kind of reason, without its values
+                reasons[reason] = reasons.get(reason, 0) + 1
+        lines.append(f"host work: {gated} case(s) gated by counted work (exact)" + (
+            "; not counted: " + ", ".join(f"{why} ({n})" for why, n in sorted(reasons.items())) if reasons else ""))
+    return "\n".join(lines)
 
 
 def diff_files(base_path: str, new_path: str, noise_path: str | None) -> tuple[list[Row], dict | None]:
@@ -209,7 +260,8 @@ def add_arguments(parser) -> None:
                         help="with --run, last: test paths and pytest args (-k ...)")
     parser.add_argument("--storage", default=".benchmarks", help="where 'latest' and run numbers are looked up")
     parser.add_argument("--noise", help="noise file (default .benchmarks/<machine>/noise.json when it exists)")
-    parser.add_argument("--json", dest="json_out", help="also write the comparison rows as JSON here")
+    parser.add_argument("--json", dest="json_out", help="also write the comparison rows as JSON here (when it "
+                        "refuses: the error)")
     parser.add_argument("--all", action="store_true", help="list every case, not only those outside threshold")
 
 
@@ -227,12 +279,18 @@ def run(args) -> int:
         rows, noise = diff_files(args.base, args.new, args.noise)
     except ReportError as exc:
         print(f"pcvr diff: error: {exc}", file=sys.stderr)
+        if args.json_out:  # the refusal is the result: a script that keeps this file keeps why
+            _write_json(args.json_out, {"base": args.base, "new": args.new, "failed": None, "error": str(exc)})
         return EXIT_REFUSED
     print(f"pcvr diff: {args.base} -> {args.new}; thresholds from "
           + (f"the noise floor of {noise['runs']} runs" if noise else "the floors only (no noise file)"))
     print(diff_table(rows, args.all))
     if args.json_out:
-        Path(args.json_out).parent.mkdir(parents=True, exist_ok=True)
-        Path(args.json_out).write_text(json.dumps({"base": args.base, "new": args.new, "failed": failed(rows),
-                                                   "rows": [asdict(r) for r in rows]}, indent=1))
+        _write_json(args.json_out, {"base": args.base, "new": args.new, "failed": failed(rows),
+                                    "rows": [asdict(r) for r in rows]})
     return EXIT_REGRESSED if failed(rows) else EXIT_OK
+
+
+def _write_json(path: str, data: dict) -> None:
+    Path(path).parent.mkdir(parents=True, exist_ok=True)
+    Path(path).write_text(json.dumps(data, indent=1))

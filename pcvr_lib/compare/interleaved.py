@@ -24,6 +24,7 @@ from pcvr_lib.compare.runs import (
     EXIT_OK,
     EXIT_REGRESSED,
     Case,
+    align_cases,
     cases_of,
     check_same_machine,
     load_run,
@@ -72,12 +73,13 @@ def abba_order(rounds: int) -> list[str]:
     return ["base", "new", "new", "base"] * rounds
 
 
-def ab_samples(runs: list[dict], metric_kind: str) -> dict[str, list[list[float]]]:
+def ab_samples(runs: list[dict], metric_kind: str, base: dict[str, Case] | None = None) -> dict[str, list[list[float]]]:
     """Per case: for every run of one side, in order, the samples of one metric (Case.rounds: a CPU case's
-    timed rounds; else the run's one value)."""
+    timed rounds; else the run's one value). With `base` (a run's cases), keyed like them (`align_cases`)."""
     out: dict[str, list[list[float]]] = {}
     for run in runs:
-        for cid, case in cases_of(run).items():
+        cases = cases_of(run) if base is None else align_cases(base, cases_of(run))[0]
+        for cid, case in cases.items():
             metric = case.kind if metric_kind == "stat" else metric_kind
             if metric in case.values:
                 out.setdefault(cid, []).append(list(case.rounds.get(metric) or [case.values[metric]]))
@@ -126,14 +128,19 @@ def ab_compare(base_runs: list[dict], new_runs: list[dict], noise: dict | None) 
     """Per case and metric (the gated statistic, host time, per-call time): the ratio new/base over pairs of
     runs (base run i with candidate run i) with its 95% interval (`paired_interval`), and the verdict
     (`ab_verdict`). The threshold is the floors alone (`ab_threshold`): the interval already carries this
-    session's noise."""
+    session's noise. `missing`: the first base run's cases that some run lacks, or holds with another workload
+    fingerprint or kind of statistic (not comparable: the comparison fails, `ab_exit_code`)."""
     rows = []
-    base_cases = cases_of(base_runs[0])
-    new_ids = set.intersection(*(set(cases_of(r)) for r in new_runs))
-    missing = sorted(set(base_cases) - new_ids)
+    base_cases = cases_of(base_runs[0], "base run")
+    comparable = set(base_cases)
+    for run in [*base_runs, *new_runs]:  # a case in every run, with the same workload and kind of statistic
+        cases = align_cases(base_cases, cases_of(run, "run"))[0]
+        comparable = {cid for cid in comparable if cid in cases and cases[cid].fingerprint ==
+                      base_cases[cid].fingerprint and cases[cid].kind == base_cases[cid].kind}
+    missing = sorted(set(base_cases) - comparable)
     for metric_kind in ("stat", "host", "per_call"):
-        a, b = ab_samples(base_runs, metric_kind), ab_samples(new_runs, metric_kind)
-        for cid in sorted(a.keys() & b.keys()):
+        a, b = ab_samples(base_runs, metric_kind, base_cases), ab_samples(new_runs, metric_kind, base_cases)
+        for cid in sorted(a.keys() & b.keys() & comparable):
             case = base_cases[cid]
             metric = case.kind if metric_kind == "stat" else metric_kind
             ratio, low, high = paired_interval(a[cid], b[cid])
@@ -152,7 +159,7 @@ def ab_table(rows: list[AbRow], missing: list[str], everything: bool = False) ->
         [[short_id(r.case), r.metric, f"{r.base_us:.3f}", f"{r.new_us:.3f}", pct(r.ratio - 1),
           f"{pct(r.low - 1)} .. {pct(r.high - 1)}", f"{100 * r.threshold:.1f}%", r.verdict] for r in shown],
     ) if shown else "(every case within its threshold)"]
-    lines += [f"MISSING in the candidate: {short_id(c)}" for c in missing]
+    lines += [f"MISSING (absent from a run, or its workload or statistic changed): {short_id(c)}" for c in missing]
     counts: dict[str, int] = {}
     for r in rows:
         counts[r.verdict] = counts.get(r.verdict, 0) + 1

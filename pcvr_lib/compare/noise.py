@@ -4,6 +4,7 @@ holds it, and the threshold of each case's metric taken from it."""
 from __future__ import annotations
 
 import argparse
+import hashlib
 import json
 import math
 import statistics
@@ -13,6 +14,7 @@ from pathlib import Path
 from pcvr_lib.compare.runs import (
     EXIT_OK,
     Case,
+    align_cases,
     cases_of,
     check_same_machine,
     host_probe_us,
@@ -20,6 +22,7 @@ from pcvr_lib.compare.runs import (
     machine_name,
     machine_of,
     pct,
+    short_id,
 )
 from pcvr_lib.compare.suite import run_suite
 from pcvr_lib.report import EXIT_REFUSED, ReportError, format_table
@@ -46,13 +49,39 @@ def _percentile(values: list[float], q: float) -> float:
     return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
 
 
+def run_identity(run: dict) -> str:
+    """What tells one stored run from another: pytest-benchmark's session time with the commit, else (a run
+    without them) a digest of its cases."""
+    when, commit = run.get("datetime"), (run.get("commit_info") or {}).get("id")
+    if when:
+        return f"datetime {when}, commit {commit or '?'}"
+    digest = hashlib.sha256(json.dumps(run["benchmarks"], sort_keys=True, default=str).encode()).hexdigest()[:12]
+    return f"cases digest {digest}"
+
+
+def check_distinct(runs: list[dict], sources: list[str]) -> None:
+    """A noise floor from one run given twice would claim 0% spread: every run must be another run (another
+    file, and another session time and commit, or other cases)."""
+    seen: dict[str, str] = {}
+    for run, src in zip(runs, sources, strict=True):
+        path = Path(src)
+        keys = [f"file {path.resolve()}"] if path.is_file() else []
+        for key in [*keys, run_identity(run)]:
+            if key in seen:
+                raise ReportError(f"{seen[key]} and {src} are the same run ({key}): a noise floor needs at least 2 "
+                                  "distinct runs of the same tree; give each run once")
+            seen[key] = src
+
+
 def build_noise(runs: list[dict], sources: list[str]) -> dict:
     """Per-case and per-group spread of every metric over runs of one tree on one machine."""
     if len(runs) < 2:
         raise ReportError(f"a noise floor needs at least 2 runs of the same tree, got {len(runs)}")
+    check_distinct(runs, sources)
+    per_run = [cases_of(runs[0], sources[0])]
     for run, src in zip(runs[1:], sources[1:], strict=True):
         check_same_machine(runs[0], run, sources[0], src)
-    per_run = [cases_of(r) for r in runs]
+        per_run.append(align_cases(per_run[0], cases_of(run, src))[0])  # keyed like the first run's cases
     ids = sorted(set.intersection(*(set(c) for c in per_run)))
     if not ids:
         raise ReportError("the runs share no case: " + ", ".join(sources))
@@ -99,6 +128,16 @@ def load_noise(path: Path | None) -> dict | None:
     return noise
 
 
+def noise_case(noise: dict, cid: str) -> dict | None:
+    """A case's entry in a noise file: by full id, else by test id when exactly one entry has it (the noise runs
+    may predate a rename of the benchmark file)."""
+    if cid in noise["cases"]:
+        return noise["cases"][cid]
+    test = short_id(cid)
+    matches = [entry for other, entry in noise["cases"].items() if short_id(other) == test]
+    return matches[0] if len(matches) == 1 else None
+
+
 def threshold(noise: dict | None, case: Case, metric: str, base_s: float) -> tuple[float, str]:
     """(relative threshold, where it came from) for one metric of one case."""
     k = (noise or {}).get("k", K)
@@ -106,7 +145,7 @@ def threshold(noise: dict | None, case: Case, metric: str, base_s: float) -> tup
     abs_floor = (noise or {}).get("abs_floor_s", ABS_FLOOR_S).get(metric, 0.0)
     candidates = {"rel floor": rel_floor, "abs floor": abs_floor / base_s if base_s > 0 else 0.0}
     if noise:
-        observed = ((noise["cases"].get(case.id) or {}).get(metric) or {}).get("spread")
+        observed = ((noise_case(noise, case.id) or {}).get(metric) or {}).get("spread")
         if observed is not None and math.isfinite(observed):
             candidates[f"{k:g}x case spread"] = k * observed
         group = ((noise.get("groups") or {}).get(case.group) or {}).get(metric)

@@ -8,11 +8,13 @@ import json
 import math
 import os
 import re
+from collections import Counter
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from pcvr_lib.report import ReportError, load_benchmark_json
 from pcvr_lib.timing import PROBE_NOMINAL_S
+from pcvr_lib.timing.work import COUNTS
 
 EXIT_OK, EXIT_REGRESSED = 0, 1  # and pcvr_lib.report.EXIT_REFUSED (2): unreadable input, refused request
 EXIT_INCONCLUSIVE = 3  # pcvr compare: a gated case still "unclear" after the last pair
@@ -45,6 +47,7 @@ class Case:
     fingerprint: str
     values: dict[str, float]  # metric -> seconds (median of the run)
     rounds: dict[str, list[float]] = field(default_factory=dict)  # metric -> per-round seconds, when stored
+    work: dict = field(default_factory=dict)  # counted work per call (timing.work.count_work), when recorded
 
 
 def cpu_seconds(stats: dict, extra: dict) -> float | None:
@@ -65,24 +68,63 @@ def case_group(bench: dict) -> str:
     return bench.get("group") or bench["name"].split("[")[0]
 
 
-def cases_of(data: dict) -> dict[str, Case]:
+def _bad_number(value) -> bool:
+    return not isinstance(value, int | float) or isinstance(value, bool) or not math.isfinite(value) or value <= 0
+
+
+def cases_of(data: dict, source: str = "run") -> dict[str, Case]:
+    """The cases of a run. A case whose gated statistic is missing, NaN, infinite or not positive, or whose
+    host or per-call time is present but such a number, is an error naming the case (ReportError): a broken
+    or hand-edited run is refused, never compared as if it held a number."""
     out = {}
     for bench in data["benchmarks"]:
+        cid = bench.get("fullname") or bench.get("name") or "?"
         extra = bench.get("extra_info") or {}
         kind = stat_kind(bench)
         stats = bench.get("stats") or {}
-        values = {kind: cpu_seconds(stats, extra) if kind == "cpu" else stats.get("median")}
+        value, where = ((cpu_seconds(stats, extra), "stats.min (or the calibrated CPU minimum)") if kind == "cpu"
+                        else (stats.get("median"), "stats.median"))
+        if _bad_number(value):
+            raise ReportError(f"{source}: case {short_id(cid)}: {where} is {value!r}, not a positive number of "
+                              "seconds (a broken or edited run: run the case again)")
+        values = {kind: value}
         if kind == "device":
             for metric in ("host", "per_call"):
-                if extra.get(f"{metric}_us") is not None:
-                    values[metric] = extra[f"{metric}_us"] / 1e6
-        values = {k: v for k, v in values.items() if isinstance(v, int | float) and math.isfinite(v)}
+                us = extra.get(f"{metric}_us")
+                if us is None:
+                    continue
+                if _bad_number(us):
+                    raise ReportError(f"{source}: case {short_id(cid)}: extra_info.{metric}_us is {us!r}, not a "
+                                      "positive number (a broken or edited run: run the case again)")
+                values[metric] = us / 1e6
         # per-round samples of the gated number, for the interleaved comparison: a CPU case's raw CPU seconds of
         # every timed round (timing.bench_cpu keeps them), else nothing (the run's one value is its sample)
         rounds = {kind: extra["cpu_raw_rounds_s"]} if kind == "cpu" and extra.get("cpu_raw_rounds_s") else {}
-        out[bench["fullname"]] = Case(bench["fullname"], case_group(bench), kind, extra.get("gated", True) is not False,
-                                      extra.get("fingerprint") or fingerprint(extra), values, rounds)
+        work = extra.get("work") or {}
+        for name in COUNTS:
+            if name in work and (not isinstance(work[name], int) or isinstance(work[name], bool) or work[name] < 0):
+                raise ReportError(f"{source}: case {short_id(cid)}: extra_info.work.{name} is {work[name]!r}, not a "
+                                  "count (a broken or edited run: run the case again)")
+        out[cid] = Case(cid, case_group(bench), kind, extra.get("gated", True) is not False,
+                        extra.get("fingerprint") or fingerprint(extra), values, rounds, work)
     return out
+
+
+def align_cases(old: dict[str, Case], new: dict[str, Case]) -> tuple[dict[str, Case], dict[str, str]]:
+    """The new run's cases keyed like the base's: by full id, else by test id (the part after "::") where that
+    is unique in both runs, so a benchmark file renamed between the runs (perf_tests/test_kernels.py ->
+    test_norms.py) keeps its cases comparable. Returns (the new cases so keyed, {base id: new id} of those
+    matched by test id)."""
+    tests_old = Counter(short_id(cid) for cid in old)
+    tests_new = Counter(short_id(cid) for cid in new)
+    by_test = {short_id(cid): cid for cid in new if tests_new[short_id(cid)] == 1 and cid not in old}
+    aligned, renamed = dict(new), {}
+    for cid in old:
+        test = short_id(cid)
+        if cid not in new and tests_old[test] == 1 and test in by_test:
+            aligned[cid] = aligned.pop(by_test[test])
+            renamed[cid] = by_test[test]
+    return aligned, renamed
 
 
 def machine_of(data: dict) -> dict[str, str]:
@@ -110,9 +152,11 @@ def check_same_machine(a: dict, b: dict, what_a: str, what_b: str) -> None:
 
 
 def load_run(path: str | Path) -> dict:
+    """A stored run, checked: it holds cases, and every case a usable statistic (`cases_of`)."""
     data = load_benchmark_json(path)
     if not data["benchmarks"]:
         raise ReportError(f"{path}: holds no benchmark results")
+    cases_of(data, str(path))
     return data
 
 

@@ -129,9 +129,22 @@ HOST_READ_OPS = frozenset({"_local_scalar_dense", "nonzero", "nonzero_static", "
                            "repeat_interleave"})
 
 
+def host_read(func, args, kwargs) -> str | None:
+    """What an aten call reads back from the device to the host (a device-to-host sync on CUDA), or None:
+    one of `HOST_READ_OPS`, indexing by a boolean mask, or a copy from a CUDA tensor to the CPU."""
+    name = func._schema.name.split("::")[-1]
+    if name in HOST_READ_OPS:
+        return name
+    if name in ("index", "index_put", "index_put_") and _boolean_index(args):
+        return f"{name} by a boolean mask"
+    if name in ("_to_copy", "copy_") and _cuda_to_cpu(func, args, kwargs):
+        return f"{name} to cpu"
+    return None
+
+
 @contextlib.contextmanager
 def count_host_reads():
-    """Within the block, record every aten op that reads device values back to the host (`HOST_READ_OPS`: .item(),
+    """Within the block, record every aten op that reads device values back to the host (`host_read`: .item(),
     bool()/int()/float() of a tensor, nonzero, masked_select, unique, repeat_interleave of a tensor; indexing by a
     boolean mask; copies from a CUDA tensor to the CPU). Yields the list of their names. It sees the ops of CPU
     tensors too, where torch.cuda.set_sync_debug_mode sees only CUDA ones (`tolist()` of a CPU tensor calls no
@@ -142,13 +155,9 @@ def count_host_reads():
 
     class _Mode(TorchDispatchMode):
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            name = func._schema.name.split("::")[-1]
-            if name in HOST_READ_OPS:
-                reads.append(name)
-            elif name in ("index", "index_put", "index_put_") and _boolean_index(args):
-                reads.append(f"{name} by a boolean mask")
-            elif name in ("_to_copy", "copy_") and _cuda_to_cpu(func, args, kwargs or {}):
-                reads.append(f"{name} to cpu")
+            read = host_read(func, args, kwargs or {})
+            if read is not None:
+                reads.append(read)
             return func(*args, **(kwargs or {}))
 
     with _Mode():

@@ -9,6 +9,7 @@ Callers use the package (`from pcvr_lib import timing`, `timing.bench_gpu(...)`)
   gpu        bench_gpu: device time from CUDA graphs (or the profiler), per-call time, call counts
   clocks     CUDA-event and profiler timers, event timing behind a lead sleep, GPU warm-up
   host       host time of a call, the host-speed probe
+  work       counted work per call (Python calls, aten ops, host reads, device launches): the host gate
   l2         L2 modes (rotate, flush, warm), the L2 flush
   ceilings   bytes, FLOPs, GB/s, TFLOP/s; measured copy and matmul ceilings and the check against them
   cpu        bench_cpu: calibrated CPU time
@@ -50,13 +51,15 @@ from pcvr_lib.timing.gpu import (
 from pcvr_lib.timing.host import HOST_PROBE_CALL, HOST_SAMPLES, host_probe, host_seconds, host_time
 from pcvr_lib.timing.l2 import DEFAULT_L2_BYTES, L2_FLUSH_BYTES, L2_MODES, flush_l2, resolve_l2_mode, rotation_copies
 from pcvr_lib.timing.machine import update_machine_info
+from pcvr_lib.timing.work import COUNTS, PYTHON_CALLS_SCOPE, count_work, device_launches, python_calls, torch_ops
 
 __all__ = [
-    "CEILING_SLACK", "DEFAULT_L2_BYTES", "EXCLUSIVE_ENV", "GRAPH_SECONDS", "HOST_PROBE_CALL", "HOST_SAMPLES",
-    "L2_FLUSH_BYTES", "L2_MODES", "LEAD_SLEEP_CYCLES", "MAX_GRAPH_CALLS", "PER_CALL_ROUNDS", "PROBE_NOMINAL_S",
-    "CalibratedCpuClock", "CeilingExceeded", "CudaEventClock", "ExclusiveRound", "ProfilerClock",
-    "bench_cpu", "bench_gpu", "check_ceiling", "choose_calls", "estimate_seconds", "flush_l2", "gbps",
-    "host_probe", "host_seconds", "host_time", "is_kernel_event", "kernel_seconds", "measure_ceilings",
-    "measured_ceilings", "median_event_seconds", "nbytes", "per_call_seconds", "probe_seconds",
-    "resolve_l2_mode", "rotation_copies", "start_lead_sleep", "tflops", "update_machine_info", "warm_gpu",
+    "CEILING_SLACK", "COUNTS", "DEFAULT_L2_BYTES", "EXCLUSIVE_ENV", "GRAPH_SECONDS", "HOST_PROBE_CALL",
+    "HOST_SAMPLES", "L2_FLUSH_BYTES", "L2_MODES", "LEAD_SLEEP_CYCLES", "MAX_GRAPH_CALLS", "PER_CALL_ROUNDS",
+    "PROBE_NOMINAL_S", "PYTHON_CALLS_SCOPE", "CalibratedCpuClock", "CeilingExceeded", "CudaEventClock",
+    "ExclusiveRound", "ProfilerClock", "bench_cpu", "bench_gpu", "check_ceiling", "choose_calls", "count_work",
+    "device_launches", "estimate_seconds", "flush_l2", "gbps", "host_probe", "host_seconds", "host_time",
+    "is_kernel_event", "kernel_seconds", "measure_ceilings", "measured_ceilings", "median_event_seconds", "nbytes",
+    "per_call_seconds", "probe_seconds", "python_calls", "resolve_l2_mode", "rotation_copies", "start_lead_sleep",
+    "tflops", "torch_ops", "update_machine_info", "warm_gpu",
 ]

@@ -8,6 +8,9 @@ Three numbers per GPU case, each measured so that it holds still (notes/comparis
   host time     thread CPU time to issue one call: warmed, median over many small batches (`host_us`).
   per-call time what a user sees: back-to-back calls from an idle GPU, host work included (`per_call_us`);
                 it moves with the host's load, so it is compared only by interleaved A/B (`pcvr compare`).
+Host time and per-call time move by tens of percent between processes on a shared host; what gates a host
+regression between stored runs is the case's counted work (`work`: Python calls, aten ops, host reads and
+device launches per call, exact; pcvr_lib/timing/work.py), taken once after the timing.
 L2 handling: pcvr_lib/timing/l2.py.
 """
 
@@ -26,6 +29,7 @@ from pcvr_lib.timing.clocks import (
 )
 from pcvr_lib.timing.host import HOST_SAMPLES, host_time
 from pcvr_lib.timing.l2 import flush_l2, resolve_l2_mode
+from pcvr_lib.timing.work import WORK_CALLS, count_work
 
 GRAPH_SECONDS = 1e-3  # device time one replayed graph aims for
 MAX_GRAPH_CALLS = 200
@@ -100,7 +104,8 @@ def choose_calls(device_seconds: float, round_seconds: float = 1e-3, max_calls: 
 def bench_gpu(benchmark, fn: Callable[[], object] | Sequence[Callable[[], object]], *,
               setup: Callable[[], None] | None = None, rounds: int = 30, warmup_rounds: int = 3,
               flush_l2_cache: bool = True, calls: int | None = None, graph: bool = True,
-              gated: bool = True, l2: str | None = None, host_samples: int = HOST_SAMPLES) -> dict:
+              gated: bool = True, l2: str | None = None, host_samples: int = HOST_SAMPLES,
+              work_calls: int = WORK_CALLS) -> dict:
     """Time `fn` for pytest-benchmark on the current CUDA device; returns the timing extra_info.
 
     `fn` is one call, or a sequence of the same call over distinct input copies that together exceed L2
@@ -109,10 +114,12 @@ def bench_gpu(benchmark, fn: Callable[[], object] | Sequence[Callable[[], object
     `gated=False` marks a case informational (torch.compile peers recompile and autotune per process):
     `pcvr diff` reports it and never fails on it. `setup` runs before each round, outside the timing.
     `host_samples`: batches of calls behind host_us (fewer for calls of milliseconds, e.g. a model step).
+    `work_calls`: calls whose work is counted one by one (timing.work; fewer for calls of milliseconds).
 
     Statistics: device seconds per call. extra_info: `device_us` (= the statistic's median),
     `device_time_method`, `host_us` (thread CPU per call), `host_wall_us`, `per_call_us`,
-    `per_call_over_device`, `calls_per_graph`, `l2`, `gated`, `stat: "device"`.
+    `per_call_over_device`, `calls_per_graph`, `l2`, `gated`, `stat: "device"`, and for gated cases `work`
+    (timing.work.count_work of one call, counted after the timing; {"error": ...} when counting failed).
     """
     import torch
 
@@ -172,5 +179,16 @@ def bench_gpu(benchmark, fn: Callable[[], object] | Sequence[Callable[[], object
         "per_call_us": round(per_call_s * 1e6, 3),
         "per_call_over_device": round(per_call_s / device_s, 4) if device_s > 0 else None,
     })
+    if gated:  # informational cases (torch.compile peers) are never gated, so never counted
+        info["work"] = _counted_work(fns[0], work_calls)
     benchmark.extra_info.update(info)
     return info
+
+
+def _counted_work(fn: Callable[[], object], calls: int) -> dict:
+    """count_work of one call on the GPU; a failure to count is recorded (pcvr diff then names it and does not
+    gate the case by counts), never a failed case: the case's times are measured already."""
+    try:
+        return count_work(fn, cuda=True, calls=calls)
+    except Exception as exc:  # noqa: BLE001 - recorded in the case, shown by pcvr diff
+        return {"error": f"{type(exc).__name__}: {exc}"[:300]}

@@ -53,8 +53,9 @@ HOST_PROBE_CALL = "torch.add(a, a, out=c), 1024 float32 elements on the GPU"
 def host_probe(repeats: int = 3) -> dict:
     """The host's speed, stored in every GPU run's machine_info: the thread CPU time to issue one fixed small
     torch call, measured like host_us (warmed, median over HOST_SAMPLES batches), `repeats` times (median
-    kept). `pcvr diff` divides host-time ratios by the probe ratio of the two runs
-    (pcvr_lib.compare.diff.host_factors)."""
+    kept). `pcvr diff` prints it beside each group's host-time shift (pcvr_lib.compare.diff.shift_rows): one
+    probe did not follow the host times of a whole run (20% faster while every group was 31-94% slower), so
+    nothing is divided by it."""
     import torch
 
     a = torch.ones(1024, device="cuda")
