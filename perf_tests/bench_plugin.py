@@ -10,6 +10,8 @@ it empty). SIGTERM, what `timeout` sends by default, killed the process before t
   (`timeout -k` or SIGKILL still end a stuck run);
 - the cases whose test did not finish its call are dropped from the run before pytest-benchmark writes it:
   only finished cases, each with all its rounds;
+- a case whose test failed (its check, or the ceiling check after its timing) is dropped too, and listed with
+  its reason in a top-level `failed` field ({node id: first line}), so a diff counts it as missing;
 - the JSON says what happened in a top-level `cut` field: null for a complete run, else {"reason",
   "collected", "finished", "interrupted" (the ids dropped), "not_run"}; a run stopped by -x / --maxfail is
   cut too. The terminal says it in one line; `pcvr report FILE` prints it.
@@ -36,6 +38,7 @@ class BenchCut:
         self.started: set[str] = set()
         self.finished: set[str] = set()
         self.cut: dict | None = None
+        self.failed: dict[str, str] = {}  # node id -> the first line of why its test failed
 
     # ------------------------------------------------------------ signals
 
@@ -74,6 +77,9 @@ class BenchCut:
     def pytest_runtest_logreport(self, report):
         if report.when == "call":
             self.timed.add(report.nodeid)
+        if report.failed and report.nodeid not in self.failed:
+            crash = getattr(report.longrepr, "reprcrash", None)
+            self.failed[report.nodeid] = (crash.message if crash is not None else str(report.longrepr)).splitlines()[0]
 
     @pytest.hookimpl
     def pytest_runtest_logfinish(self, nodeid, location):
@@ -90,9 +96,12 @@ class BenchCut:
                         "finished": sum(nodeid in self.finished for nodeid in collected),
                         "interrupted": sorted(self.started - self.finished),
                         "not_run": sum(nodeid not in self.started for nodeid in collected)}
-            bench_session = getattr(session.config, "_benchmarksession", None)
-            if bench_session is not None:  # a case cut inside its call has partial statistics: drop it
-                bench_session.benchmarks[:] = [b for b in bench_session.benchmarks if b.fullname in self.timed]
+        bench_session = getattr(session.config, "_benchmarksession", None)
+        if bench_session is not None:
+            # a case cut inside its call has partial statistics, a failed one (its check, or a ceiling it
+            # exceeded after the timing) a number nobody may use: neither is written; `failed` names the latter
+            bench_session.benchmarks[:] = [b for b in bench_session.benchmarks
+                                           if b.fullname in self.timed and b.fullname not in self.failed]
         return (yield)
 
     @pytest.hookimpl(wrapper=True)
@@ -110,6 +119,7 @@ class BenchCut:
     @pytest.hookimpl
     def pytest_benchmark_update_json(self, config, benchmarks, output_json):
         output_json["cut"] = self.cut
+        output_json["failed"] = dict(sorted(self.failed.items()))
 
     @pytest.hookimpl(trylast=True)  # after pytest-benchmark's table: the last word of the run
     def pytest_terminal_summary(self, terminalreporter):

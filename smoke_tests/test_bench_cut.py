@@ -81,3 +81,31 @@ def test_a_complete_run_says_it_was_not_cut(tmp_path):
     assert rc == 0, out
     assert len(data["benchmarks"]) == 4 and data["cut"] is None
     assert "benchmark run cut" not in out
+
+
+FAILING_AFTER_TIMING = textwrap.dedent("""
+    import pytest
+
+
+    @pytest.mark.parametrize("i", range(3))
+    def test_case(benchmark, i):
+        benchmark.extra_info["i"] = i
+        benchmark.pedantic(lambda: None, rounds=3, iterations=1)
+        assert i != 1, "a check after the timing failed"
+""")
+
+
+def test_a_case_that_fails_after_its_timing_is_left_out_and_named(tmp_path):
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["perf_tests.bench_plugin"]\n')
+    (tmp_path / "test_failing.py").write_text(FAILING_AFTER_TIMING)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("PYTEST_ADDOPTS", None)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_failing.py",
+                           "--benchmark-json=out.json"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == pytest.ExitCode.TESTS_FAILED, done.stdout
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert [b["extra_info"]["i"] for b in data["benchmarks"]] == [0, 2]
+    assert list(data["failed"]) == ["test_failing.py::test_case[1]"]
+    assert "a check after the timing failed" in data["failed"]["test_failing.py::test_case[1]"]
+    assert data["cut"] is None
