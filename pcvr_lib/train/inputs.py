@@ -31,8 +31,8 @@ def trained_data_path(data: str | Path | None, config: TrainConfig, folder: Path
         return data_path(data)
     p = Path(config.data)
     if not p.is_file():
-        raise TrainError(f"the data {folder.name} was trained on, {p} ({folder / CONFIG_FILE}), is not there (moved or "
-                         "deleted): pass --data FILE")
+        raise TrainError(f"the data this checkpoint was trained on, {p} (as {folder / CONFIG_FILE} records), is not "
+                         "there (moved or deleted): pass --data FILE")
     return p
 
 
@@ -80,9 +80,8 @@ def schema_path(data: Path, schema: str | None) -> Path:
 
 
 def read_schema(path: Path, max_lens):
-    """The schema at `path` with the run's --max-lens; a bad max_len blames the option, not the file."""
-    if not path.is_file():
-        raise TrainError(f"schema file not found: {path}")
+    """The schema at `path` with the run's --max-lens; a bad max_len blames the option, not the file (a missing
+    file or a folder: load_schema's message)."""
     try:
         return load_schema(path, max_lens=max_lens)
     except SchemaError as exc:

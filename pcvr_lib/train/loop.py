@@ -111,8 +111,6 @@ def train(config: TrainConfig, progress=None, *, overwrite: bool = False, resume
         fix="train with the data's own schema (leave out --schema) or on data of this schema")
     run_dir = Path(config.run_dir)
     start = _prepare_run_dir(run_dir, config, overwrite=overwrite, resume=resume)
-    for text in data_warnings:  # once every precondition holds: an error stays the only line it prints
-        warn(text)
     previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
     seed_everything(config.seed, config.deterministic)
     try:
@@ -195,6 +193,8 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, r
         num_workers=config.num_workers,
     )
     split = train_loader.split
+    for text in data_warnings:  # once the model and the loader are built: a bad option stays the only line
+        warn(text)
     data_warnings = data_warnings + check_batch_rows(train_loader, config.batch_size, data)
     history: dict[str, Any] = {"losses": [], "grad_norms": [], "skipped": 0, "clipped": 0, "checkpoints": [],
                                "init_metrics": None}
