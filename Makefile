@@ -10,7 +10,7 @@ PYTEST := $(PYTHON) -m pytest
 RESULTS ?= results
 BENCH_JSON ?= $(RESULTS)/bench.json
 # make compare: the base run (a JSON path, a stored run number, or latest = the newest autosaved run) and
-# the tests to run; thresholds come from .benchmarks/<machine>/noise.json (make noise)
+# the tests to run; thresholds come from .benchmarks/<machine>/noise-<cpu>-<n>cpus.json (make noise)
 COMPARE_WITH ?= latest
 COMPARE_TESTS ?= perf_tests
 NOISE_RUNS ?= 3
@@ -76,7 +76,7 @@ compare: setup
 	$(PYTHON) -m pcvr_lib diff $(COMPARE_WITH) --run $(RESULTS)/compare.json --json $(RESULTS)/diff.json \
 		--tests $(COMPARE_TESTS)
 
-# Runs the suite NOISE_RUNS times and stores the spread per case and group in .benchmarks/<machine>/noise.json.
+# Runs the suite NOISE_RUNS times and stores the spread per case and group in .benchmarks/<machine>/noise-<cpu>-<n>cpus.json.
 noise: setup
 	$(PYTHON) -m pcvr_lib noise --runs $(NOISE_RUNS) --work $(RESULTS)/noise $(COMPARE_TESTS)
 

@@ -7,8 +7,18 @@ import copy
 import json
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pcvr_lib.schema import DEFAULT_MAX_LEN, SchemaError, load_schema, parse_max_lens, parse_schema
+from pcvr_lib.schema import (
+    DEFAULT_MAX_LEN,
+    MAX_VOCAB,
+    SchemaError,
+    load_schema,
+    parse_max_lens,
+    parse_schema,
+    schema_differences,
+)
 
 VALID = {
     "format": "raw_parquet",
@@ -19,9 +29,9 @@ VALID = {
 }
 
 
-def broken(path: str, value):
-    """VALID with the item at `path` (dot/index path) replaced; value DELETE removes it."""
-    raw = copy.deepcopy(VALID)
+def broken(path: str, value, base: dict | None = None):
+    """VALID (or `base`) with the item at `path` (dot/index path) replaced; value DELETE removes it."""
+    raw = copy.deepcopy(VALID if base is None else base)
     *parents, last = [int(p) if p.isdigit() else p for p in path.split(".")]
     node = raw
     for key in parents:
@@ -161,3 +171,64 @@ def test_online_schema_widths(repo_root):
     schema = load_schema(repo_root / "fixtures/online.schema.json")
     assert schema.int_width("user") == 411
     assert schema.dense_width("user") == 918
+
+
+# ------------------------------------------------------------------ the id limit, folders, differences
+@settings(max_examples=200, deadline=None)
+@given(st.integers(min_value=0, max_value=2**80), st.sampled_from(["user_int.0", "seq.seq_a.features.0"]))
+def test_vocab_limit_is_the_int32_ids_of_a_batch(vocab, where):
+    """Any vocab_size up to 2**31 - 1 (the largest int32 id a converted batch holds, what train accepts)
+    parses; anything above (2**31, 2**63 - 1, 10**30) is refused naming the fid and the limit."""
+    raw = broken(where, [1, vocab, 1] if where.startswith("user_int") else [8, vocab])
+    if vocab <= MAX_VOCAB:
+        assert parse_schema(raw)
+    else:
+        with pytest.raises(SchemaError, match=rf"fid \d+: vocab_size {vocab} is over 2,147,483,647 \(2\*\*31 - 1"):
+            parse_schema(raw)
+
+
+def test_timestamp_feature_vocab_is_not_limited():
+    raw = broken("seq.seq_a.features.1", [9, 10**30])  # ts_fid 9: its values are times, its vocab unread
+    assert parse_schema(raw).domain("seq_a").ts_feature.vocab_size == 10**30
+
+
+def test_schema_path_that_is_a_folder(tmp_path):
+    with pytest.raises(SchemaError, match=f"schema path {tmp_path} is a folder, not a schema JSON file$"):
+        load_schema(tmp_path)
+    (tmp_path / "schema.json").write_text(json.dumps(VALID))
+    with pytest.raises(SchemaError, match=f"is a folder, not a schema JSON file; did you mean {tmp_path}/schema.json"):
+        load_schema(tmp_path)
+
+
+def _mutations():
+    """One change of the schema's layout each: (dotted path, new value, the phrase schema_differences names)."""
+    return st.sampled_from([
+        ("user_int.0", [1, 11, 1], "user_int fid 1 vocab_size 10 vs 11"),
+        ("user_int.1", [2, 5, 4], "user_int fid 2 dim 3 vs 4"),
+        ("user_int.2", [3, 5, 1], "user_int fid 3 only in the second"),
+        ("item_int.0", [1, 8, 1], "item_int fid 1 vocab_size 7 vs 8"),
+        ("user_dense.0", [2, 4], "user_dense fid 2 dim 3 vs 4"),
+        ("user_dense", [], "user_dense fid 2 only in the first"),
+        ("seq.seq_a.features.0", [8, 51], "seq.seq_a fid 8 vocab_size 50 vs 51"),
+        ("seq.seq_a.prefix", "pb", "seq.seq_a prefix pa vs pb"),
+        ("seq.seq_b", {"prefix": "pb", "ts_fid": 9, "features": [[9, 0]]}, "domain seq_b only in the second"),
+        ("user_int", [[2, 5, 3], [1, 10, 1]], "user_int lists its features in another order"),
+    ])
+
+
+@settings(max_examples=60, deadline=None)
+@given(st.lists(_mutations(), min_size=1, max_size=3, unique_by=lambda m: m[0].split(".")[0]),
+       st.sampled_from([None, "seq_a:3", "seq_a:300"]))
+def test_schema_differences_name_each_change(mutations, max_lens):
+    """Random schema mutations (one per group, up to three): each is named; the same schema under other
+    sequence lengths (a run option, not the data's) has no difference."""
+    raw = copy.deepcopy(VALID)
+    for path, value, _ in mutations:
+        raw = broken(path, value, raw)
+    a, b = parse_schema(VALID), parse_schema(raw)
+    found = schema_differences(a, b, limit=100)
+    for _, _, phrase in mutations:
+        assert any(phrase in text for text in found), (phrase, found)
+    assert schema_differences(a, parse_schema(VALID, max_lens=max_lens)) == []
+    assert len(schema_differences(a, b, limit=1)) == min(len(found), 2)
+

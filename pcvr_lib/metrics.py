@@ -1,7 +1,8 @@
 """Binary-classification metrics of the smoke: AUC by ranks, LogLoss, Brier, bootstrap AUC CI, and the
 score diagnostics written into the run artifacts.
 
-Rules: AUC gives tied scores half credit (average ranks); a single-class input gives 0.5; non-finite
+Rules: AUC gives tied scores half credit (average ranks); a single-class input has no AUC (NaN from `auc`,
+null in `classification_metrics`, "undefined" in text: never 0.5, which would read as a chance model); non-finite
 scores (and their targets) are dropped before any metric, and the count dropped is reported by
 `score_diagnostics`. LogLoss clips probabilities to [1e-7, 1 - 1e-7].
 """
@@ -38,13 +39,13 @@ def _average_ranks(values: np.ndarray) -> np.ndarray:
 
 
 def auc(targets, scores) -> float:
-    """Area under the ROC curve (Mann-Whitney U / (n_pos * n_neg)); 0.5 when one class is absent."""
+    """Area under the ROC curve (Mann-Whitney U / (n_pos * n_neg)); NaN (undefined) when one class is absent."""
     y, s = _clean(targets, scores)
     positive = y > 0.5
     n_pos = int(positive.sum())
     n_neg = len(y) - n_pos
     if n_pos == 0 or n_neg == 0:
-        return 0.5
+        return float("nan")
     ranks = _average_ranks(s)
     return float((ranks[positive].sum() - n_pos * (n_pos + 1) / 2.0) / (n_pos * n_neg))
 
@@ -68,7 +69,8 @@ def bootstrap_auc_ci(
     targets, scores, resamples: int = 200, seed: int = 42, level: float = 0.95
 ) -> dict[str, float | int]:
     """Percentile bootstrap CI of the AUC: `resamples` draws of n rows with replacement (numpy
-    Generator seeded with `seed`)."""
+    Generator seeded with `seed`), over the draws that hold both classes (`defined` of them; low and high are
+    None when none does)."""
     y, s = _clean(targets, scores)
     rng = np.random.default_rng(seed)
     values = np.empty(resamples)
@@ -77,13 +79,29 @@ def bootstrap_auc_ci(
         idx = rng.integers(0, n, n) if n else np.zeros(0, dtype=int)
         values[i] = auc(y[idx], s[idx])
     alpha = (1 - level) / 2
+    values = values[np.isfinite(values)]
     return {
-        "low": float(np.quantile(values, alpha)) if n else 0.5,
-        "high": float(np.quantile(values, 1 - alpha)) if n else 0.5,
+        "low": float(np.quantile(values, alpha)) if len(values) else None,
+        "high": float(np.quantile(values, 1 - alpha)) if len(values) else None,
+        "defined": int(len(values)),
         "level": level,
         "resamples": resamples,
         "seed": seed,
     }
+
+
+def auc_text(value: float | None, digits: int = 4) -> str:
+    """An AUC as printed: the number, or "undefined" (one class only: no AUC exists)."""
+    return "undefined" if value is None or not math.isfinite(value) else f"{value:.{digits}f}"
+
+
+def undefined_auc_reason(metrics: dict) -> str | None:
+    """Why a metrics dict has no AUC (its rows hold one class only), or None when it has one."""
+    if metrics.get("auc") is not None:
+        return None
+    d = metrics["score_diagnostics"]
+    kind = "negative (no positive label)" if d["positive_count"] == 0 else "positive (no negative label)"
+    return f"AUC is undefined: all {d['count']:,} scored rows are {kind}"
 
 
 def sigmoid(logits) -> np.ndarray:

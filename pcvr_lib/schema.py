@@ -34,6 +34,9 @@ SCALAR_COLUMNS = {
 }
 # The scalars the converter reads.
 CONVERTER_SCALARS = ("timestamp", "label_type", "user_id")
+# The largest vocab_size of an id feature: a converted batch holds ids as int32. A timestamp feature's
+# vocab_size is not read (its values are times, int64), so the limit does not apply to it.
+MAX_VOCAB = 2**31 - 1
 
 
 class SchemaError(ValueError):
@@ -202,6 +205,12 @@ def _check_fid(group: str, index: int, fid: Any) -> None:
         raise SchemaError(f"{group}[{index}]: fid must be an integer >= 0, got {fid!r}")
 
 
+def _check_vocab_limit(where: str, fid: int, vocab: int) -> None:
+    if vocab > MAX_VOCAB:
+        raise SchemaError(f"{where} fid {fid}: vocab_size {vocab} is over {MAX_VOCAB:,} (2**31 - 1, the int32 ids of "
+                          "a converted batch); use a smaller vocab_size (hash the ids into it)")
+
+
 def _check_keys(where: str, obj: Mapping, allowed: set[str], required: set[str]) -> None:
     unknown = set(obj) - allowed
     if unknown:
@@ -239,6 +248,8 @@ def parse_schema(raw: Mapping[str, Any], max_lens: Mapping[str, int] | str | Non
         if not entries:
             raise SchemaError(f"{group}: must list at least one feature")
         _check_unique(group, [fid for fid, _, _ in entries])
+        for fid, vocab, _ in entries:
+            _check_vocab_limit(group, fid, vocab)
         offsets = np.cumsum([0] + [dim for _, _, dim in entries])
         int_groups[group] = tuple(
             IntFeature(fid, vocab, dim, int(off), f"{group}_feats_{fid}")
@@ -284,6 +295,9 @@ def parse_schema(raw: Mapping[str, Any], max_lens: Mapping[str, int] | str | Non
         ts_fid = spec["ts_fid"]
         if not _is_int(ts_fid) or int(ts_fid) not in {fid for fid, _ in feats}:
             raise SchemaError(f"{where}: ts_fid {ts_fid!r} is not one of the domain's feature fids")
+        for fid, vocab in feats:
+            if fid != ts_fid:
+                _check_vocab_limit(f"{where}.features", fid, vocab)
         domains.append(
             Domain(
                 name=name,
@@ -311,6 +325,10 @@ def load_schema(source: str | Path | Mapping[str, Any], max_lens: Mapping[str, i
     if isinstance(source, Mapping):
         return parse_schema(source, max_lens)
     path = Path(source)
+    if path.is_dir():
+        inside = path / "schema.json"
+        hint = f"; did you mean {inside}?" if inside.is_file() else ""
+        raise SchemaError(f"schema path {path} is a folder, not a schema JSON file{hint}")
     if not path.is_file():
         raise SchemaError(f"schema file not found: {path}")
     try:
@@ -321,3 +339,41 @@ def load_schema(source: str | Path | Mapping[str, Any], max_lens: Mapping[str, i
         return parse_schema(raw, max_lens)
     except SchemaError as exc:
         raise SchemaError(f"{path}: {exc}") from exc
+
+
+def schema_differences(a: Schema, b: Schema, limit: int = 4) -> list[str]:
+    """How schema `b` differs from schema `a`, one short phrase per difference (at most `limit`, then a count of
+    the rest); empty when they describe the same columns with the same vocabularies, dims and domains.
+    Sequence lengths (max_len) are run options, not part of the data, and are not compared."""
+    out: list[str] = []
+
+    def features(where, mine, theirs, fields):
+        if [f.fid for f in mine] != [f.fid for f in theirs] and {f.fid for f in mine} == {f.fid for f in theirs}:
+            out.append(f"{where} lists its features in another order (another layout)")
+        mine, theirs = {f.fid: f for f in mine}, {f.fid: f for f in theirs}
+        for fid in sorted(mine.keys() - theirs.keys()):
+            out.append(f"{where} fid {fid} only in the first")
+        for fid in sorted(theirs.keys() - mine.keys()):
+            out.append(f"{where} fid {fid} only in the second")
+        for fid in sorted(mine.keys() & theirs.keys()):
+            for name in fields:
+                x, y = getattr(mine[fid], name), getattr(theirs[fid], name)
+                if x != y:
+                    out.append(f"{where} fid {fid} {name} {x} vs {y}")
+
+    for group in INT_GROUPS:
+        features(group, getattr(a, group), getattr(b, group), ("vocab_size", "dim"))
+    for group in DENSE_GROUPS:
+        features(group, getattr(a, group), getattr(b, group), ("dim",))
+    mine, theirs = {d.name: d for d in a.domains}, {d.name: d for d in b.domains}
+    for name in sorted(mine.keys() ^ theirs.keys()):
+        out.append(f"domain {name} only in the {'first' if name in mine else 'second'}")
+    for name in sorted(mine.keys() & theirs.keys()):
+        x, y = mine[name], theirs[name]
+        for attr in ("prefix", "ts_fid"):
+            if getattr(x, attr) != getattr(y, attr):
+                out.append(f"seq.{name} {attr} {getattr(x, attr)} vs {getattr(y, attr)}")
+        features(f"seq.{name}", x.side_features, y.side_features, ("vocab_size",))
+    if len(out) > limit:
+        out = out[:limit] + [f"{len(out) - limit} more"]
+    return out

@@ -31,6 +31,8 @@ from typing import Any
 
 import numpy as np
 
+from pcvr_lib.metrics import auc_text
+
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SCHEMA = ROOT / "fixtures" / "sample_1000_raw.schema.json"
 DEFAULT_MAX_LEN = 32
@@ -138,9 +140,9 @@ def _table(results: list[dict], models: list[str]) -> str:
         rs = sorted((r for r in results if r["model"] == model), key=lambda r: r["seed"])
         if not rs:
             continue
-        aucs = np.array([r["auc"] for r in rs])
+        aucs = np.array([r["auc"] for r in rs if r["auc"] is not None])  # None: one class only, no AUC
         sd = f"{aucs.std(ddof=1):.4f}" if len(aucs) > 1 else "n/a"
-        per_seed = " ".join(f"{r['init_auc']:.3f}->{r['auc']:.3f}" for r in rs)
+        per_seed = " ".join(f"{auc_text(r['init_auc'], 3)}->{auc_text(r['auc'], 3)}" for r in rs)
 
         def mean(key, rs=rs):
             vals = [r[key] for r in rs if r[key] is not None]
@@ -148,7 +150,8 @@ def _table(results: list[dict], models: list[str]) -> str:
 
         peak = max(max(r["train_peak_rss_mb"] or 0, r["infer_peak_rss_mb"] or 0) for r in rs)
         lines.append(
-            f"{model:<12} {per_seed:<40} {aucs.mean():>8.4f} ± {sd:<6} {mean('logloss'):>8.4f} "
+            f"{model:<12} {per_seed:<40} {auc_text(aucs.mean() if len(aucs) else None):>8} ± {sd:<6} "
+            f"{mean('logloss'):>8.4f} "
             f"{mean('train_sec'):>8.1f} {mean('eval_sec'):>7.2f} {mean('infer_sec'):>8.2f} "
             f"{mean('train_rows_per_sec'):>9.0f} {mean('infer_rows_per_sec'):>9.0f} {peak:>9.0f} "
             f"{rs[0]['parameters']['total'] / 1e6:>7.2f}M"
@@ -252,7 +255,7 @@ def _execute(work: list[dict], jobs: int, stream) -> list[dict]:
 
     def show(r):
         done = len(results)
-        line = (f"{done}/{total} {r['model']} seed {r['seed']}: AUC {r['auc']:.4f}, train {r['train_sec']:.1f}s, "
+        line = (f"{done}/{total} {r['model']} seed {r['seed']}: AUC {auc_text(r['auc'])}, train {r['train_sec']:.1f}s, "
                 f"val {r['eval_sec']:.1f}s, infer {r['infer_sec']:.1f}s (elapsed {time.perf_counter() - t0:.0f}s)")
         if steps_bar.disable:
             print(line, file=stream, flush=True)

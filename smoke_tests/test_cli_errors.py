@@ -29,10 +29,17 @@ TRAIN = ["--model", "baseline", "--max-lens", MAX_LENS, "--batch-size", "32", "-
 FAST = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 
 
+def without_notices(err: str) -> list[str]:
+    """stderr's lines but the `warning:` / `note:` lines the commands print about their data (counted lossy
+    values, batch sizes) once its preconditions hold, before the work."""
+    return [line for line in err.strip().splitlines() if not line.startswith(("warning: ", "note: "))]
+
+
 def one_error_line(capsys, command: str, *needles: str) -> str:
-    """The captured stderr is exactly one `pcvr <command>: error: ...` line holding every needle."""
+    """The captured stderr is exactly one `pcvr <command>: error: ...` line holding every needle (after the
+    warnings about the data, when the error came during the work)."""
     err = capsys.readouterr().err
-    lines = err.strip().splitlines()
+    lines = without_notices(err)
     assert len(lines) == 1 and "Traceback" not in err, err
     assert lines[0].startswith(f"pcvr {command}: error: "), err
     for needle in needles:
@@ -357,7 +364,7 @@ def test_ctrl_c_says_where_it_stopped(data, tmp_path, capsys, monkeypatch):
     run_dir = tmp_path / "stopped"
     assert cli_main(["train", *TRAIN, "--data", str(data), "--run-dir", str(run_dir), "--steps", "4",
                      "--eval-every", "2"]) == 130
-    err = capsys.readouterr().err.strip()
+    err = "\n".join(without_notices(capsys.readouterr().err))
     good = _checkpoint_named(run_dir, 2)
     assert err == (f"pcvr train: interrupted: training stopped after step 2 of 4; last good checkpoint {good}; "
                    "continue with the same command plus --resume")
@@ -419,7 +426,7 @@ def test_training_progress_off_a_terminal(data, tmp_path, capsys):
     args = ["train", *TRAIN[:-2], "--log-every", "2", "--data", str(data), "--run-dir", str(tmp_path / "r"),
             "--steps", "3"]
     assert cli_main(args) == 0
-    lines = capsys.readouterr().err.strip().splitlines()
+    lines = without_notices(capsys.readouterr().err)
     assert lines[0].startswith("train: baseline on ") and "steps 1..3 of 32 rows" in lines[0]
     assert [line.split()[1] for line in lines[1:]] == ["1/3", "2/3", "3/3"]
     assert all(" rows/s ETA " in line and "loss" in line for line in lines[1:])

@@ -6,8 +6,19 @@ import math
 
 import numpy as np
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
-from pcvr_lib.metrics import auc, bootstrap_auc_ci, brier, classification_metrics, logloss, score_diagnostics
+from pcvr_lib.metrics import (
+    auc,
+    auc_text,
+    bootstrap_auc_ci,
+    brier,
+    classification_metrics,
+    logloss,
+    score_diagnostics,
+    undefined_auc_reason,
+)
 
 
 def _pairwise_auc(y, s):
@@ -26,8 +37,8 @@ def test_auc_matches_pairwise_count_with_ties(seed):
 
 
 def test_auc_edge_cases():
-    assert auc([1, 1, 1], [0.1, 0.2, 0.3]) == 0.5
-    assert auc([0, 0], [0.1, 0.2]) == 0.5
+    assert math.isnan(auc([1, 1, 1], [0.1, 0.2, 0.3]))  # one class: no AUC, never a chance-looking 0.5
+    assert math.isnan(auc([0, 0], [0.1, 0.2]))
     assert auc([0, 1], [0.3, 0.3]) == 0.5
     assert auc([0, 1, 1], [0.1, 0.9, float("nan")]) == 1.0  # the non-finite score is dropped
     assert auc([0, 1], [0.9, 0.1]) == 0.0
@@ -58,3 +69,30 @@ def test_score_diagnostics_and_bundle():
     assert d["positive_mean"] == pytest.approx(0.7) and d["margin"] == pytest.approx(0.4)
     m = classification_metrics([1, 0, 0, 1], [0.8, 0.2, 0.4, 0.6])
     assert m["auc"] == 1.0 and m["sample_count"] == 4 and "auc_ci" in m
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.lists(st.tuples(st.sampled_from([0, 1]), st.sampled_from([0.0, 0.25, 0.5, 1.0, float("nan")])),
+                min_size=1, max_size=30))
+def test_auc_is_undefined_exactly_when_one_class_is_scored(pairs):
+    """Label edge values: all negative, all positive, one row, ties, non-finite scores. The AUC is null (and
+    said to be undefined) exactly when the finitely scored rows hold one class; else it is the pairwise count."""
+    y = np.array([p[0] for p in pairs])
+    s = np.array([p[1] for p in pairs])
+    scored = y[np.isfinite(s)]
+    one_class = len(set(scored.tolist())) < 2
+    m = classification_metrics(y, s)
+    assert (m["auc"] is None) == one_class
+    if one_class:
+        assert auc_text(m["auc"]) == "undefined"
+        assert undefined_auc_reason(m).startswith(f"AUC is undefined: all {len(scored):,} scored rows are")
+        kind = "negative" if not scored.any() else "positive"
+        assert f"are {kind}" in undefined_auc_reason(m)
+    else:
+        keep = np.isfinite(s)
+        assert m["auc"] == pytest.approx(_pairwise_auc(y[keep], s[keep]), abs=1e-12)
+        assert undefined_auc_reason(m) is None
+    ci = m["auc_ci"]
+    assert (ci["low"] is None) == (ci["defined"] == 0)
+    if ci["low"] is not None:
+        assert 0.0 <= ci["low"] <= ci["high"] <= 1.0

@@ -435,6 +435,6 @@ def test_calibrated_cpu_cases_gate_on_the_fastest_round_at_the_probes_median_spe
 def test_a_noise_file_of_another_machine_is_refused_when_asked_for(tmp_path, capsys):
     base = _run(tmp_path / "a.json", [_bench("test_x[a=1]", 1.0)], cpu={"brand_raw": "Some Other CPU"})
     new = _run(tmp_path / "b.json", [_bench("test_x[a=1]", 1.0)], cpu={"brand_raw": "Some Other CPU"})
-    noise = str(ROOT / ".benchmarks" / "cpu" / "noise.json")  # measured on the 2-core Xeon
+    noise = str(ROOT / ".benchmarks" / "cpu" / "noise-intel-xeon-processor-2cpus.json")  # measured on the 2-core Xeon
     assert main(["diff", str(base), str(new), "--noise", noise]) == compare.EXIT_REFUSED
     assert "noise measured on" in capsys.readouterr().err

@@ -2,7 +2,7 @@
 
 From stored pytest-benchmark JSON only (nothing is run):
 
-    python tools/validate_comparison.py --noise .benchmarks/cpu/noise.json \
+    python tools/validate_comparison.py --noise .benchmarks/cpu/noise-intel-xeon-processor-2cpus.json \
         --aa results/val/aa1.json results/val/aa2.json \
         --planted 0.05=results/val/p05.json 0.10=results/val/p10.json \
         [--fixtures fixtures/comparison/cpu] [--json results/val/validation.json]
@@ -10,7 +10,7 @@ From stored pytest-benchmark JSON only (nothing is run):
 Or, for interleaved comparisons (`pcvr compare` folders of NN_base.json / NN_new.json runs; "DIR1+DIR2"
 joins the pairs of two folders into one comparison):
 
-    python tools/validate_comparison.py --interleaved --noise .benchmarks/cpu/noise.json \
+    python tools/validate_comparison.py --interleaved --noise .benchmarks/cpu/noise-intel-xeon-processor-2cpus.json \
         --aa results/c10s/aa1 results/c10s/aa2+results/c10s/aa3 --planted 0.10=results/c10s/p10_1 \
         [--start 4] [--fixtures fixtures/comparison/cpu/sbs]
 

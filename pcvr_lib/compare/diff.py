@@ -11,7 +11,7 @@ import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pcvr_lib.compare.noise import default_noise_path, load_noise, threshold
+from pcvr_lib.compare.noise import default_noise, load_noise, threshold
 from pcvr_lib.compare.runs import (
     EXIT_OK,
     EXIT_REGRESSED,
@@ -27,6 +27,7 @@ from pcvr_lib.compare.runs import (
     short_id,
 )
 from pcvr_lib.compare.suite import run_suite
+from pcvr_lib.errors import check_writable_file
 from pcvr_lib.report import EXIT_REFUSED, ReportError, format_table
 from pcvr_lib.timing.work import COUNTS
 
@@ -214,16 +215,17 @@ def diff_table(rows: list[Row], everything: bool = False) -> str:
 def diff_files(base_path: str, new_path: str, noise_path: str | None) -> tuple[list[Row], dict | None]:
     base, new = load_run(base_path), load_run(new_path)
     check_same_machine(base, new, base_path, new_path)
-    path = Path(noise_path) if noise_path else default_noise_path(base)
-    noise = load_noise(path)
-    if noise_path and noise is None:
+    if not noise_path:
+        noise, _, why = default_noise(base)
+        if why:  # the floors only, said on stderr (and in the header line)
+            print(f"pcvr diff: {why}; thresholds are the floors only (make this machine's with `make noise`)",
+                  file=sys.stderr)
+        return diff_runs(base, new, noise), noise
+    noise = load_noise(Path(noise_path))
+    if noise is None:
         raise ReportError(f"{noise_path}: no such noise file")
-    if noise is not None and noise.get("machine") != machine_of(base):
-        message = f"{path}: noise measured on {noise.get('machine')}, the runs on {machine_of(base)}"
-        if noise_path:
-            raise ReportError(message)
-        print(f"pcvr diff: not using {message}", file=sys.stderr)  # the default file is another machine's
-        noise = None
+    if noise.get("machine") != machine_of(base):
+        raise ReportError(f"{noise_path}: noise measured on {noise.get('machine')}, the runs on {machine_of(base)}")
     return diff_runs(base, new, noise), noise
 
 
@@ -233,7 +235,7 @@ def stored_runs(storage: Path) -> list[Path]:
 
 
 def resolve_base(wanted: str, storage: Path) -> Path:
-    """The base run: a JSON path, "latest" (the newest autosaved run) or a run number / id prefix."""
+    """The base run: a JSON path, "latest" (the newest autosaved run), a run number (1 is 0001) or an id prefix."""
     path = Path(wanted)
     if path.is_file():
         return path
@@ -245,7 +247,9 @@ def resolve_base(wanted: str, storage: Path) -> Path:
                           "(it stores each run), or pass COMPARE_WITH=path/to/run.json")
     if wanted == "latest":
         return runs[-1]
-    matches = [r for r in runs if r.name.startswith(wanted) or r.name[5:].startswith(wanted)]
+    number = f"{int(wanted):04d}_" if wanted.isdigit() else None  # pytest-benchmark numbers runs 0001, 0002, ...
+    matches = [r for r in runs if (r.name.startswith(number) if number else
+                                   r.name.startswith(wanted) or r.name[5:].startswith(wanted))]
     if not matches:
         names = ", ".join(r.name for r in runs[-5:])
         raise ReportError(f"nothing to compare with: no stored run matches {wanted!r} (newest: {names})")
@@ -259,13 +263,16 @@ def add_arguments(parser) -> None:
     parser.add_argument("--tests", nargs=argparse.REMAINDER, default=["perf_tests"],
                         help="with --run, last: test paths and pytest args (-k ...)")
     parser.add_argument("--storage", default=".benchmarks", help="where 'latest' and run numbers are looked up")
-    parser.add_argument("--noise", help="noise file (default .benchmarks/<machine>/noise.json when it exists)")
+    parser.add_argument("--noise", help="noise file (default: this machine's, .benchmarks/<machine>/"
+                        "noise-<cpu>-<n>cpus.json, when it exists)")
     parser.add_argument("--json", dest="json_out", help="also write the comparison rows as JSON here (when it "
                         "refuses: the error)")
     parser.add_argument("--all", action="store_true", help="list every case, not only those outside threshold")
 
 
 def run(args) -> int:
+    if args.json_out:  # before any comparison is printed (or any suite run)
+        check_writable_file(args.json_out, "--json")
     try:
         if (args.new is None) == (args.run is None):
             raise ReportError("give the new run's JSON or --run OUT.json (not both)")
@@ -283,7 +290,8 @@ def run(args) -> int:
             _write_json(args.json_out, {"base": args.base, "new": args.new, "failed": None, "error": str(exc)})
         return EXIT_REFUSED
     print(f"pcvr diff: {args.base} -> {args.new}; thresholds from "
-          + (f"the noise floor of {noise['runs']} runs" if noise else "the floors only (no noise file)"))
+          + (f"the noise floor of {noise['runs']} runs" if noise else "the floors only (no noise file for this "
+                                                                            "machine)"))
     print(diff_table(rows, args.all))
     if args.json_out:
         _write_json(args.json_out, {"base": args.base, "new": args.new, "failed": failed(rows),

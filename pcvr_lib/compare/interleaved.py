@@ -18,7 +18,7 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from pcvr_lib.compare.noise import default_noise_path, load_noise, threshold
+from pcvr_lib.compare.noise import default_noise, load_noise, threshold
 from pcvr_lib.compare.runs import (
     EXIT_INCONCLUSIVE,
     EXIT_OK,
@@ -202,7 +202,8 @@ def add_arguments(parser) -> None:
     parser.add_argument("--until-clear", type=int, metavar="N",
                         help="after --rounds, add rounds (pairs) one at a time while a gated case is unclear, up "
                         "to N in all; still unclear then: exit 3 (inconclusive), never a pass")
-    parser.add_argument("--noise", help="noise file (default .benchmarks/<machine>/noise.json of the candidate)")
+    parser.add_argument("--noise", help="noise file (default: the candidate machine's, "
+                        ".benchmarks/<machine>/noise-<cpu>-<n>cpus.json)")
     parser.add_argument("--work", default="results/compare", help="where the runs' JSON and the report go")
     parser.add_argument("--all", action="store_true", help="list every case, not only those outside threshold")
     parser.add_argument("--candidate-env", action="append", default=[], metavar="NAME=VALUE",
@@ -281,12 +282,14 @@ def run(args) -> int:
             for i in range(args.rounds):
                 unit(i, args, dirs, side_env, work, runs, files, t0)
         check_same_machine(runs["base"][0], runs["new"][0], "base", "candidate")
-        noise_path = Path(args.noise) if args.noise else default_noise_path(runs["new"][0], new_dir / ".benchmarks")
-        noise = load_noise(noise_path)
-        if noise is not None and noise.get("machine") != machine_of(runs["new"][0]):
-            if args.noise:
+        if args.noise:
+            noise_path, noise = Path(args.noise), load_noise(Path(args.noise))
+            if noise is not None and noise.get("machine") != machine_of(runs["new"][0]):
                 raise ReportError(f"{noise_path}: noise measured on {noise.get('machine')}, not on this machine")
-            noise = None  # the default noise file is another machine's: the floors only
+        else:
+            noise, noise_path, why = default_noise(runs["new"][0], new_dir / ".benchmarks")
+            if why:
+                print(f"pcvr compare: {why}; thresholds are the floors only", file=sys.stderr)
         rows, missing = ab_compare(runs["base"], runs["new"], noise)
         done = args.rounds
         while not args.replay and args.until_clear and done < args.until_clear and unclear(rows) and not missing:

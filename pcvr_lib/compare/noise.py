@@ -7,6 +7,7 @@ import argparse
 import hashlib
 import json
 import math
+import re
 import statistics
 import sys
 from pathlib import Path
@@ -155,15 +156,47 @@ def threshold(noise: dict | None, case: Case, metric: str, base_s: float) -> tup
     return candidates[source], source
 
 
+def noise_key(run: dict) -> str:
+    """What a noise file is keyed by besides its folder (machine_name): the CPU model and core count, as a
+    file-name slug ("intel-xeon-processor-2cpus"). CPU times and host times follow the CPU, so another CPU's
+    noise floor is never taken for this one's."""
+    machine = machine_of(run)
+    cpu = re.sub(r"\((r|tm)\)", " ", machine["cpu"], flags=re.IGNORECASE)
+    return f"{re.sub(r'[^a-z0-9]+', '-', cpu.lower()).strip('-')}-{machine['cpus']}cpus"
+
+
 def default_noise_path(run: dict, storage: Path = Path(".benchmarks")) -> Path:
-    return storage / machine_name(run) / "noise.json"
+    """storage/<machine name>/noise-<noise_key>.json: the run's machine's noise file, if it has one."""
+    return storage / machine_name(run) / f"noise-{noise_key(run)}.json"
+
+
+def default_noise(run: dict, storage: Path = Path(".benchmarks")) -> tuple[dict | None, Path, str | None]:
+    """(noise, its path, None) for the run's machine, or (None, the path it would have, why there is none:
+    which machines the folder holds noise files for)."""
+    path = default_noise_path(run, storage)
+    noise = load_noise(path)
+    if noise is not None and noise.get("machine") == machine_of(run):
+        return noise, path, None
+    machine = machine_of(run)
+    here = f"{machine['cpu']}, {machine['cpus']} CPUs, {machine['gpu']}"
+    if noise is not None:
+        return None, path, f"{path} holds noise of {noise.get('machine')}, not of this machine ({here})"
+    others = []
+    for other in sorted(path.parent.glob("noise*.json")):
+        try:
+            measured = (load_noise(other) or {}).get("machine") or {}
+        except ReportError:
+            continue
+        others.append(f"{measured.get('cpu')}, {measured.get('cpus')} CPUs, {measured.get('gpu')} ({other.name})")
+    held = f"{path.parent} holds noise of: {'; '.join(others)}" if others else f"{path.parent} holds no noise file"
+    return None, path, f"no noise file for this machine ({here}): no {path}; {held}"
 
 
 def add_arguments(parser) -> None:
     parser.add_argument("-n", "--runs", type=int, default=3, help="how many times to run the suite (default 3)")
     parser.add_argument("--from", dest="sources", nargs="+", metavar="JSON",
                         help="build the noise file from these stored runs instead of running anything")
-    parser.add_argument("--out", help="noise file (default .benchmarks/<machine>/noise.json)")
+    parser.add_argument("--out", help="noise file (default .benchmarks/<machine>/noise-<cpu>-<n>cpus.json)")
     parser.add_argument("--work", default="results/noise", help="where the runs' JSON goes")
     parser.add_argument("tests", nargs=argparse.REMAINDER,
                         help="last: test paths and pytest args, e.g. perf_tests -k x "
@@ -196,7 +229,7 @@ def run(args) -> int:
     except ReportError as exc:
         print(f"pcvr noise: error: {exc}", file=sys.stderr)
         return EXIT_REFUSED
-    out = Path(args.out) if args.out else Path(".benchmarks") / noise["machine_name"] / "noise.json"
+    out = Path(args.out) if args.out else default_noise_path(load_run(sources[0]))
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(noise, indent=1) + "\n")
     print(noise_summary(noise))

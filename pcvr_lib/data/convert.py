@@ -59,6 +59,7 @@ from pcvr_lib.data.list_order import (
     non_monotonic_error,
 )
 from pcvr_lib.data.parquet import DataError, check_arrow_schema, expected_columns
+from pcvr_lib.errors import warn
 from pcvr_lib.schema import Schema
 
 # the converter's public API (some defined in the modules it is made of)
@@ -80,11 +81,21 @@ __all__ = [
 NULL_USER_ID = -1
 # "auto": the native kernels when they build here, else numpy (recorded in Converter.backend / stats)
 BACKENDS = ("auto", "native", "numpy")
-INT32_MAX = 2**31 - 1
 
 # the output arrays of a side's features and of a domain, in FeatureBlock / SequenceBlock field order
 FEATURE_ARRAYS = ("int_values", "int_missing", "dense_values", "dense_missing")
 SEQUENCE_ARRAYS = ("values", "timestamps", "lengths")
+
+
+_fallback_warned: list[str] = []  # the numpy fallback is said once per process
+
+
+def _warn_numpy_fallback(reason: str) -> None:
+    """backend="auto" without the native kernels: say so (once per process), since every conversion is then
+    several times slower (a benchmark would time the numpy path)."""
+    if not _fallback_warned:
+        _fallback_warned.append(reason)
+        warn(f"the converter's native C kernels are unavailable ({reason}); converting with the slower numpy path")
 
 
 def labels_from_label_type(label_type: pa.Array) -> np.ndarray:
@@ -188,14 +199,10 @@ class Converter(NumpyConversion):
                 if backend == "native":
                     raise
                 self.native_unavailable = str(exc)
+                _warn_numpy_fallback(self.native_unavailable)
         self.backend = "native" if self._lib is not None else "numpy"
         self.expected = expected_columns(schema)
         self._checked: pa.Schema | None = None
-        for feat in schema.user_int + schema.item_int + tuple(f for d in schema.domains for f in d.side_features):
-            if feat.vocab_size > INT32_MAX:
-                raise ValueError(
-                    f"column {feat.column!r}: vocab_size {feat.vocab_size} does not fit the int32 ids of a Batch"
-                )
         self._scalars = {side: [f for f in schema.int_group(side) if f.dim == 1] for side in ("user", "item")}
         self._lists_int = {side: [f for f in schema.int_group(side) if f.dim > 1] for side in ("user", "item")}
         self._scalar_vocab = {

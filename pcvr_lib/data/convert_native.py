@@ -48,15 +48,16 @@ def native_library():
         return _native_state["lib"]
     if "error" in _native_state:
         raise NativeUnavailable(_native_state["error"])
+    folder = default_cache_dir() / "native"  # a bad PCVR_CACHE_DIR is the user's error, not a reason to fall back
     try:
-        _native_state["lib"] = _build_native()
+        _native_state["lib"] = _build_native(folder)
     except Exception as exc:  # no compiler, failed build, unloadable library
         _native_state["error"] = f"{type(exc).__name__}: {exc}"
         raise NativeUnavailable(_native_state["error"]) from exc
     return _native_state["lib"]
 
 
-def _build_native():
+def _build_native(folder: Path):
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if not compiler:
         raise NativeUnavailable("no C compiler (cc/gcc) on PATH")
@@ -64,7 +65,6 @@ def _build_native():
     key = hashlib.sha256(
         "\n".join([source_text, " ".join(_NATIVE_FLAGS), compiler, platform.machine(), _cpu_id()]).encode()
     ).hexdigest()[:16]
-    folder = default_cache_dir() / "native"
     folder.mkdir(parents=True, exist_ok=True)
     path = folder / f"pcvr_convert_{key}.so"
     if not path.exists():

@@ -46,6 +46,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from pcvr_lib.data.parquet import SCHEMA_METADATA_KEY
+from pcvr_lib.errors import CommandError
 from pcvr_lib.schema import Schema, load_schema
 
 GENERATOR_VERSION = 2
@@ -57,6 +59,11 @@ MAX_SEQ_LEN = 4000
 POSITIVE_RATE = 0.10
 PARQUET_COMPRESSION = "snappy"
 GENERATION_INFO = "generation.json"  # written beside a generated file: rows, bytes, seconds, peak RSS
+# The memory check before a large base table (check_memory): a sample of this many rows is generated and
+# its bytes per row scaled; peak RSS was 1.14-1.15x the table's bytes at 1,000 and 4,000 rows of the demo
+# schema (numpy intermediates), so the estimate takes 1.25x.
+MEMORY_SAMPLE_ROWS = 200
+MEMORY_PEAK_FACTOR = 1.25
 
 # Noise rates of the id generator.
 P_NULL = 0.03
@@ -329,11 +336,22 @@ def amplified(base: pa.Table, repeat: int) -> pa.Table:
     return out
 
 
+CACHE_ENV = "PCVR_CACHE_DIR"
+
+
 def default_cache_dir() -> Path:
-    env = os.environ.get("PCVR_CACHE_DIR")
-    if env:
-        return Path(env)
-    return Path(__file__).resolve().parents[2] / ".cache" / "pcvr"
+    """$PCVR_CACHE_DIR, else .cache/pcvr of the checkout. A PCVR_CACHE_DIR that is (or lies under) a file is an
+    error naming the variable: the converter's compiled kernels live there too, and a silent fallback would
+    measure the slow converter."""
+    env = os.environ.get(CACHE_ENV)
+    if not env:
+        return Path(__file__).resolve().parents[2] / ".cache" / "pcvr"
+    path = Path(env)
+    for parent in (path, *path.parents):
+        if parent.exists() and not parent.is_dir():
+            raise CommandError(f"{CACHE_ENV}={env}: {parent} is a file, not a folder; point {CACHE_ENV} at a "
+                               "folder or unset it")
+    return path
 
 
 def cache_key(
@@ -427,6 +445,7 @@ def generate_dataset(
         folder = path.parent
         if path.exists() and not force:
             raise FileExistsError(f"{path} exists; pass --force (force=True) to overwrite it")
+    check_memory(schema, rows, multiplier, seed, list_order)
     folder.mkdir(parents=True, exist_ok=True)
     schema_text = json.dumps(schema.raw, indent=2) + "\n"
     schema_path = folder / "schema.json"
@@ -438,6 +457,8 @@ def generate_dataset(
 
     start = time.perf_counter()
     base = generate_table(schema, rows, seed, list_order)
+    # the schema in the file's footer too, so that a file moved without its schema.json is still checked
+    base = base.replace_schema_metadata({SCHEMA_METADATA_KEY: json.dumps(schema.raw, sort_keys=True)})
     write_parquet(base, path, multiplier=multiplier, row_group_size=row_group_size, progress=progress)
     # how the file was made, beside it (the benchmarks record it): the peak is this process's peak RSS
     info = {
@@ -450,6 +471,67 @@ def generate_dataset(
     }
     _write_text_atomic(path.with_name(GENERATION_INFO), json.dumps(info, indent=2) + "\n")
     return path
+
+
+def available_memory() -> tuple[int, str] | None:
+    """(bytes this process may still allocate, where the limit comes from): the smallest of the memory the
+    system has available, this process's address-space limit (ulimit -v) and its cgroup's limit; None when
+    none of them can be read."""
+    import resource
+
+    limits = []
+    try:
+        with open("/proc/meminfo") as f:
+            info = {line.split(":")[0]: line.split()[1] for line in f}
+        limits.append((int(info["MemAvailable"]) * 1024, "MemAvailable"))
+    except (OSError, KeyError, ValueError, IndexError):
+        pass
+    soft, _ = resource.getrlimit(resource.RLIMIT_AS)
+    if soft != resource.RLIM_INFINITY:
+        try:
+            with open("/proc/self/status") as f:
+                size = next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmSize:"))
+        except (OSError, StopIteration, ValueError):
+            size = 0
+        limits.append((max(soft - size, 0), "the address-space limit (ulimit -v)"))
+    try:
+        limit = Path("/sys/fs/cgroup/memory.max").read_text().strip()
+        used = int(Path("/sys/fs/cgroup/memory.current").read_text())
+        if limit != "max":
+            limits.append((max(int(limit) - used, 0), "the cgroup's memory.max"))
+    except (OSError, ValueError):
+        pass
+    return min(limits) if limits else None
+
+
+def _size(nbytes: float) -> str:
+    for unit in ("B", "KB", "MB", "GB", "TB"):
+        if nbytes < 1024 or unit == "TB":
+            return f"{nbytes:,.0f} {unit}" if unit == "B" else f"{nbytes:,.1f} {unit}"
+        nbytes /= 1024
+    raise AssertionError("unreachable")
+
+
+def check_memory(schema: Schema, rows: int, multiplier: int, seed: int, list_order: str) -> None:
+    """Refuse `rows` whose base table would not fit in memory, before generating it: the need is estimated from
+    a generated sample of MEMORY_SAMPLE_ROWS rows of this schema (table bytes per row x rows x
+    MEMORY_PEAK_FACTOR); small tables are not estimated."""
+    if rows <= 10 * MEMORY_SAMPLE_ROWS:
+        return
+    per_row = generate_table(schema, MEMORY_SAMPLE_ROWS, seed, list_order).nbytes / MEMORY_SAMPLE_ROWS
+    found = available_memory()  # after the sample: what it left allocated is not available either
+    if found is None:
+        return
+    available, source = found
+    need = per_row * rows * MEMORY_PEAK_FACTOR
+    if need <= available:
+        return
+    fit = max(int(available / (per_row * MEMORY_PEAK_FACTOR)), 1)
+    total = rows * multiplier
+    raise CommandError(
+        f"--rows {rows:,}: generating needs about {_size(need)} of memory ({_size(per_row)} per row of this schema; "
+        f"the base table is built in memory), more than the {_size(available)} available ({source}); use at most "
+        f"--rows {fit:,} (--multiplier {-(-total // fit):,} repeats it to {total:,} rows at no memory cost)")
 
 
 def generation_info(path: str | Path) -> dict | None:
@@ -479,7 +561,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from pcvr_lib.errors import CommandError, check_writable
+    from pcvr_lib.errors import check_writable
     from pcvr_lib.progress import interactive
 
     # argument errors before any work (the schema is checked by generate_dataset before it generates)
@@ -494,8 +576,10 @@ def run(args: argparse.Namespace) -> int:
         if out.exists() and not args.force:
             raise CommandError(f"--out {out} exists; pass --force to overwrite it or choose another path")
         check_writable(out.parent, "--out")
+    elif args.cache_dir:
+        check_writable(Path(args.cache_dir), "--cache-dir")
     else:
-        check_writable(Path(args.cache_dir) if args.cache_dir else default_cache_dir(), "--cache-dir")
+        check_writable(default_cache_dir(), CACHE_ENV if os.environ.get(CACHE_ENV) else "the cache folder")
     path = generate_dataset(
         args.schema,
         rows=args.rows,

@@ -4,7 +4,9 @@ row group (bounded memory).
 Reports rows, row groups, bytes (file, compressed and uncompressed column data); per sequence domain the
 share of rows whose lists are newest first, newest last, not monotonic or too short to tell (the
 converter's own per-row rule, `convert.classify_list_order`), and length percentiles; per column the nulls
-(null rows, and null elements inside lists) and out-of-vocabulary values (ids >= vocab_size, vocab > 0).
+(null rows, and null elements inside lists) and out-of-vocabulary values (ids >= vocab_size, vocab > 0); the
+values train, val and infer warn about or refuse (`parquet.ValueCounts`: null labels, NaN / infinite dense
+values, negative request timestamps). A file whose own schema differs from --schema is refused, as by train.
 `--verify` also decodes every column chunk of every row group, the columns the schema does not use
 included, and names each one that fails (exit status 1).
 """
@@ -20,7 +22,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 
 from pcvr_lib.data.convert import ORDER_CLASSES, classify_list_order
-from pcvr_lib.data.parquet import DataError, open_dataset
+from pcvr_lib.data.parquet import DataError, ValueCounts, check_data_schema, open_dataset
 from pcvr_lib.progress import interactive
 from pcvr_lib.schema import Schema, load_schema
 
@@ -39,6 +41,8 @@ def inspect_file(path: str | Path, schema: Schema, *, verify: bool = False, prog
     """The report as a dict (see the module doc)."""
     path = Path(path)
     parquet = open_dataset(path, schema)
+    check_data_schema(path, schema, "the schema given (--schema)", "inspect it with its own schema")
+    value_counts = ValueCounts()
     meta = parquet.metadata
     columns = schema.converter_columns
     vocab = _vocab_columns(schema)
@@ -64,6 +68,7 @@ def inspect_file(path: str | Path, schema: Schema, *, verify: bool = False, prog
                 ) from exc
             corrupt.append({"row_group": g, "column": None, "error": f"{type(exc).__name__}: {exc}"})
             continue
+        value_counts.add(table, schema, int(sum(meta.row_group(i).num_rows for i in range(g))))
         for name in columns:
             col = table.column(name)
             nulls[name] += col.null_count
@@ -129,6 +134,7 @@ def inspect_file(path: str | Path, schema: Schema, *, verify: bool = False, prog
         "null_rows": {k: v for k, v in nulls.items() if v},
         "null_elements": {k: v for k, v in null_elements.items() if v},
         "out_of_vocab": {k: v for k, v in oob.items() if v},
+        "values": value_counts.to_dict(),
         "verified": verify,
         "corrupt": corrupt,
     }
@@ -156,6 +162,16 @@ def _print(report: dict) -> None:
         shown = ", ".join(f"{k} {v:,}" for k, v in sorted(counts.items(), key=lambda kv: -kv[1])[:8])
         more = f" and {len(counts) - 8} more column(s)" if len(counts) > 8 else ""
         print(f"{title}: {sum(counts.values()):,} in {len(counts)} column(s)" + (f": {shown}{more}" if counts else ""))
+    v = report["values"]
+    first = v["first_negative_timestamp"]
+    print(f"null labels: {v['null_labels']:,} (read as negative)")
+    print(f"negative request timestamps: {v['negative_timestamps']:,}"
+          + (f" (first in row {first[0]}: {first[1]}; train, val and infer refuse them)" if first else ""))
+    dense = v["non_finite_dense"]
+    shown = ", ".join(f"{k} {n:,}" for k, n in sorted(dense.items(), key=lambda kv: -kv[1])[:8])
+    more = f" and {len(dense) - 8} more column(s)" if len(dense) > 8 else ""
+    print(f"NaN / infinite dense values: {sum(dense.values()):,} in {len(dense)} column(s) (read as missing)"
+          + (f": {shown}{more}" if dense else ""))
     if report["verified"]:
         if report["corrupt"]:
             for c in report["corrupt"]:
@@ -174,15 +190,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import sys
-
-    try:
-        schema = load_schema(args.schema, args.max_lens)
-        progress = not args.no_progress and not args.json and interactive()  # no bar in logs or CI
-        report = inspect_file(args.file, schema, verify=args.verify, progress=progress)
-    except (ValueError, FileNotFoundError) as exc:  # DataError and schema errors are ValueErrors
-        print(f"error: {exc}", file=sys.stderr)
-        return 2
+    # errors (DataError, SchemaError, a missing file) go to the command line's boundary: `pcvr inspect: error: ...`
+    schema = load_schema(args.schema, args.max_lens)
+    progress = not args.no_progress and not args.json and interactive()  # no bar in logs or CI
+    report = inspect_file(args.file, schema, verify=args.verify, progress=progress)
     if args.json:
         print(json.dumps(report, indent=2))
     else:

@@ -256,6 +256,11 @@ class LoaderPlan:
         return len(self.plan_items())
 
     @property
+    def batch_rows(self) -> np.ndarray:
+        """Rows of each batch of the side (batch_size, but fewer in each row group's last batch)."""
+        return self._key_rows
+
+    @property
     def planned_rows(self) -> int:
         """Rows the plan yields before augmentation (views multiply them afterwards)."""
         rows = dict(zip(self._keys, self._key_rows.tolist(), strict=True))

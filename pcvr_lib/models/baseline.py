@@ -112,7 +112,9 @@ class HyFormer(PCVRModel):
             nn.ModuleDict({name: DomainBlock(c) for name in self.domains}) for _ in range(c.num_blocks)
         )
         n_queries = q * len(self.domains)
-        self.mixers = nn.ModuleList(RankMixerBlock(n_queries + n_ns, d) for _ in range(c.num_blocks))
+        why = (f"queries_per_domain {q} x {len(self.domains)} domains + {n_ns} field tokens: user_ns_tokens, "
+               "item_ns_tokens, dense")
+        self.mixers = nn.ModuleList(RankMixerBlock(n_queries + n_ns, d, tokens_from=why) for _ in range(c.num_blocks))
         self.head = nn.Sequential(nn.LayerNorm(n_queries * d), nn.Linear(n_queries * d, c.head_hidden), nn.SiLU())
         self.out = nn.Linear(c.head_hidden, 1)
 

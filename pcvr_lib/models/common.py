@@ -181,10 +181,15 @@ def rank_mix(x: torch.Tensor) -> torch.Tensor:
 class RankMixerBlock(nn.Module):
     """y = LN(x + FFN(LN(rank_mix(x)))) with one shared 4x GELU FFN (the reference's RankMixer)."""
 
-    def __init__(self, tokens: int, d_model: int, ffn_mult: int = 4):
+    def __init__(self, tokens: int, d_model: int, ffn_mult: int = 4, tokens_from: str = ""):
         super().__init__()
         if d_model % tokens:
-            raise ValueError(f"RankMixer over {tokens} tokens needs d_model divisible by {tokens}, got {d_model}")
+            low, high = d_model // tokens * tokens, (d_model // tokens + 1) * tokens
+            nearest = f"{low} or {high}" if low else str(high)
+            raise ValueError(
+                f"RankMixer mixes {tokens} tokens{f' ({tokens_from})' if tokens_from else ''}, so model option d_model "
+                f"must be a multiple of {tokens}, got {d_model}: pass --model-config '{{\"d_model\": {high}}}' "
+                f"(the nearest multiples: {nearest})")
         self.norm = nn.LayerNorm(d_model)
         hidden = ffn_mult * d_model
         self.ffn = nn.Sequential(nn.Linear(d_model, hidden), nn.GELU(), nn.Linear(hidden, d_model))
@@ -449,6 +454,10 @@ class PCVRModel(nn.Module):
             raise TypeError(f"{type(self).__name__} needs a {self.config_class.__name__}, got {type(config).__name__}")
         else:
             config.validate()
+        if not schema.domains:
+            raise ValueError(f"model {self.name!r} needs at least one sequence domain, and the schema's \"seq\" is "
+                             "empty: add a user-behaviour sequence domain to the schema (see "
+                             "fixtures/sample_1000_raw.schema.json)")
         self.schema = schema
         self.config = config
 

@@ -1,7 +1,8 @@
 """The run dir's files: their names, JSON writing, and the checkpoints.
 
-A checkpoint `global_step{N}.AUC={auc:.6f}/` holds model.safetensors, schema.json and train_config.json
-(the complete config), which are all `val` and `infer` need to rebuild the model: no pickles anywhere.
+A checkpoint `global_step{N}.AUC={auc:.6f}/` (`AUC=undefined` when the holdout held one class only) holds
+model.safetensors, schema.json and train_config.json (the complete config), which are all `val` and `infer`
+need to rebuild the model: no pickles anywhere.
 Training checkpoints also hold the optimizer and RNG state (safetensors + a JSON skeleton) and the
 history so far, for `--resume`. checkpoint.json, the sha256 of every file, is written last: a folder
 without it is incomplete, skipped when a run dir is searched and refused when named.
@@ -25,7 +26,7 @@ from pcvr_lib.models import build_model
 from pcvr_lib.schema import SchemaError, parse_schema
 from pcvr_lib.train.config import TrainConfig, TrainError
 
-CHECKPOINT_RE = re.compile(r"^global_step(\d+)\.AUC=([0-9.]+|nan)$")
+CHECKPOINT_RE = re.compile(r"^global_step(\d+)\.AUC=([0-9.]+|nan|undefined)$")
 MODEL_FILE = "model.safetensors"
 SCHEMA_FILE = "schema.json"
 CONFIG_FILE = "train_config.json"
@@ -73,13 +74,19 @@ def read_json_file(path: Path, what: str):
 
 
 # ------------------------------------------------------------------------------------------- save
-def save_checkpoint(run_dir: Path, model, schema, config: TrainConfig, step: int, auc: float,
+def checkpoint_name(step: int, auc: float | None) -> str:
+    """`global_step{N}.AUC={auc:.6f}`, or `AUC=undefined` when there is no AUC (None or NaN: one class only)."""
+    value = "undefined" if auc is None or not np.isfinite(auc) else f"{auc:.6f}"
+    return f"global_step{step}.AUC={value}"
+
+
+def save_checkpoint(run_dir: Path, model, schema, config: TrainConfig, step: int, auc: float | None,
                     optimizers=None, train_state: dict | None = None) -> Path:
     """Write `global_step{N}.AUC={auc}/` atomically: every file goes to a hidden temporary folder, then
     MANIFEST_FILE (the sha256 of each file) is written last and the folder is renamed into place. A folder
     without a manifest is incomplete and never loaded. With `optimizers` and `train_state`, the optimizer
     state, the RNG state and the run's history so far are saved too, so that `--resume` can continue."""
-    folder = run_dir / f"global_step{step}.AUC={auc:.6f}"
+    folder = run_dir / checkpoint_name(step, auc)
     tmp = run_dir / f"{TMP_PREFIX}{folder.name}"
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
@@ -100,7 +107,8 @@ def save_checkpoint(run_dir: Path, model, schema, config: TrainConfig, step: int
             save_file(state_tensors, str(tmp / OPTIMIZER_FILE))
             write_json(tmp / STATE_FILE, dict(train_state or {}, global_step=step, optimizer=structure, rng=rng))
         names = sorted(p.name for p in tmp.iterdir())
-        write_json(tmp / MANIFEST_FILE, {"global_step": step, "auc": finite_or_none(float(auc)),
+        auc = None if auc is None else finite_or_none(float(auc))
+        write_json(tmp / MANIFEST_FILE, {"global_step": step, "auc": auc,
                                          "sha256": {name: file_sha256(tmp / name) for name in names}})
         if folder.exists():  # the same step saved again (a resumed run): replace it
             shutil.rmtree(folder)
@@ -192,6 +200,7 @@ def find_checkpoint(path: str | Path) -> Path:
         folder = p / Path(named).name  # the run dir may have moved since: the name is what counts
         if not folder.is_dir():
             raise TrainError(f"{p / SUMMARY_FILE} names checkpoint {folder.name}, which is not in {p}")
+        _check_summary_digests(p / SUMMARY_FILE, summary, folder)
     else:
         found = complete_checkpoints(p)
         if not found:
@@ -204,6 +213,33 @@ def find_checkpoint(path: str | Path) -> Path:
         raise TrainError(f"checkpoint {folder} is incomplete (no readable {MANIFEST_FILE}: an interrupted save "
                          "or an older pcvr); use another checkpoint or retrain")
     return folder
+
+
+def _check_summary_digests(summary_path: Path, summary: dict, folder: Path) -> None:
+    """The summary's checkpoint_sha256 must be the checkpoint manifest's: then the files verify_checkpoint
+    checks against the manifest are the ones training recorded (an edit of either is refused)."""
+    recorded = summary.get("checkpoint_sha256")
+    manifest = read_manifest(folder)
+    if not isinstance(recorded, dict) or manifest is None:
+        raise TrainError(f"{summary_path} records no checkpoint_sha256 for {folder.name}: restore the run dir from a "
+                         "copy or retrain")
+    for name in sorted(set(recorded) | set(manifest["sha256"])):
+        if recorded.get(name) != manifest["sha256"].get(name):
+            raise TrainError(f"{summary_path}: the sha256 of {folder.name}/{name} it records differs from "
+                             f"{folder.name}/{MANIFEST_FILE}'s: the summary or the checkpoint changed after training; "
+                             "restore the run dir from a copy or retrain")
+
+
+def check_output_run_dir(out_dir: Path, folder: Path, checkpoint_option: str, out_option: str) -> None:
+    """Refuse to write a checkpoint's evaluation into another run's dir: `out_dir` must be the checkpoint's own
+    run dir, or hold no run (no training summary, checkpoint or evaluation of its own)."""
+    if out_dir.resolve() == folder.parent.resolve() or not out_dir.is_dir():
+        return
+    own = [p.name for p in out_dir.iterdir() if p.name in RUN_ARTIFACTS or CHECKPOINT_RE.match(p.name)]
+    if own:
+        raise TrainError(f"{checkpoint_option} {folder} is not a checkpoint of {out_option} {out_dir}, which holds "
+                         f"another run ({', '.join(sorted(own)[:3])}): its evaluation would replace that run's files; "
+                         f"leave out {out_option} (the files go to {folder.parent}) or give an empty one")
 
 
 def verify_checkpoint(folder: Path) -> dict:
@@ -241,11 +277,44 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"):
         raise TrainError(f"{folder / SCHEMA_FILE}: {exc}") from exc
     model = build_model(config.model, schema, config.model_config)
     state = _load_safetensors(folder / MODEL_FILE)
-    missing, unexpected = model.load_state_dict(state, strict=False)
-    if missing or unexpected:
-        raise TrainError(f"checkpoint {folder} does not fit model {config.model!r}: missing {missing}, "
-                         f"unexpected {unexpected}")
+    _check_state_fits(folder, state, model, config.model)
+    model.load_state_dict(state)
     return model.to(device), schema, config, folder
+
+
+def _check_state_fits(folder: Path, state: dict[str, torch.Tensor], model, name: str) -> None:
+    """The weights must be the model the checkpoint's config and schema describe: a file of another model
+    (or of the same model under other options or another schema) is named with its first differences."""
+    expected = model.state_dict()
+    missing = sorted(expected.keys() - state.keys())
+    unexpected = sorted(state.keys() - expected.keys())
+    shapes = [(k, list(state[k].shape), list(expected[k].shape)) for k in sorted(state.keys() & expected.keys())
+              if state[k].shape != expected[k].shape]
+    if not (missing or unexpected or shapes):
+        return
+    saved_by = _saved_model_name(folder / MODEL_FILE)
+    found = []
+    if shapes:
+        k, got, want = shapes[0]
+        found.append(f"{k} is {got} in the file, {want} in {name!r}" + (f" (and {len(shapes) - 1} more shapes)"
+                                                                        if len(shapes) > 1 else ""))
+    if missing:
+        found.append(f"{len(missing)} tensor(s) of {name!r} missing (first {missing[0]})")
+    if unexpected:
+        found.append(f"{len(unexpected)} tensor(s) {name!r} does not have (first {unexpected[0]})")
+    whose = (f"model {name!r} under other options or another schema" if saved_by == name
+             else f"saved by model {saved_by!r}, its config says {name!r}")
+    raise TrainError(f"checkpoint {folder}: {MODEL_FILE} holds another model than its {CONFIG_FILE} and "
+                     f"{SCHEMA_FILE} describe ({whose}): {'; '.join(found)}; keep a checkpoint's files together, "
+                     "or retrain")
+
+
+def _saved_model_name(path: Path) -> str:
+    """The model name save_checkpoint wrote into the safetensors metadata ("unknown" without one)."""
+    from safetensors import safe_open
+
+    with safe_open(str(path), framework="pt") as f:
+        return (f.metadata() or {}).get("model", "unknown")
 
 
 def load_train_state(folder: Path, model, optimizers) -> dict[str, Any]:

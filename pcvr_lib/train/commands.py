@@ -9,6 +9,7 @@ from pathlib import Path
 from pcvr_lib.data.convert import LIST_ORDERS
 from pcvr_lib.data.loader import PRESETS
 from pcvr_lib.data.split import SPLIT_METHODS
+from pcvr_lib.metrics import auc_text
 from pcvr_lib.models import model_names
 from pcvr_lib.models.common import BACKEND_OPTIONS, BACKENDS
 from pcvr_lib.optim.registry import DENSE_OPTIMIZERS
@@ -74,7 +75,9 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
     add("--seed", type=int, default=d.seed, help=f"seed of data order, init and dropout (default {d.seed})")
     add("--no-deterministic", action="store_true", help="allow non-deterministic (faster) torch kernels")
     add("--steps", type=int, default=d.steps, help=f"optimizer steps (default {d.steps})")
-    add("--batch-size", type=int, default=d.batch_size, help=f"training rows per step (default {d.batch_size})")
+    add("--batch-size", type=int, default=d.batch_size,
+        help=f"training rows per step (default {d.batch_size}); a batch never spans parquet row groups, so each row "
+             "group's last batch holds fewer (said at the start)")
     add("--eval-batch-size", type=int, default=d.eval_batch_size,
         help=f"rows per batch when scoring the holdout (default {d.eval_batch_size})")
     add("--eval-every", type=int, default=0,
@@ -133,7 +136,7 @@ def run_train(args: argparse.Namespace) -> int:
     )
     summary = train(config, overwrite=args.overwrite, resume=args.resume)
     m = summary["validation_metrics"]
-    print(f"{summary['run_dir']}: holdout AUC {m['auc']:.4f} logloss {m['logloss']:.4f} "
+    print(f"{summary['run_dir']}: holdout AUC {auc_text(m['auc'])} logloss {m['logloss']:.4f} "
           f"({m['sample_count']} rows), {summary['skipped_steps']} skipped step(s), "
           f"train {summary['telemetry']['elapsed_sec']:.1f}s; checkpoint {summary['best_checkpoint']}")
     return 0
@@ -155,7 +158,7 @@ def run_val(args: argparse.Namespace) -> int:
     ev = validate(args.run_dir, checkpoint=args.checkpoint, data=args.data, rows=args.rows,
                   batch_size=args.batch_size, device=args.device, list_order=args.list_order)
     m = ev["metrics"]
-    print(f"{ev['experiment_name']}: AUC {m['auc']:.4f} logloss {m['logloss']:.4f} brier {m['brier']:.4f} "
+    print(f"{ev['experiment_name']}: AUC {auc_text(m['auc'])} logloss {m['logloss']:.4f} brier {m['brier']:.4f} "
           f"on {m['sample_count']} rows -> {ev['validation_predictions_path']}")
     return 0
 

@@ -15,12 +15,12 @@ from typing import Any
 import numpy as np
 import torch
 
-from pcvr_lib.errors import check_writable
-from pcvr_lib.metrics import classification_metrics, sigmoid
+from pcvr_lib.errors import check_writable, warn
+from pcvr_lib.metrics import classification_metrics, sigmoid, undefined_auc_reason
 from pcvr_lib.progress import bar
-from pcvr_lib.train.checkpoint import MODEL_FILE, load_checkpoint, write_json
+from pcvr_lib.train.checkpoint import MODEL_FILE, SCHEMA_FILE, check_output_run_dir, load_checkpoint, write_json
 from pcvr_lib.train.config import TrainError, autocast, resolve_device
-from pcvr_lib.train.inputs import data_path, make_loader, reading
+from pcvr_lib.train.inputs import check_data, make_loader, reading, trained_data_path
 from pcvr_lib.train.telemetry import Telemetry
 
 
@@ -86,8 +86,11 @@ def validate(
     dev = resolve_device(device)
     model, schema, config, folder = load_checkpoint(checkpoint or run_dir, dev)
     out_dir = Path(run_dir) if run_dir is not None else folder.parent
-    path = data_path(data or config.data)
+    if run_dir is not None and checkpoint is not None:
+        check_output_run_dir(out_dir, folder, "--checkpoint", "--run-dir")
+    path = trained_data_path(data, config, folder)
     check_writable(out_dir, "--run-dir" if run_dir is not None else "the checkpoint's run dir")
+    data_warnings = _check_scored_data(path, schema, folder, labels=True)
     use_amp = config.amp if amp is None else amp
     telemetry = Telemetry("evaluation", dev)
     with telemetry:
@@ -100,6 +103,10 @@ def validate(
         preds = _score(model, loader, dev, use_amp, folder, path, "val")
         metrics = classification_metrics(preds["target"], preds["probability"])
         telemetry.rows, telemetry.batches = len(preds["target"]), preds["batches"]
+    undefined = undefined_auc_reason(metrics)
+    if undefined:
+        data_warnings.append(f"{path}: {undefined}")
+        warn(data_warnings[-1])
     eval_telemetry = telemetry.to_dict(model, {"rows_scope": rows, "checkpoint": str(folder)})
     predictions_path = out_dir / "validation_predictions.jsonl"
     _write_prediction_lines(predictions_path, preds)
@@ -112,12 +119,23 @@ def validate(
         "data_path": str(path),
         "rows_scope": rows,
         "metrics": metrics,
+        "data_warnings": data_warnings,
         "validation_predictions_path": str(predictions_path),
         "telemetry": eval_telemetry,
     }
     write_json(out_dir / "evaluation_telemetry.json", eval_telemetry)
     write_json(out_dir / "evaluation.json", evaluation)
     return evaluation
+
+
+def _check_scored_data(path: Path, schema, folder: Path, labels: bool) -> list[str]:
+    """check_data for data scored by a checkpoint (its schema must be the checkpoint's); the warnings printed."""
+    warnings = check_data(path, schema, labels=labels, dense=False,
+                          what=f"the checkpoint's schema ({folder / SCHEMA_FILE})",
+                          fix="score data of the schema the model was trained on")
+    for text in warnings:
+        warn(text)
+    return warnings
 
 
 def _write_prediction_lines(path: Path, preds: dict) -> None:
@@ -153,8 +171,9 @@ def infer(
     dev = resolve_device(device)
     model, schema, config, folder = load_checkpoint(checkpoint, dev)
     out_dir = Path(result_dir) if result_dir is not None else folder.parent
-    path = data_path(data or config.data)
+    path = trained_data_path(data, config, folder)
     check_writable(out_dir, "--result-dir" if result_dir is not None else "the checkpoint's run dir")
+    data_warnings = _check_scored_data(path, schema, folder, labels=False)
     use_amp = config.amp if amp is None else amp
     telemetry = Telemetry("inference", dev)
     with telemetry:
@@ -170,7 +189,8 @@ def infer(
         "predictions": {k: float(p) for k, p in zip(keys, preds["probability"], strict=True)},
         "user_ids": {k: int(u) for k, u in zip(keys, preds["user_id"], strict=True)},
     }
-    inf_telemetry = telemetry.to_dict(model, {"checkpoint": str(folder), "data_path": str(path)})
+    inf_telemetry = telemetry.to_dict(model, {"checkpoint": str(folder), "data_path": str(path),
+                                              "data_warnings": data_warnings})
     write_json(out_dir / "predictions.json", payload)
     write_json(out_dir / "inference_telemetry.json", inf_telemetry)
     return inf_telemetry

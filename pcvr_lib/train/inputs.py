@@ -9,8 +9,10 @@ from pathlib import Path
 import pyarrow as pa
 
 from pcvr_lib.data.loader import PcvrLoader
+from pcvr_lib.data.parquet import check_data_schema, open_dataset, scan_values
+from pcvr_lib.errors import note, warn
 from pcvr_lib.schema import SchemaError, load_schema
-from pcvr_lib.train.checkpoint import SCHEMA_FILE
+from pcvr_lib.train.checkpoint import CONFIG_FILE, SCHEMA_FILE
 from pcvr_lib.train.config import TrainConfig, TrainError, strict_time_filter
 
 
@@ -21,6 +23,50 @@ def data_path(path: str | Path) -> Path:
     if not p.is_file():
         raise TrainError(f"data path is not a file: {p}")
     return p
+
+
+def trained_data_path(data: str | Path | None, config: TrainConfig, folder: Path) -> Path:
+    """val / infer: --data when given, else the file the checkpoint was trained on (stored absolute)."""
+    if data is not None:
+        return data_path(data)
+    p = Path(config.data)
+    if not p.is_file():
+        raise TrainError(f"the data this checkpoint was trained on, {p} (as {folder / CONFIG_FILE} records), is not "
+                         "there (moved or deleted): pass --data FILE")
+    return p
+
+
+def check_data(data: Path, schema, *, what: str, fix: str, labels: bool, dense: bool) -> list[str]:
+    """What train, val and infer check on their data before any work, the same checks `pcvr inspect` reports:
+    the data's own schema is the run's (`what` names the run's, `fix` says what to do), the file opens with
+    every column, no request timestamp is negative. Lossy values are warned about (null labels when `labels`,
+    non-finite dense values when `dense`: training says them, scoring reads them the same way): returned, for
+    the caller to print (`errors.warn`) once its other preconditions hold, and to record in its JSON."""
+    check_data_schema(data, schema, what, fix)
+    with reading(data):
+        counts = scan_values(open_dataset(data, schema), schema)
+    counts.refuse_negative_timestamps(data)
+    return counts.warnings(data, labels=labels, dense=dense)
+
+
+def check_batch_rows(loader, batch_size: int, data: Path) -> list[str]:
+    """Say what --batch-size gives where the file's layout changes it: a batch never spans row groups, so each
+    row group's last batch holds fewer rows, and a batch size above a row group's rows on the training side
+    gives batches of those rows. Returns the warnings (for the training summary)."""
+    rows = loader.batch_rows
+    largest = int(rows.max())
+    if largest < batch_size:
+        text = (f"--batch-size {batch_size} is more than the {largest:,} training rows of the largest row group of "
+                f"{data}: a batch never spans row groups, so every step trains on at most {largest:,} rows")
+        warn(text)
+        return [text]
+    short = rows[rows < batch_size]
+    if len(short):
+        low, high = int(short.min()), int(short.max())
+        note(f"--batch-size {batch_size}: {len(rows) - len(short)} of {len(rows)} batches hold {batch_size} rows, "
+             f"{len(short)} (row groups' last) {low if low == high else f'{low}-{high}'}: a batch never spans row "
+             "groups; steps draw batches in proportion to their rows")
+    return []
 
 
 def schema_path(data: Path, schema: str | None) -> Path:
@@ -34,9 +80,8 @@ def schema_path(data: Path, schema: str | None) -> Path:
 
 
 def read_schema(path: Path, max_lens):
-    """The schema at `path` with the run's --max-lens; a bad max_len blames the option, not the file."""
-    if not path.is_file():
-        raise TrainError(f"schema file not found: {path}")
+    """The schema at `path` with the run's --max-lens; a bad max_len blames the option, not the file (a missing
+    file or a folder: load_schema's message)."""
     try:
         return load_schema(path, max_lens=max_lens)
     except SchemaError as exc:

@@ -13,6 +13,7 @@ training_summary.json and training_telemetry.json into the run dir.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import random
 import shutil
@@ -27,8 +28,8 @@ import torch
 import torch.nn.functional as F
 
 from pcvr_lib.data.convert import labels_from_label_type
-from pcvr_lib.errors import Interrupted, check_writable
-from pcvr_lib.metrics import classification_metrics
+from pcvr_lib.errors import Interrupted, check_writable, warn
+from pcvr_lib.metrics import classification_metrics, undefined_auc_reason
 from pcvr_lib.models import build_model
 from pcvr_lib.optim import build_optimizer_set, train_step
 from pcvr_lib.progress import StepProgress
@@ -39,6 +40,7 @@ from pcvr_lib.train.checkpoint import (
     STATE_FILE,
     SUMMARY_FILE,
     TMP_PREFIX,
+    checkpoint_name,
     complete_checkpoints,
     finite_or_none,
     load_train_state,
@@ -51,7 +53,15 @@ from pcvr_lib.train.checkpoint import (
 )
 from pcvr_lib.train.config import TrainConfig, TrainError, autocast, check_names, resolve_device
 from pcvr_lib.train.evaluate import predict_batches
-from pcvr_lib.train.inputs import data_path, make_loader, read_schema, reading, schema_path
+from pcvr_lib.train.inputs import (
+    check_batch_rows,
+    check_data,
+    data_path,
+    make_loader,
+    read_schema,
+    reading,
+    schema_path,
+)
 from pcvr_lib.train.telemetry import Telemetry
 
 # where a resumed run must agree with the checkpoint it continues (the rest may change: steps, device, ...)
@@ -91,15 +101,21 @@ def train(config: TrainConfig, progress=None, *, overwrite: bool = False, resume
         raise TrainError("--overwrite and --resume exclude each other: replace the run or continue it")
     check_names(config)
     device = resolve_device(config.device)
-    data = data_path(config.data)
-    schema = read_schema(schema_path(data, config.schema), config.max_lens)
+    data = data_path(config.data).resolve()  # stored absolute: val and infer find it from any folder
+    config = dataclasses.replace(config, data=str(data))
+    schema_file = schema_path(data, config.schema)
+    schema = read_schema(schema_file, config.max_lens)
+    data_warnings = check_data(
+        data, schema, labels=True, dense=True,
+        what=f"--schema {config.schema}" if config.schema else f"the schema.json beside it ({schema_file})",
+        fix="train with the data's own schema (leave out --schema) or on data of this schema")
     run_dir = Path(config.run_dir)
     start = _prepare_run_dir(run_dir, config, overwrite=overwrite, resume=resume)
     previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
     seed_everything(config.seed, config.deterministic)
     try:
         with reading(data):
-            return _train(config, device, data, schema, run_dir, progress, start)
+            return _train(config, device, data, schema, run_dir, progress, start, data_warnings)
     finally:  # the deterministic switch is process-wide: give the caller its setting back
         torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
 
@@ -159,7 +175,8 @@ def _compile(model, enabled: bool, meta: dict):
         return model
 
 
-def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, resume_from: Path | None):
+def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, resume_from: Path | None,
+           data_warnings: list[str]):
     model = build_model(config.model, schema, config.model_config).to(device)
     meta: dict[str, Any] = {"model": config.model, "seed": config.seed, "amp": config.amp}
     optimizers = build_optimizer_set(
@@ -176,6 +193,9 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, r
         num_workers=config.num_workers,
     )
     split = train_loader.split
+    for text in data_warnings:  # once the model and the loader are built: a bad option stays the only line
+        warn(text)
+    data_warnings = data_warnings + check_batch_rows(train_loader, config.batch_size, data)
     history: dict[str, Any] = {"losses": [], "grad_norms": [], "skipped": 0, "clipped": 0, "checkpoints": [],
                                "init_metrics": None}
     start = 0
@@ -230,7 +250,7 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, r
                     t0 = time.perf_counter()
                     val_result = _holdout(model, data, schema, config, split, device)
                     # the name goes into the history before the save, so the checkpoint lists itself
-                    name = f"global_step{step}.AUC={val_result['metrics']['auc']:.6f}"
+                    name = checkpoint_name(step, val_result["metrics"]["auc"])
                     history["checkpoints"] = [c for c in history["checkpoints"] if c != name] + [name]
                     save_checkpoint(run_dir, model, schema, config, step, val_result["metrics"]["auc"],
                                     optimizers=optimizers,
@@ -250,6 +270,10 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, r
     train_telemetry = telemetry.to_dict(model, train_meta)
     write_json(run_dir / "training_telemetry.json", train_telemetry)
     metrics = val_result["metrics"]
+    undefined = undefined_auc_reason(metrics)
+    if undefined:
+        data_warnings = [*data_warnings, f"holdout {undefined}: the checkpoint is named AUC=undefined"]
+        warn(data_warnings[-1])
     checkpoints = [str(run_dir / name) for name in history["checkpoints"]]
     summary = {
         "run_dir": str(run_dir),
@@ -258,6 +282,7 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, r
         "model": config.model,
         "seed": config.seed,
         "data_path": str(data),
+        "data_warnings": data_warnings,
         "split": {"method": config.split, "valid_ratio": config.valid_ratio,
                   "train_rows": int(split.train_mask.sum()), "valid_rows": int(split.valid_mask.sum()),
                   "params": split.params, "flags": list(split.flags)},
