@@ -1,0 +1,199 @@
+"""Batches handed from the loader's worker processes to the consuming process through shared memory.
+
+Through the DataLoader's queue alone, every tensor of a ~20 MB batch would be moved into a fresh
+shared-memory segment by torch's pickler (a copy, a file descriptor sent over a socket, page faults on
+both sides), which cost more than a second worker gained. Instead each worker fills a ring of
+preallocated slots in one file on shared memory (/dev/shm where there is one), mapped once by the worker
+and once by the consumer, and only a small descriptor goes through the queue: the ring, the slot, and
+each tensor's dtype, shape and offset (the Batch with `SlotTensor`s where its tensors were). The worker
+copies a finished batch into the slot once; the consumer's batch is tensors over the mapped slot, no copy.
+
+Lifetime (the rule a DataLoader user expects: a batch is valid for as long as anything refers to it):
+a slot is busy from the moment the worker takes it until the last tensor over it is gone in the consumer.
+Every tensor of a received batch, and every view of one, keeps the slot's array alive, and a
+`weakref.finalize` on that array marks the slot free in the ring's header when it goes. When every slot
+is busy (a consumer keeping many batches, e.g. `list(loader)`), the worker hands that batch over the
+ordinary way, through torch's pickler (counted: `stats()["handoff"]["pickled"]`); it never waits for the
+consumer, which may be waiting for it. A batch larger than the slots (the first one sized them) makes the
+worker start a new ring with larger slots (`rings`).
+
+One ring per worker and iteration, in that iteration's folder of the loader's shared store: descriptors of
+an iteration stopped early are dropped unread, and their slots go with the ring. A ring is mapped where its
+first descriptor arrives; the consumer removes the iteration's ring files when it is complete (and the
+store removes an unfinished iteration's folder), and the memory goes when the last mapping does.
+
+A worker may also lend a slot to another worker (`lend`): the batches of a row group are converted by the
+one worker that decodes it (loader_pipeline), and a batch due to come out of another worker goes to that
+worker as a descriptor of the converter's slot instead of a file of the shared store; that worker makes its
+own batch from the slot (split filter, augmentations) and sends it through its own ring.
+"""
+
+from __future__ import annotations
+
+import mmap
+import os
+import weakref
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from pcvr_lib.data.batch import Batch
+
+SLOTS = 6  # per worker: the DataLoader's prefetch (2), the consumer's current and previous batch, margin
+_ALIGN = 64  # every tensor starts on a cache line
+_PAGE = 4096
+_FREE, _BUSY = 0, 1
+
+
+def _round_up(n: int, to: int) -> int:
+    return -(-n // to) * to
+
+
+@dataclass(frozen=True)
+class SlotTensor:
+    """Where one tensor of a batch lies in its slot: byte offset, dtype name, shape."""
+
+    offset: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+@dataclass(frozen=True)
+class SlotBatch:
+    """The descriptor a worker sends instead of a batch: `skeleton` is the Batch with SlotTensors."""
+
+    ring: str  # file name of the ring, in the iteration's folder
+    slots: int
+    slot_bytes: int
+    slot: int
+    skeleton: Batch
+
+
+def _layout(batch: Batch) -> tuple[list[tuple[int, torch.Tensor]], int]:
+    """(offset, tensor) for every tensor of the batch, in `batch.tensors()` order, and the bytes they need."""
+    placed, offset = [], 0
+    for t in batch.tensors():
+        placed.append((offset, t))
+        offset += _round_up(t.numel() * t.element_size(), _ALIGN)
+    return placed, offset
+
+
+class _Ring:
+    """One ring file: a header page with a state byte per slot, then `slots` slots of `slot_bytes`."""
+
+    def __init__(self, path: Path, slots: int, slot_bytes: int, create: bool):
+        self.path, self.slots, self.slot_bytes = path, slots, slot_bytes
+        self.header = _round_up(slots, _PAGE)
+        size = self.header + slots * slot_bytes
+        flags = os.O_RDWR | (os.O_CREAT | os.O_EXCL if create else 0)
+        fd = os.open(path, flags, 0o600)
+        try:
+            if create:
+                os.ftruncate(fd, size)
+            self.map = mmap.mmap(fd, size)  # MAP_SHARED: both processes see the same pages
+        finally:
+            os.close(fd)
+        self.states = np.frombuffer(self.map, dtype=np.uint8, count=slots)
+
+    def slot_array(self, slot: int) -> np.ndarray:
+        """A new array over the slot, made from the mapping itself: every slice of it (and every tensor made
+        from one) keeps this array alive, not some larger view (numpy points a view of a view at the first
+        array, so a slice of a slice of the whole ring would keep only the ring alive)."""
+        offset = self.header + slot * self.slot_bytes
+        return np.frombuffer(self.map, dtype=np.uint8, count=self.slot_bytes, offset=offset)
+
+
+def _slot_tensor(memory: np.ndarray, offset: int, dtype: torch.dtype, shape) -> torch.Tensor:
+    nbytes = int(np.prod(shape, dtype=np.int64)) * torch.empty(0, dtype=dtype).element_size()
+    return torch.from_numpy(memory[offset : offset + nbytes]).view(dtype).view(shape)
+
+
+class RingSender:
+    """A worker's side for one iteration: `send(batch)` -> a SlotBatch, or the batch itself when no slot is
+    free. `directory` is the iteration's folder of the shared store; `batch_rows` the loader's batch size
+    (a short first batch still sizes the slots for full ones)."""
+
+    def __init__(self, directory: str | Path, worker: int, batch_rows: int, slots: int = SLOTS):
+        self.directory, self.worker, self.batch_rows, self.slots = Path(directory), worker, batch_rows, slots
+        self.ring: _Ring | None = None
+        self.next_slot = 0
+        self.counts = {"shared": 0, "pickled": 0, "lent": 0, "rings": 0, "slot_bytes": 0}
+
+    def _new_ring(self, need: int, rows: int) -> _Ring:
+        slot_bytes = _round_up(max(need, need * self.batch_rows // max(rows, 1)), _PAGE)
+        path = self.directory / f"ring-{self.worker}-{self.counts['rings']}.bin"
+        self.counts.update(rings=self.counts["rings"] + 1, slot_bytes=slot_bytes)
+        self.next_slot = 0
+        return _Ring(path, self.slots, slot_bytes, create=True)
+
+    def place(self, batch: Batch) -> SlotBatch | None:
+        """Copy the batch into a free slot; its descriptor, or None when every slot is busy."""
+        placed, need = _layout(batch)
+        if self.ring is None or need > self.ring.slot_bytes:
+            self.ring = self._new_ring(need, batch.batch_size)
+        ring = self.ring
+        order = [*range(self.next_slot, ring.slots), *range(self.next_slot)]
+        slot = next((s for s in order if ring.states[s] == _FREE), None)
+        if slot is None:
+            return None
+        self.next_slot = (slot + 1) % ring.slots
+        ring.states[slot] = _BUSY
+        memory = ring.slot_array(slot)
+        for offset, t in placed:
+            _slot_tensor(memory, offset, t.dtype, t.shape).copy_(t)
+        spots = iter([SlotTensor(offset, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for offset, t in placed])
+        return SlotBatch(ring.path.name, ring.slots, ring.slot_bytes, slot, batch.map(lambda _: next(spots)))
+
+    def send(self, batch: Batch):
+        """What the worker yields for the consumer: the batch's descriptor, or the batch itself (pickled by
+        the DataLoader) when every slot is busy."""
+        handle = self.place(batch)
+        self.counts["shared" if handle is not None else "pickled"] += 1
+        return handle if handle is not None else batch
+
+    def lend(self, batch: Batch) -> SlotBatch | None:
+        """`place` for another worker (a batch converted here from a row group only this worker decodes),
+        which makes a batch of its own from the slot; None when every slot is busy."""
+        handle = self.place(batch)
+        self.counts["lent"] += handle is not None
+        return handle
+
+    def stats(self) -> dict:
+        return dict(self.counts, slots=self.slots)
+
+
+def _release(states: np.ndarray, slot: int) -> None:
+    states[slot] = _FREE
+
+
+class RingReceiver:
+    """The consumer's side: `receive(item)` -> a Batch over the slot (or `item` itself, a pickled batch)."""
+
+    def __init__(self):
+        self.rings: dict[str, _Ring] = {}
+        self.directory: Path | None = None
+
+    def start(self, directory: str | Path) -> None:
+        """A new iteration, whose rings are in `directory`: the previous iteration's rings are let go of
+        (their batches still alive keep their mappings)."""
+        self.rings = {}
+        self.directory = Path(directory)
+
+    def finish(self) -> None:
+        """The iteration is complete (every worker is done, so every ring is mapped wherever it is used):
+        remove the ring files; the memory goes when the last mapping does."""
+        for path in self.directory.glob("ring-*.bin") if self.directory is not None else ():
+            path.unlink(missing_ok=True)
+
+    def receive(self, item):
+        if not isinstance(item, SlotBatch):
+            return item
+        ring = self.rings.get(item.ring)
+        if ring is None:
+            ring = self.rings[item.ring] = _Ring(self.directory / item.ring, item.slots, item.slot_bytes, create=False)
+        memory = ring.slot_array(item.slot)  # this batch's own array: the slot is busy while it lives
+        weakref.finalize(memory, _release, ring.states, item.slot)
+        return item.skeleton.map(lambda spot: _slot_tensor(memory, spot.offset, getattr(torch, spot.dtype), spot.shape),
+                                 leaf=SlotTensor)
