@@ -1,7 +1,7 @@
 """The loader's workers hand batches over through shared-memory slots (pcvr_lib/data/batch_ring.py): the
-batches are bit for bit those of the in-process loader (last short batch, shuffling, steps included), a
-slot is never reused while anything still refers to a batch over it, and a dead worker is an error, not a
-hang."""
+batches are bit for bit those of the in-process loader (last short batch, shuffling, steps included) and
+are converted straight into the slots, a slot is never reused while anything still refers to a batch
+over it, and a dead worker is an error, not a hang."""
 
 from __future__ import annotations
 
@@ -89,8 +89,13 @@ def test_workers_give_bit_identical_batches(options, schema, dataset):
             assert_identical(reference, batch)
             count += 1
         assert count == len(local)
-        handoff = loader.stats()["handoff"]
+        stats = loader.stats()
+        handoff = stats["handoff"]
         assert handoff["shared"] == count and handoff["pickled"] == 0, handoff
+        # batches made after conversion (augmented views, cache hits read from the shared store) are copied
+        # into a slot; the others were converted into one (unless every slot was busy then: timing)
+        made_after = count if "augment" in options.get("preset", "") else stats["cache"]["hits"]
+        assert handoff["copied"] >= made_after, handoff
 
 
 def test_held_batches_are_never_overwritten(schema, dataset):
@@ -159,3 +164,32 @@ def test_a_dead_worker_is_an_error_not_a_hang(schema, dataset, monkeypatch):
         for _ in loader:
             served += 1
     assert served <= 2  # what the worker made before it died (its last batches may die with it)
+
+
+def test_a_converted_batch_is_sent_from_its_slot_and_a_made_one_is_copied(schema, dataset, tmp_path):
+    """In one process: the converter converts into the sender's slot, so the batch is sent without a copy;
+    a batch made from it (a row selection) is copied into another slot; the receiver rebuilds both bit for
+    bit, and the slots are busy until the received batches are gone."""
+    from pcvr_lib.data.batch_ring import RingReceiver, RingSender, SlotBatch
+    from pcvr_lib.data.convert import Converter
+
+    table = pq.ParquetFile(dataset).read_row_group(0, columns=schema.converter_columns).slice(0, BATCH)
+    sender = RingSender(tmp_path, worker=0, batch_rows=BATCH, slots=3)
+    converter = Converter(schema, arena_source=sender)
+    expected = Converter(schema)(table)
+    sent = sender.send(converter(table))
+    chosen = torch.tensor([5, 1, 9])
+    made = sender.send(converter(table).select(chosen))
+    assert isinstance(sent, SlotBatch) and isinstance(made, SlotBatch) and sent.slot != made.slot
+    assert sender.stats()["copied"] == 1 and sender.stats()["shared"] == 2
+    receiver = RingReceiver()
+    receiver.start(tmp_path)
+    first, second = receiver.receive(sent), receiver.receive(made)
+    assert_identical(first, expected)
+    assert_identical(second, expected.select(chosen))
+    states = sender.ring.states
+    assert states[sent.slot] == 1 and states[made.slot] == 1
+    del first
+    assert states[sent.slot] == 0 and states[made.slot] == 1  # the other one is still held
+    del second
+    assert states[made.slot] == 0

@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import sys
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -41,8 +42,11 @@ import torch
 
 from pcvr_lib.data.batch import Batch
 
-SLOTS = 6  # per worker: the DataLoader's prefetch (2), the consumer's current and previous batch, margin
+# per worker: the DataLoader's prefetch (2), the consumer's current and previous batch, the batch being
+# converted, and the batches lent to the other worker
+SLOTS = 8
 _ALIGN = 64  # every tensor starts on a cache line
+_SPARE_PER_ROW = 64  # the slot's spare end: room for the small per-row tensors the converter allocates apart
 _PAGE = 4096
 _FREE, _BUSY = 0, 1
 
@@ -70,14 +74,9 @@ class SlotBatch:
     slot: int
     skeleton: Batch
 
-
-def _layout(batch: Batch) -> tuple[list[tuple[int, torch.Tensor]], int]:
-    """(offset, tensor) for every tensor of the batch, in `batch.tensors()` order, and the bytes they need."""
-    placed, offset = [], 0
-    for t in batch.tensors():
-        placed.append((offset, t))
-        offset += _round_up(t.numel() * t.element_size(), _ALIGN)
-    return placed, offset
+    @property
+    def batch_size(self) -> int:
+        return int(self.skeleton.label.shape[0])
 
 
 class _Ring:
@@ -111,52 +110,133 @@ def _slot_tensor(memory: np.ndarray, offset: int, dtype: torch.dtype, shape) -> 
 
 
 class RingSender:
-    """A worker's side for one iteration: `send(batch)` -> a SlotBatch, or the batch itself when no slot is
-    free. `directory` is the iteration's folder of the shared store; `batch_rows` the loader's batch size
-    (a short first batch still sizes the slots for full ones)."""
+    """A worker's side for one iteration. The converter converts into the ring's free slots (`take`, the
+    converter's arena source), so that `send(batch)` usually copies nothing: a batch whose tensors lie in
+    one slot (the converter's arrays there; the few small ones it allocates apart are copied into the
+    slot's spare end) is sent as that slot's descriptor. Any other batch (filtered, augmented, from the
+    shared cache) is copied into a free slot first, and with none free it is sent pickled. A slot is free
+    when no consumer holds it (its state byte) and nothing in this worker refers to it (its array's
+    reference count). `directory` is the iteration's folder of the shared store; `batch_rows` the
+    loader's batch size (a short first batch still sizes the slots for full ones)."""
 
     def __init__(self, directory: str | Path, worker: int, batch_rows: int, slots: int = SLOTS):
         self.directory, self.worker, self.batch_rows, self.slots = Path(directory), worker, batch_rows, slots
         self.ring: _Ring | None = None
+        self.arrays: list[np.ndarray] = []  # one array per slot of the current ring, kept for the refcounts
+        self.free_refs: list[int] = []
         self.next_slot = 0
-        self.counts = {"shared": 0, "pickled": 0, "lent": 0, "rings": 0, "slot_bytes": 0}
+        self.counts = {"shared": 0, "copied": 0, "pickled": 0, "lent": 0, "rings": 0, "slot_bytes": 0}
 
-    def _new_ring(self, need: int, rows: int) -> _Ring:
-        slot_bytes = _round_up(max(need, need * self.batch_rows // max(rows, 1)), _PAGE)
+    def _new_ring(self, need: int, rows: int) -> None:
+        # room for full batches when the first one is short, and for the small tensors the converter makes apart
+        slot_bytes = _round_up(max(need, need * self.batch_rows // max(rows, 1)) + _SPARE_PER_ROW * self.batch_rows,
+                               _PAGE)
         path = self.directory / f"ring-{self.worker}-{self.counts['rings']}.bin"
         self.counts.update(rings=self.counts["rings"] + 1, slot_bytes=slot_bytes)
+        self.ring = _Ring(path, self.slots, slot_bytes, create=True)
+        self.arrays = [self.ring.slot_array(k) for k in range(self.slots)]
+        self.free_refs = [sys.getrefcount(self.arrays[k]) for k in range(self.slots)]  # as _free_slot counts
         self.next_slot = 0
-        return _Ring(path, self.slots, slot_bytes, create=True)
 
-    def place(self, batch: Batch) -> SlotBatch | None:
-        """Copy the batch into a free slot; its descriptor, or None when every slot is busy."""
-        placed, need = _layout(batch)
-        if self.ring is None or need > self.ring.slot_bytes:
-            self.ring = self._new_ring(need, batch.batch_size)
+    def _free_slot(self) -> int | None:
         ring = self.ring
-        order = [*range(self.next_slot, ring.slots), *range(self.next_slot)]
-        slot = next((s for s in order if ring.states[s] == _FREE), None)
-        if slot is None:
-            return None
-        self.next_slot = (slot + 1) % ring.slots
-        ring.states[slot] = _BUSY
-        memory = ring.slot_array(slot)
-        for offset, t in placed:
-            _slot_tensor(memory, offset, t.dtype, t.shape).copy_(t)
-        spots = iter([SlotTensor(offset, str(t.dtype).removeprefix("torch."), tuple(t.shape)) for offset, t in placed])
-        return SlotBatch(ring.path.name, ring.slots, ring.slot_bytes, slot, batch.map(lambda _: next(spots)))
+        for k in [*range(self.next_slot, ring.slots), *range(self.next_slot)]:
+            if ring.states[k] == _FREE and sys.getrefcount(self.arrays[k]) == self.free_refs[k]:
+                self.next_slot = (k + 1) % ring.slots
+                return k
+        return None
 
-    def send(self, batch: Batch):
-        """What the worker yields for the consumer: the batch's descriptor, or the batch itself (pickled by
-        the DataLoader) when every slot is busy."""
-        handle = self.place(batch)
+    def take(self, nbytes: int, rows: int) -> np.ndarray | None:
+        """The converter's arena source: a free slot's array (at least `nbytes`), or None (the converter then
+        uses memory of its own and `send` copies)."""
+        if self.ring is None:
+            self._new_ring(nbytes, rows)
+        if nbytes > self.ring.slot_bytes:
+            return None
+        k = self._free_slot()
+        return self.arrays[k] if k is not None else None
+
+    def _slot_of(self, batch: Batch) -> int | None:
+        """The slot holding the batch's first tensor, when that is one of this ring's."""
+        if self.ring is None:
+            return None
+        first = batch.tensors()[0]
+        base = self.arrays[0].ctypes.data
+        k = (first.data_ptr() - base) // self.ring.slot_bytes
+        return int(k) if first.data_ptr() >= base and k < self.ring.slots else None
+
+    def _in_place(self, batch: Batch) -> SlotBatch | None:
+        """The descriptor of a batch converted into a slot not yet sent, its tensors made apart copied into
+        the slot's spare end; None when the batch is not (entirely) there."""
+        k = self._slot_of(batch)
+        if k is None or self.ring.states[k] != _FREE:
+            return None
+        memory = self.arrays[k]
+        start, end = memory.ctypes.data, memory.ctypes.data + memory.size
+        inside, outside, used = [], [], 0
+        for t in batch.tensors():
+            nbytes = t.numel() * t.element_size()
+            if start <= t.data_ptr() and t.data_ptr() + nbytes <= end:
+                if not t.is_contiguous():
+                    return None
+                inside.append(t)
+                used = max(used, t.data_ptr() - start + nbytes)
+            else:
+                outside.append(t)
+        offset, placed = _round_up(used, _ALIGN), {}
+        for t in outside:
+            nbytes = t.numel() * t.element_size()
+            if offset + nbytes > memory.size:
+                return None
+            placed[id(t)] = offset
+            offset = _round_up(offset + nbytes, _ALIGN)
+        for t in outside:
+            _slot_tensor(memory, placed[id(t)], t.dtype, t.shape).copy_(t)
+        self.ring.states[k] = _BUSY
+        return self._handle(batch, k, lambda t: placed[id(t)] if id(t) in placed else t.data_ptr() - start)
+
+    def _copied(self, batch: Batch) -> SlotBatch | None:
+        """The batch copied into a free slot (a new ring with larger slots when it does not fit); None when
+        every slot is busy."""
+        layout, need = [], 0
+        for t in batch.tensors():
+            layout.append(need)
+            need += _round_up(t.numel() * t.element_size(), _ALIGN)
+        if self.ring is None or need > self.ring.slot_bytes:
+            self._new_ring(need, batch.batch_size)
+        k = self._free_slot()
+        if k is None:
+            return None
+        offsets = dict(zip(map(id, batch.tensors()), layout, strict=True))
+        for t in batch.tensors():
+            _slot_tensor(self.arrays[k], offsets[id(t)], t.dtype, t.shape).copy_(t)
+        self.ring.states[k] = _BUSY
+        return self._handle(batch, k, lambda t: offsets[id(t)])
+
+    def _handle(self, batch: Batch, slot: int, offset_of) -> SlotBatch:
+        skeleton = batch.map(lambda t: SlotTensor(offset_of(t), str(t.dtype).removeprefix("torch."), tuple(t.shape)))
+        return SlotBatch(self.ring.path.name, self.ring.slots, self.ring.slot_bytes, slot, skeleton)
+
+    def _place(self, batch: Batch) -> SlotBatch | None:
+        handle = self._in_place(batch)
+        if handle is not None:
+            return handle
+        handle = self._copied(batch)
+        self.counts["copied"] += handle is not None
+        return handle
+
+    def send(self, batch):
+        """What the worker yields for the consumer: a descriptor (the batch's own slot, or a copy in a free
+        one), a descriptor passed on as it is (a batch another worker lent), or the batch itself, pickled by
+        the DataLoader, when every slot is busy."""
+        handle = batch if isinstance(batch, SlotBatch) else self._place(batch)
         self.counts["shared" if handle is not None else "pickled"] += 1
         return handle if handle is not None else batch
 
     def lend(self, batch: Batch) -> SlotBatch | None:
-        """`place` for another worker (a batch converted here from a row group only this worker decodes),
-        which makes a batch of its own from the slot; None when every slot is busy."""
-        handle = self.place(batch)
+        """A descriptor for another worker (a batch converted here from a row group only this worker
+        decodes), which passes it on or makes a batch of its own from it; None when every slot is busy."""
+        handle = self._place(batch)
         self.counts["lent"] += handle is not None
         return handle
 

@@ -103,6 +103,8 @@ class Pipeline:
             strict_on_eval=True,  # the loader has decided already (training batches only, unless asked)
             list_order=loader.list_order,
             non_monotonic=loader.non_monotonic,
+            # a worker converts into its ring of shared-memory slots, from which the batch is handed over
+            arena_source=shared.sender if shared is not None else None,
         )
         self.cache = make_cache(loader.cache_policy, cache_capacity, seed=loader.seed)
         self.augmenter = Augmenter(loader.augmentations) if loader.augment_active else None
@@ -232,6 +234,13 @@ class Pipeline:
             batch = self._one_shared(key, data)
         else:
             batch = self._one_local(pass_index, key, data, traces)
+        if isinstance(batch, SlotBatch):  # lent by the worker that converted it: passed on untouched if it can be
+            if self.augmenter is None and loader.keeps_all_rows(key):
+                self.rows += batch.batch_size
+                self.batch_count += 1
+                self.item_number += 1
+                return batch
+            batch = self.shared.receiver.receive(batch)
         batch = loader.filter_rows(batch, key)
         if self.augmenter is not None:
             gen = torch.Generator().manual_seed(_batch_seed(loader.seed, pass_index, position))
@@ -291,8 +300,7 @@ class Pipeline:
         self.shared_misses += 1
         if s.producer(position) != s.first:  # converted by the worker that decoded this row group
             self.converted_by_other_workers += 1
-            got = s.store.get(position, position, key)
-            return s.receiver.receive(got) if isinstance(got, SlotBatch) else got
+            return s.store.get(position, position, key)  # the batch, or a SlotBatch lent by that worker
         batch = self._convert(key, data)
         readers = s.plan.readers.get(position)
         if readers:
