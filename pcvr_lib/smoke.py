@@ -32,11 +32,12 @@ from typing import Any
 import numpy as np
 
 from pcvr_lib.metrics import auc_text
+from pcvr_lib.train.config import QUICK_MAX_LEN, QUICK_TABLE_CAP
 
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SCHEMA = ROOT / "fixtures" / "sample_1000_raw.schema.json"
-DEFAULT_MAX_LEN = 32
-DEFAULT_TABLE_CAP = 8192
+DEFAULT_MAX_LEN = QUICK_MAX_LEN  # the smoke's reductions are `pcvr train --quick`'s
+DEFAULT_TABLE_CAP = QUICK_TABLE_CAP
 SMOKE_MODEL_CONFIG = {"vocab_cap": DEFAULT_TABLE_CAP}  # the smoke's one model reduction (`pcvr models`)
 
 

@@ -1,5 +1,6 @@
 """The benchmarks' shared pytest hooks: readable parametrize ids, the planted slowdowns of the validation runs,
-and the plugin that keeps a cut run's results (perf_tests/bench_plugin.py).
+`round_line` (the line a long case prints per round) and the plugin that keeps a cut run's results
+(perf_tests/bench_plugin.py).
 
 The peers are declared in perf_tests/peers.py; the case runner is perf_tests/kernel_bench.py.
 """
@@ -49,3 +50,23 @@ def _planted_host_delay(monkeypatch):
     if us is not None:
         plant_host_delay(monkeypatch, us)
     yield
+
+
+@pytest.fixture
+def round_line(request):
+    """`round_line(text)` prints `<test id>: <text>` on the terminal at once, past pytest's capture and
+    whatever the verbosity: the data cases' rounds take seconds each, and `make bench` (-q) would otherwise
+    show one dot per case after all of its rounds."""
+    reporter = request.config.pluginmanager.get_plugin("terminalreporter")
+    capture = request.config.pluginmanager.get_plugin("capturemanager")
+
+    def write(text: str) -> None:
+        if reporter is None or capture is None:  # e.g. a pytest-xdist worker: no terminal of its own
+            return
+        with capture.global_and_fixture_disabled():
+            reporter.ensure_newline()  # after a -v test name
+            if getattr(getattr(reporter, "_tw", None), "width_of_current_line", 0):
+                reporter.write("\n")  # after -q's dots
+            reporter.write_line(f"{request.node.nodeid}: {text}", flush=True)
+
+    return write

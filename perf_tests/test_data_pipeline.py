@@ -112,7 +112,7 @@ RETURNS = {"loader": "every planned batch of the file, converted (pcvr_lib.data.
            "convert": "the converted batches (pcvr_lib.data.batch.Batch)"}
 
 
-def run_loader_case(benchmark, cfg, schema, path, preset):
+def run_loader_case(benchmark, cfg, schema, path, preset, round_line):
     info = benchmark.extra_info
     info.update(returns=RETURNS["loader"], **sources.stamp("data:loader"))
     timings: list[float] = []
@@ -145,6 +145,8 @@ def run_loader_case(benchmark, cfg, schema, path, preset):
             batches += 1
             nbytes = max(nbytes, batch.nbytes)
         timings.append(time.perf_counter() - start)
+        round_line(f"round {len(timings)}/{cfg['rounds']}: {rows:,} rows in {timings[-1]:.1f} s wall "
+                   f"({rows / timings[-1]:,.0f} rows/s)")
         return rows, batches, nbytes
 
     # gated on process CPU time (the loader's reader thread included), not on wall time
@@ -279,10 +281,10 @@ def run_convert_case(benchmark, cfg, schema, path, preset):
 
 @pytest.mark.benchmark(group="data-pipeline")
 @pytest.mark.parametrize("preset, mode", CASES)
-def test_data_pipeline(benchmark, setup, preset, mode):
+def test_data_pipeline(benchmark, setup, preset, mode, round_line):
     cfg, schema, path = setup
     if mode == "loader":
-        run_loader_case(benchmark, cfg, schema, path, preset)
+        run_loader_case(benchmark, cfg, schema, path, preset, round_line)
     else:
         run_convert_case(benchmark, cfg, schema, path, preset)
 
@@ -310,7 +312,7 @@ def _threaded_read_seconds(path, columns, groups: int, threads: int) -> float:
     "preset, workers",
     [pytest.param(p, w, id=f"preset={p},workers={w}") for p in ("none", "opt") for w in (0, 1, 2)],
 )
-def test_loader_workers(benchmark, setup, preset, workers):
+def test_loader_workers(benchmark, setup, preset, workers, round_line):
     """The loader (the pipeline cases' passes, shuffle and cache capacity) with 0, 1, 2 worker processes
     against a pyarrow read of the same columns with as many reader threads (1 for 0 workers: the loader's
     own read-ahead thread), read before and after the loader round; ratio = loader rows/s over the mean of
@@ -331,7 +333,9 @@ def test_loader_workers(benchmark, setup, preset, workers):
     def run():
         start = time.perf_counter()
         rows = sum(batch.batch_size for batch in holder["loader"])
-        return rows, time.perf_counter() - start
+        seconds = time.perf_counter() - start
+        round_line(f"{rows:,} rows in {seconds:.1f} s ({rows / seconds:,.0f} rows/s)")
+        return rows, seconds
 
     rows, seconds = benchmark.pedantic(run, setup=make, rounds=1, iterations=1)
     floors.append(_threaded_read_seconds(path, columns, groups, threads))

@@ -428,8 +428,9 @@ def test_training_progress_off_a_terminal(data, tmp_path, capsys):
     assert cli_main(args) == 0
     lines = without_notices(capsys.readouterr().err)
     assert lines[0].startswith("train: baseline on ") and "steps 1..3 of 32 rows" in lines[0]
-    assert [line.split()[1] for line in lines[1:]] == ["1/3", "2/3", "3/3"]
-    assert all(" rows/s ETA " in line and "loss" in line for line in lines[1:])
+    assert [line.split()[1] for line in lines[1:-1]] == ["1/3", "2/3", "3/3"]
+    assert all(" rows/s ETA " in line and "loss" in line for line in lines[1:-1])
+    assert lines[-1].startswith("validated after step 3: holdout AUC ") and "saved global_step3." in lines[-1]
     assert not any("\r" in line or "%|" in line for line in lines)
 
 

@@ -27,17 +27,18 @@ from dataclasses import dataclass, fields, replace
 import torch
 
 
-def _map_tensors(obj, fn: Callable[[torch.Tensor], torch.Tensor]):
-    """Apply fn to every tensor field of a dataclass (recursing into nested dataclasses and dicts)."""
+def _map_tensors(obj, fn: Callable, leaf: type = torch.Tensor):
+    """Apply fn to every tensor field of a dataclass (recursing into nested dataclasses and dicts); `leaf`:
+    what counts as a tensor field (the loader's workers send batches whose fields are slot descriptors)."""
     changes = {}
     for f in fields(obj):
         value = getattr(obj, f.name)
-        if isinstance(value, torch.Tensor):
+        if isinstance(value, leaf):
             changes[f.name] = fn(value)
         elif isinstance(value, dict):
-            changes[f.name] = {k: _map_tensors(v, fn) for k, v in value.items()}
+            changes[f.name] = {k: _map_tensors(v, fn, leaf) for k, v in value.items()}
         elif hasattr(value, "__dataclass_fields__"):
-            changes[f.name] = _map_tensors(value, fn)
+            changes[f.name] = _map_tensors(value, fn, leaf)
     return replace(obj, **changes)
 
 
@@ -54,8 +55,8 @@ def _tensors(obj):
 
 
 class _TensorTree:
-    def map(self, fn: Callable[[torch.Tensor], torch.Tensor]):
-        return _map_tensors(self, fn)
+    def map(self, fn: Callable, leaf: type = torch.Tensor):
+        return _map_tensors(self, fn, leaf)
 
     def tensors(self):
         return list(_tensors(self))

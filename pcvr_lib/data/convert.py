@@ -113,10 +113,13 @@ class _ArenaPool:
     All big output arrays of one batch are views into one uint8 arena. Fresh memory costs a page fault per
     page on first write (about as much as the conversion itself: the allocator returns freed 20 MB blocks
     to the system), so up to `size` arenas are kept and one is reused when nothing refers to it any more:
-    no Batch tensor, view or numpy array made from it is alive (its reference count says so)."""
+    no Batch tensor, view or numpy array made from it is alive (its reference count says so).
+    With a `source` (an object whose `take(nbytes, rows)` returns a free uint8 array of at least nbytes,
+    or None), the arena comes from it first: the loader's workers convert into their shared-memory ring."""
 
-    def __init__(self, size: int = 3) -> None:
+    def __init__(self, size: int = 3, source=None) -> None:
         self.size = size
+        self.source = source
         self.arenas: list[np.ndarray] = []
         self.free_refs: list[int] = []
         self.lock = threading.Lock()  # one Converter may serve several loader threads
@@ -137,28 +140,31 @@ class _ArenaPool:
                 offset += -(-nbytes // 64) * 64  # 64-byte aligned
             self.layouts[key] = (max(offset, 64), layout)
         total, layout = self.layouts[key]
-        arena = None
+        rows = next(iter(shapes.values()))[1][0]
+        arena = self.source.take(total, rows) if self.source is not None else None
+        if arena is None:
+            arena = self._pooled(total)
+        views = {name: np.ndarray(shape, dtype=dt, buffer=arena, offset=o) for name, (o, dt, shape) in layout.items()}
+        return views, address_of(arena)
+
+    def _pooled(self, total: int) -> np.ndarray:
+        """A free pooled arena of `total` bytes (a new one where none is)."""
         for i in range(len(self.arenas)):
             # free when its reference count is back to the count it had with no views (measured the same
             # way: the list's reference and getrefcount's argument)
             if self.arenas[i].size == total and sys.getrefcount(self.arenas[i]) == self.free_refs[i]:
-                arena = self.arenas[i]
-                break
-        if arena is None:
-            slot = len(self.arenas) if len(self.arenas) < self.size else None
-            if slot is None:  # replace a pooled arena of another size (batch sizes change at a file's end)
-                slot = next((i for i in range(len(self.arenas)) if self.arenas[i].size != total), None)
-            if slot is None:
-                arena = np.empty(total, dtype=np.uint8)  # every pooled arena is in use: not pooled
-            else:
-                if slot == len(self.arenas):
-                    self.arenas.append(None)
-                    self.free_refs.append(0)
-                self.arenas[slot] = np.empty(total, dtype=np.uint8)
-                self.free_refs[slot] = sys.getrefcount(self.arenas[slot])
-                arena = self.arenas[slot]
-        views = {name: np.ndarray(shape, dtype=dt, buffer=arena, offset=o) for name, (o, dt, shape) in layout.items()}
-        return views, address_of(arena)
+                return self.arenas[i]
+        slot = len(self.arenas) if len(self.arenas) < self.size else None
+        if slot is None:  # replace a pooled arena of another size (batch sizes change at a file's end)
+            slot = next((i for i in range(len(self.arenas)) if self.arenas[i].size != total), None)
+        if slot is None:
+            return np.empty(total, dtype=np.uint8)  # every pooled arena is in use: not pooled
+        if slot == len(self.arenas):
+            self.arenas.append(None)
+            self.free_refs.append(0)
+        self.arenas[slot] = np.empty(total, dtype=np.uint8)
+        self.free_refs[slot] = sys.getrefcount(self.arenas[slot])
+        return self.arenas[slot]
 
 
 class Converter(NumpyConversion):
@@ -179,6 +185,7 @@ class Converter(NumpyConversion):
         list_order: str = "auto",
         non_monotonic: str = "sort",
         strict_on_eval: bool = False,
+        arena_source=None,
     ) -> None:
         self.schema = schema
         check_order_options(list_order, non_monotonic)
@@ -212,7 +219,7 @@ class Converter(NumpyConversion):
             side: np.array([f.offset for f in feats], dtype=np.int64) for side, feats in self._scalars.items()
         }
         self._side_vocab = {d.name: d.side_vocab.astype(np.int64) for d in schema.domains}
-        self._pool = _ArenaPool()
+        self._pool = _ArenaPool(source=arena_source)  # arena_source: see _ArenaPool (the loader's workers)
         self._shape_cache: dict[int, dict] = {}
         i64 = lambda xs: np.array(xs, dtype=np.int64)  # noqa: E731
         self._list_dims = {side: i64([f.dim for f in fs]) for side, fs in self._lists_int.items()}

@@ -24,10 +24,14 @@ The batch work runs with `torch_threads` intra-op threads (default 1, restored b
 handed out): the copies and masks are memory-bound, and on a small shared machine torch's thread pool
 spinning against pyarrow's decoder threads slows a small copy by orders of magnitude (notes/data-pipeline.md).
 With `num_workers > 0` a torch DataLoader runs the same pipeline in worker processes (batch_size=None,
-persistent workers, prefetch 2, pinned memory on CUDA); keys are dealt round-robin, so batches still come
-out in plan order. The workers share one cache of the full capacity (`shared_cache.py`): its decisions are
-the policy replayed on the whole plan, so they are the single-process loader's, and a batch converted by
-one worker is read by another from shared memory without decoding (`stats()["cache"]["per_worker"]`).
+persistent workers, prefetch 2); keys are dealt round-robin, so batches still come out in plan order.
+Each worker hands its batches over through a ring of shared-memory slots (`batch_ring.py`: one copy into
+the slot, a small descriptor through the queue, the consumer's tensors over the slot), a batch staying
+valid for as long as anything refers to it (`stats()["handoff"]`); on CUDA they are copied into pinned
+memory as they come out (`pin_memory`). The workers share one cache of the full capacity
+(`shared_cache.py`): its decisions are the policy replayed on the whole plan, so they are the
+single-process loader's, and a batch converted by one worker is read by another from shared memory
+without decoding (`stats()["cache"]["per_worker"]`). A worker that dies raises a LoaderError saying so.
 
 Presets (strict_time_filter is explicit here; the reference switches it on whenever any augmentation
 is configured, even a no-op one):
@@ -65,6 +69,7 @@ import torch.multiprocessing as mp
 
 from pcvr_lib.data.augment import Augmenter
 from pcvr_lib.data.batch import Batch
+from pcvr_lib.data.batch_ring import RingReceiver
 from pcvr_lib.data.convert import ORDER_CLASSES
 from pcvr_lib.data.loader_pipeline import Pipeline, WorkerDataset
 from pcvr_lib.data.loader_plan import (
@@ -97,7 +102,7 @@ class PcvrLoader(LoaderPlan):
 
     def __getstate__(self):  # DataLoader workers get the configuration, not the main process's handles
         state = dict(self.__dict__)
-        for name in ("_dataloader", "_stats_queue"):
+        for name in ("_dataloader", "_stats_queue", "_receiver"):
             state.pop(name, None)
         return state
 
@@ -122,6 +127,7 @@ class PcvrLoader(LoaderPlan):
             store = SharedBatchStore.create()
             weakref.finalize(self, store.close)
             self._store_dir, self._epochs = str(store.directory), 0
+            self._receiver = RingReceiver()
             self._dataloader = torch.utils.data.DataLoader(
                 # a copy without the DataLoader itself: a worker must not own (and finalise) its parent's loader
                 WorkerDataset(copy.copy(self), self._stats_queue, self._store_dir),
@@ -129,14 +135,35 @@ class PcvrLoader(LoaderPlan):
                 num_workers=self.num_workers,
                 persistent_workers=True,
                 prefetch_factor=2,
-                pin_memory=self.pin_memory,
+                pin_memory=False,  # the workers send slot descriptors; batches are pinned as they come out
             )
-        batches = iter(self._dataloader)  # persistent workers: this drains a stopped earlier iteration
-        if self._epochs:  # so what that iteration left unread can go
+        if self._epochs:  # what the last iteration left (unread, if it was stopped early) can go; a worker waiting
+            # in it for a batch that will not come now gives up, so that the next line's drain can finish
             shutil.rmtree(Path(self._store_dir) / f"epoch-{self._epochs - 1}", ignore_errors=True)
+        batches = iter(self._dataloader)  # persistent workers: this drains a stopped earlier iteration
+        self._receiver.start(Path(self._store_dir) / f"epoch-{self._epochs}")
         self._epochs += 1
-        yield from batches
-        self._stats = {"workers": [s for _, s in sorted(self._stats_queue.get() for _ in range(self.num_workers))]}
+        try:
+            for item in batches:
+                batch = self._receiver.receive(item)
+                yield batch.pin_memory() if self.pin_memory else batch
+            self._receiver.finish()
+        except RuntimeError as exc:
+            if "DataLoader worker (pid" not in str(exc):  # torch's words for a worker that exited or was killed
+                raise
+            raise LoaderError(f"{self.path}: a loader worker process died ({exc}); with num_workers=0 the same "
+                              "batches are made in this process, where the cause shows") from exc
+        self._stats = {"workers": self._worker_stats(self._epochs - 1)}
+
+    def _worker_stats(self, epoch: int) -> list[dict]:
+        """Each worker's pipeline stats of iteration `epoch`, in worker order; a stopped earlier iteration's
+        (sent by a worker that got to its end after the stop) are skipped."""
+        found: dict[int, dict] = {}
+        while len(found) < self.num_workers:
+            sent_epoch, worker, stats = self._stats_queue.get()
+            if sent_epoch == epoch:
+                found[worker] = stats
+        return [found[w] for w in sorted(found)]
 
     def stats_per_worker(self) -> list[dict]:
         """The last complete iteration's pipeline stats of each worker (one entry without workers)."""
@@ -163,6 +190,7 @@ class PcvrLoader(LoaderPlan):
             "row_groups_read": sum(w["row_groups_read"] for w in workers),
             "late_reads": sum(w["late_reads"] for w in workers),
             "reused_after_eviction": sum(w["reused_after_eviction"] for w in workers),
+            "handoff": _handoff([w.get("handoff") for w in workers]),
         }
         if workers:
             caches = [w["cache"] for w in workers]
@@ -188,3 +216,12 @@ class PcvrLoader(LoaderPlan):
             out["list_order_rows"] = rows
             out["list_order_detected"] = {name: file_list_order(c) for name, c in rows.items()}
         return out
+
+
+def _handoff(per_worker: list[dict | None]) -> dict | None:
+    """How the workers' batches reached this process: through ring slots (`shared`) or pickled (when every
+    slot was still held), and the slots lent between workers (`lent`); None without workers."""
+    if not per_worker or any(w is None for w in per_worker):
+        return None
+    total = {k: sum(w[k] for w in per_worker) for k in ("shared", "copied", "pickled", "lent", "rings")}
+    return dict(total, slots_per_worker=per_worker[0]["slots"], slot_bytes=max(w["slot_bytes"] for w in per_worker))

@@ -17,6 +17,7 @@ import torch
 
 from pcvr_lib.data.augment import Augmenter
 from pcvr_lib.data.batch import Batch
+from pcvr_lib.data.batch_ring import RingReceiver, RingSender, SlotBatch
 from pcvr_lib.data.cache import make_cache
 from pcvr_lib.data.convert import Converter
 from pcvr_lib.data.loader_plan import BatchKey, CorruptRowGroupError, LoaderError, LoaderPlan
@@ -64,6 +65,8 @@ class _Shared:
     step: int
     items: list
     runs: list[tuple[int, int]]
+    sender: RingSender  # this worker's ring: misses converted for another worker are lent through it
+    receiver: RingReceiver  # the other workers' rings, for the misses they converted for this one
 
     def producer(self, position: int) -> int:
         """The worker that converts the (missed) batch at `position`: the owner of its run."""
@@ -100,6 +103,8 @@ class Pipeline:
             strict_on_eval=True,  # the loader has decided already (training batches only, unless asked)
             list_order=loader.list_order,
             non_monotonic=loader.non_monotonic,
+            # a worker converts into its ring of shared-memory slots, from which the batch is handed over
+            arena_source=shared.sender if shared is not None else None,
         )
         self.cache = make_cache(loader.cache_policy, cache_capacity, seed=loader.seed)
         self.augmenter = Augmenter(loader.augmentations) if loader.augment_active else None
@@ -229,6 +234,13 @@ class Pipeline:
             batch = self._one_shared(key, data)
         else:
             batch = self._one_local(pass_index, key, data, traces)
+        if isinstance(batch, SlotBatch):  # lent by the worker that converted it: passed on untouched if it can be
+            if self.augmenter is None and loader.keeps_all_rows(key):
+                self.rows += batch.batch_size
+                self.batch_count += 1
+                self.item_number += 1
+                return batch
+            batch = self.shared.receiver.receive(batch)
         batch = loader.filter_rows(batch, key)
         if self.augmenter is not None:
             gen = torch.Generator().manual_seed(_batch_seed(loader.seed, pass_index, position))
@@ -267,7 +279,14 @@ class Pipeline:
         for the cache hits it will serve."""
         s = self.shared
         batch = self._converted(foreign.key, foreign.data)
-        s.store.put(foreign.position, batch, [foreign.position, *s.plan.readers.get(foreign.position, [])])
+        readers = s.plan.readers.get(foreign.position, [])
+        # a batch read only by that worker goes through a slot of this worker's ring (one copy, no file); one
+        # that later hits will read too is written to the store, which keeps it until its last hit
+        handle = s.sender.lend(batch) if not readers else None
+        if handle is not None:
+            s.store.put_handle(foreign.position, handle)
+        else:
+            s.store.put(foreign.position, batch, [foreign.position, *readers])
         self.converted_for_other_workers += 1
 
     def _one_shared(self, key: BatchKey, data) -> Batch:
@@ -281,7 +300,7 @@ class Pipeline:
         self.shared_misses += 1
         if s.producer(position) != s.first:  # converted by the worker that decoded this row group
             self.converted_by_other_workers += 1
-            return s.store.get(position, position, key)
+            return s.store.get(position, position, key)  # the batch, or a SlotBatch lent by that worker
         batch = self._convert(key, data)
         readers = s.plan.readers.get(position)
         if readers:
@@ -330,7 +349,8 @@ class Pipeline:
 
 
 class WorkerDataset(torch.utils.data.IterableDataset):
-    """DataLoader side: worker w produces the plan items at positions w, w + W, ... (in plan order)."""
+    """DataLoader side: worker w produces the plan items at positions w, w + W, ... (in plan order), and
+    hands each batch over through its ring of shared-memory slots (`batch_ring`)."""
 
     def __init__(self, loader: LoaderPlan, stats_queue, store_dir: str | None):
         super().__init__()
@@ -344,10 +364,13 @@ class WorkerDataset(torch.utils.data.IterableDataset):
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
         # a fresh pipeline (counters, and the shared cache's decisions from the plan's start) per
         # iteration, as in the single-process path: one iteration is the whole plan
-        shared = None
+        shared = sender = None
+        epoch = self.epoch
         if self.store_dir is not None:  # (always, from PcvrLoader; None only when used outside it)
             directory = Path(self.store_dir) / f"epoch-{self.epoch}"  # every worker counts the same epochs
             directory.mkdir(exist_ok=True)
+            sender, receiver = RingSender(directory, worker, self.loader.batch_size), RingReceiver()
+            receiver.start(directory)
             plan_items = self.loader.plan_items()
             runs, start = [], 0
             for i in range(1, len(plan_items) + 1):
@@ -355,11 +378,14 @@ class WorkerDataset(torch.utils.data.IterableDataset):
                     runs.append((start, i))
                     start = i
             shared = _Shared(
-                self.loader.shared_cache_plan(), SharedBatchStore(directory), worker, workers, plan_items, runs
+                self.loader.shared_cache_plan(), SharedBatchStore(directory), worker, workers, plan_items, runs,
+                sender, receiver,
             )
         self.epoch += 1
         pipeline = Pipeline(self.loader, self.loader.cache_capacity, shared)
         items = self.loader.plan_items()[worker::workers]
-        yield from pipeline.batches(items, self.loader.pass_traces(items))
-        self.stats_queue.put((worker, pipeline.stats()))
+        for batch in pipeline.batches(items, self.loader.pass_traces(items)):
+            yield sender.send(batch) if sender is not None else batch
+        handoff = sender.stats() if sender is not None else None
+        self.stats_queue.put((epoch, worker, dict(pipeline.stats(), handoff=handoff)))
 

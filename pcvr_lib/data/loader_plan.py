@@ -221,15 +221,19 @@ class LoaderPlan:
         """Drop the first `count` items of the plan: a resumed training run continues where it stopped."""
         self._plan = self.plan_items()[_check_int("count", count, 0):]
 
+    def keeps_all_rows(self, key: BatchKey) -> bool:
+        """True when every row the batch is converted from is on the loader's split side."""
+        if self._mask is None:
+            return True
+        start, stop = self.spans[key]
+        return bool(self._mask[start:stop].all())
+
     def filter_rows(self, batch: Batch, key: BatchKey) -> Batch:
         """Keep the rows of the loader's split side (a no-op without a split or for a batch fully inside)."""
-        if self._mask is None:
+        if self.keeps_all_rows(key):
             return batch
         start, stop = self.spans[key]
-        local = self._mask[start:stop]
-        if local.all():
-            return batch
-        return batch.select(torch.from_numpy(np.flatnonzero(local)))
+        return batch.select(torch.from_numpy(np.flatnonzero(self._mask[start:stop])))
 
     def pass_traces(self, items) -> dict[int, list[BatchKey]]:
         """For each pass, the keys of that pass and every later one (OPT's future at the pass start)."""

@@ -18,11 +18,15 @@ share one cache of the full capacity instead, in two parts:
 
 A reader whose link is not there yet waits for it: the insertion is at an earlier plan position, and
 every worker works through its positions in order, so the writer gets there without waiting on the reader.
+That holds while the consumer keeps asking for batches; when it stops an iteration early, the writer may
+never be asked for the item that gets it there, so the loader removes that iteration's folder before the
+next one starts, and a reader waiting in it gives up (`IterationAbandoned`) instead of waiting out the timeout.
 """
 
 from __future__ import annotations
 
 import os
+import pickle
 import shutil
 import tempfile
 import time
@@ -74,6 +78,10 @@ class CachePlan:
         return cls(source, readers, cache.stats())
 
 
+class IterationAbandoned(RuntimeError):
+    """The consumer stopped this iteration (its folder is gone): the batch waited for will not come."""
+
+
 class SharedBatchStore:
     """Converted batches on shared memory, one file per insertion, one hard link per future hit."""
 
@@ -103,11 +111,30 @@ class SharedBatchStore:
             os.link(tmp, self._link(position, reader))
         tmp.unlink()
 
+    def put_handle(self, position: int, handle) -> None:
+        """Publish, for the one reader of a miss at `position`, a small picklable handle instead of the batch
+        (a batch_ring.SlotBatch: where the producing worker's ring holds it)."""
+        tmp = self.directory / f"{position}.handle.tmp"
+        tmp.write_bytes(pickle.dumps(handle))
+        os.replace(tmp, self._handle(position))
+
+    def _handle(self, position: int) -> Path:
+        return self.directory / f"{position}.handle"
+
     def get(self, position: int, reader: int, key):
+        """The batch inserted at `position`, for the reader at plan position `reader` (the miss itself when
+        reader == position); for a miss it may be the handle `put_handle` published instead."""
         path = self._link(position, reader)
+        handle = self._handle(position) if position == reader else None
         deadline = time.monotonic() + self.wait_timeout_s
         delay = 0.0005
         while not path.exists():
+            if not self.directory.is_dir():
+                raise IterationAbandoned(f"shared batch cache {self.directory}: the iteration was stopped")
+            if handle is not None and handle.exists():
+                value = pickle.loads(handle.read_bytes())
+                handle.unlink()
+                return value
             if time.monotonic() > deadline:
                 raise TimeoutError(
                     f"shared batch cache {self.directory}: batch {key} inserted at plan position {position} "

@@ -6,12 +6,20 @@ need to rebuild the model: no pickles anywhere.
 Training checkpoints also hold the optimizer and RNG state (safetensors + a JSON skeleton) and the
 history so far, for `--resume`. checkpoint.json, the sha256 of every file, is written last: a folder
 without it is incomplete, skipped when a run dir is searched and refused when named.
+
+Size: the embedding tables change at every step (sparse Adagrad moves the rows each batch touches), so
+every checkpoint holds its own model file; what is not needed is not kept. A run keeps the best and the
+last checkpoint (`retention`; `keep_checkpoints="all"` keeps every one), and a checkpoint that is no longer
+the last loses its optimizer state (`drop_training_state`): only the last one is resumed from. Optimizer
+state whose rows are mostly zero (Adagrad's sums of the table rows no batch has touched yet) is stored as
+its non-zero rows.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -100,7 +108,7 @@ def save_checkpoint(run_dir: Path, model, schema, config: TrainConfig, step: int
         write_json(tmp / CONFIG_FILE, full)
         if optimizers is not None:
             state_tensors: dict[str, torch.Tensor] = {}
-            structure = _split_tensors(optimizers.state_dict(), "optimizer", state_tensors)
+            structure = _split_tensors(optimizers.state_dict(), "optimizer", state_tensors, compact=True)
             rng = {"torch": _split_tensors(torch.get_rng_state(), "rng.torch", state_tensors)}
             if torch.cuda.is_available():
                 rng["cuda"] = _split_tensors(torch.cuda.get_rng_state_all(), "rng.cuda", state_tensors)
@@ -118,6 +126,44 @@ def save_checkpoint(run_dir: Path, model, schema, config: TrainConfig, step: int
     return folder
 
 
+def checkpoint_auc(name: str) -> float:
+    """The holdout AUC a checkpoint folder's name carries; -inf where it carries none (an undefined AUC)."""
+    m = CHECKPOINT_RE.match(name)
+    try:
+        value = float(m.group(2)) if m else math.nan
+    except ValueError:
+        value = math.nan
+    return value if math.isfinite(value) else -math.inf
+
+
+def retention(names: list[str], keep: str) -> tuple[list[str], str]:
+    """(the checkpoints a run keeps, its best) of `names`, oldest first: the best is the highest holdout AUC
+    (the newest of equal ones, the last when none has an AUC); "best-and-last" keeps it and the last."""
+    best = max(reversed(names), key=checkpoint_auc)
+    kept = list(names) if keep == "all" else [n for n in names if n in (best, names[-1])]
+    return kept, best
+
+
+def drop_training_state(folder: Path) -> None:
+    """Remove the optimizer and RNG state of a complete checkpoint that is no longer the last (val and
+    infer need none of it; --resume continues from the last). The manifest is rewritten without those
+    files before they go, so an interruption leaves a complete checkpoint either way."""
+    manifest = read_manifest(folder)
+    state_files = (OPTIMIZER_FILE, STATE_FILE)
+    if manifest is None or not any(name in manifest["sha256"] for name in state_files):
+        return
+    manifest["sha256"] = {k: v for k, v in manifest["sha256"].items() if k not in state_files}
+    write_json(folder / MANIFEST_FILE, manifest)
+    for name in state_files:
+        (folder / name).unlink(missing_ok=True)
+
+
+def resumable(folder: Path) -> bool:
+    """A complete checkpoint whose manifest lists the optimizer and RNG state that --resume needs."""
+    manifest = read_manifest(folder)
+    return manifest is not None and all(name in manifest["sha256"] for name in (OPTIMIZER_FILE, STATE_FILE))
+
+
 def file_sha256(path: Path) -> str:
     digest = hashlib.sha256()
     with path.open("rb") as f:
@@ -126,25 +172,47 @@ def file_sha256(path: Path) -> str:
     return digest.hexdigest()
 
 
-def _split_tensors(obj, prefix: str, tensors: dict[str, torch.Tensor]):
+def _split_tensors(obj, prefix: str, tensors: dict[str, torch.Tensor], compact: bool = False):
     """A JSON-able copy of a (nested) state dict whose tensors are moved into `tensors` by name: optimizer
-    state is saved as safetensors + JSON, no pickles. Int dict keys and tuples survive the round trip."""
+    state is saved as safetensors + JSON, no pickles. Int dict keys and tuples survive the round trip.
+    With `compact`, a tensor of which at most half the rows are non-zero is stored as those rows and their
+    indices (bit for bit: a row is zero when all its bytes are)."""
     if isinstance(obj, torch.Tensor):
-        tensors[prefix] = obj.detach().contiguous().cpu()
+        t = obj.detach().contiguous().cpu()
+        rows = _nonzero_rows(t) if compact else None
+        if rows is not None and 2 * len(rows) <= t.shape[0]:
+            tensors[prefix + ".rows"] = rows
+            tensors[prefix + ".values"] = t.index_select(0, rows)
+            return {"__rows__": prefix, "shape": list(t.shape)}
+        tensors[prefix] = t
         return {"__tensor__": prefix}
     if isinstance(obj, dict):
-        return {"__items__": [[k, _split_tensors(v, f"{prefix}.{k}", tensors)] for k, v in obj.items()]}
+        return {"__items__": [[k, _split_tensors(v, f"{prefix}.{k}", tensors, compact)] for k, v in obj.items()]}
     if isinstance(obj, tuple):
-        return {"__tuple__": [_split_tensors(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)]}
+        return {"__tuple__": [_split_tensors(v, f"{prefix}.{i}", tensors, compact) for i, v in enumerate(obj)]}
     if isinstance(obj, list):
-        return [_split_tensors(v, f"{prefix}.{i}", tensors) for i, v in enumerate(obj)]
+        return [_split_tensors(v, f"{prefix}.{i}", tensors, compact) for i, v in enumerate(obj)]
     return obj
+
+
+def _nonzero_rows(t: torch.Tensor) -> torch.Tensor | None:
+    """Indices of the rows of `t` with any non-zero byte (-0.0 counts as non-zero), or None for a tensor
+    without rows to drop (fewer than 2 dimensions, or no elements)."""
+    if t.dim() < 2 or t.numel() == 0:
+        return None
+    as_bytes = t.reshape(t.shape[0], -1).view(torch.uint8)
+    return torch.nonzero(as_bytes.any(dim=1)).reshape(-1)
 
 
 def _join_tensors(obj, tensors: dict[str, torch.Tensor]):
     if isinstance(obj, dict):
         if "__tensor__" in obj:
             return tensors[obj["__tensor__"]]
+        if "__rows__" in obj:
+            values = tensors[obj["__rows__"] + ".values"]
+            full = values.new_zeros(obj["shape"])
+            full[tensors[obj["__rows__"] + ".rows"]] = values
+            return full
         if "__tuple__" in obj:
             return tuple(_join_tensors(v, tensors) for v in obj["__tuple__"])
         return {k: _join_tensors(v, tensors) for k, v in obj["__items__"]}

@@ -15,6 +15,14 @@ from pcvr_lib.data.split import SPLIT_METHODS
 from pcvr_lib.models import model_names
 from pcvr_lib.optim.registry import DENSE_OPTIMIZERS
 
+# `pcvr train --quick` (the first run) and the CPU smoke scale the reference settings down the same way: no
+# embedding table above this many rows (hashed), the newest events per sequence domain, one torch thread
+QUICK_TABLE_CAP = 8192
+QUICK_MAX_LEN = 32
+QUICK_THREADS = 1
+# which checkpoints a run keeps: the best holdout AUC and the last (the one --resume continues), or all
+KEEP_CHECKPOINTS = ("best-and-last", "all")
+
 
 class TrainError(ValueError):
     """A bad path or option for train / val / infer; the message names it."""
@@ -36,6 +44,7 @@ class TrainConfig:
     batch_size: int = 128
     eval_batch_size: int = 256
     eval_every: int = 0  # 0: validate once, after the last step
+    keep_checkpoints: str = "best-and-last"  # KEEP_CHECKPOINTS
     dense_optimizer: str = "adamw"
     dense_lr: float = 1e-4
     betas: tuple[float, float] = (0.9, 0.98)
@@ -49,6 +58,7 @@ class TrainConfig:
     loader_preset: str = "none"  # pcvr_lib.data.loader.PRESETS: cache policy + augmentations for training
     strict_time_filter: bool | None = None  # converter drops events at/after the request time (None: preset's)
     device: str = "cpu"
+    threads: int | None = None  # torch intra-op threads while training (None: torch's default, one per core)
     amp: bool = False  # bf16 autocast
     compile: bool = False
     num_workers: int = 0
@@ -82,6 +92,9 @@ def check_names(config: TrainConfig) -> None:
         raise TrainError(f"unknown --split {config.split!r}; one of {', '.join(SPLIT_METHODS)}")
     if config.loader_preset not in PRESETS:
         raise TrainError(f"unknown --loader-preset {config.loader_preset!r}; one of {', '.join(PRESETS)}")
+    if config.keep_checkpoints not in KEEP_CHECKPOINTS:
+        raise TrainError(f"unknown --keep-checkpoints {config.keep_checkpoints!r}; one of "
+                         f"{', '.join(KEEP_CHECKPOINTS)}")
 
 
 def strict_time_filter(config: TrainConfig) -> bool:
@@ -99,6 +112,25 @@ def resolve_device(name: str) -> torch.device:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise TrainError(f"--device {name!r}: CUDA is not available on this machine; use --device cpu")
     return device
+
+
+def check_threads(count: int | None) -> int | None:
+    if count is not None and (isinstance(count, bool) or not isinstance(count, int) or count < 1):
+        raise TrainError(f"--threads must be an integer >= 1, got {count!r}")
+    return count
+
+
+@contextlib.contextmanager
+def torch_threads(count: int | None):
+    """torch's intra-op threads set to `count` inside the block (None: left as they are), then restored:
+    the setting is process-wide."""
+    before = torch.get_num_threads()
+    if check_threads(count) is not None:
+        torch.set_num_threads(count)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)
 
 
 def autocast(device: torch.device, amp: bool):

@@ -19,7 +19,7 @@ from pcvr_lib.errors import check_writable, warn
 from pcvr_lib.metrics import classification_metrics, sigmoid, undefined_auc_reason
 from pcvr_lib.progress import bar
 from pcvr_lib.train.checkpoint import MODEL_FILE, SCHEMA_FILE, check_output_run_dir, load_checkpoint, write_json
-from pcvr_lib.train.config import TrainError, autocast, resolve_device
+from pcvr_lib.train.config import TrainError, autocast, resolve_device, torch_threads
 from pcvr_lib.train.inputs import check_data, make_loader, reading, trained_data_path
 from pcvr_lib.train.telemetry import Telemetry
 
@@ -73,10 +73,12 @@ def validate(
     device: str = "cpu",
     amp: bool | None = None,
     list_order: str | None = None,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """Evaluate a checkpoint (default: the one the run dir's training summary names) on the holdout side
     (`rows="valid"`, the same split as training) or on every row (`rows="all"`); writes evaluation.json,
-    validation_predictions.jsonl and evaluation_telemetry.json into the run dir."""
+    validation_predictions.jsonl and evaluation_telemetry.json into the run dir. `threads`: torch threads
+    while scoring (default: those the run was trained with, when it set them)."""
     if run_dir is None and checkpoint is None:
         raise TrainError("val needs --run-dir or --checkpoint")
     if rows not in ("valid", "all"):
@@ -93,7 +95,7 @@ def validate(
     data_warnings = _check_scored_data(path, schema, folder, labels=True)
     use_amp = config.amp if amp is None else amp
     telemetry = Telemetry("evaluation", dev)
-    with telemetry:
+    with telemetry, torch_threads(threads if threads is not None else config.threads):
         if rows == "valid":
             loader = make_loader(path, schema, config, batch_size=batch_size, mode="sweep", split=config.split,
                                  side="valid", valid_ratio=config.valid_ratio, training=True, list_order=list_order)
@@ -162,10 +164,12 @@ def infer(
     device: str = "cpu",
     amp: bool | None = None,
     list_order: str | None = None,
+    threads: int | None = None,
 ) -> dict[str, Any]:
     """Score every row of the data (labels not read) and write predictions.json
     {"predictions": {sample_key: probability}, "user_ids": {sample_key: user_id}} and
-    inference_telemetry.json into result_dir (default: the checkpoint's run dir)."""
+    inference_telemetry.json into result_dir (default: the checkpoint's run dir). `threads` as in
+    `validate`."""
     if batch_size < 1:
         raise TrainError(f"--batch-size must be >= 1, got {batch_size}")
     dev = resolve_device(device)
@@ -176,7 +180,7 @@ def infer(
     data_warnings = _check_scored_data(path, schema, folder, labels=False)
     use_amp = config.amp if amp is None else amp
     telemetry = Telemetry("inference", dev)
-    with telemetry:
+    with telemetry, torch_threads(threads if threads is not None else config.threads):
         loader = make_loader(path, schema, config, batch_size=batch_size, mode="sweep", training=False,
                              list_order=list_order)
         preds = _score(model, loader, dev, use_amp, folder, path, "infer")

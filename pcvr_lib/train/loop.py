@@ -8,7 +8,12 @@ training_summary.json and training_telemetry.json into the run dir.
   torch.compile (with an eager fallback that is recorded). Batches come from `pcvr_lib.data.loader`
   (`steps` mode: seeded draws of batch keys on the training side of the split).
 - Validation after the last step (and every `eval_every` steps) on the holdout side; each writes a
-  checkpoint (`pcvr_lib.train.checkpoint`).
+  checkpoint (`pcvr_lib.train.checkpoint`). The run keeps the best of them by holdout AUC (the one
+  `val` and `infer` use) and the last (the one `--resume` continues, the only one with optimizer state),
+  or every one with `keep_checkpoints="all"`.
+- `threads`: torch's intra-op threads while training (restored afterwards). On a small CPU shared with
+  other work one thread is often several times faster than one per core: OpenMP workers spin while a
+  core they wait for runs something else (`--quick` uses one).
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch.nn.functional as F
 
 from pcvr_lib.data.convert import labels_from_label_type
 from pcvr_lib.errors import Interrupted, check_writable, warn
-from pcvr_lib.metrics import classification_metrics, undefined_auc_reason
+from pcvr_lib.metrics import auc_text, classification_metrics, undefined_auc_reason
 from pcvr_lib.models import build_model
 from pcvr_lib.optim import build_optimizer_set, train_step
 from pcvr_lib.progress import StepProgress
@@ -37,21 +42,31 @@ from pcvr_lib.train.checkpoint import (
     CHECKPOINT_RE,
     CONFIG_FILE,
     RUN_ARTIFACTS,
-    STATE_FILE,
     SUMMARY_FILE,
     TMP_PREFIX,
     checkpoint_name,
     complete_checkpoints,
+    drop_training_state,
     finite_or_none,
     load_train_state,
     raw_model,
     read_json_file,
     read_manifest,
+    resumable,
+    retention,
     save_checkpoint,
     verify_checkpoint,
     write_json,
 )
-from pcvr_lib.train.config import TrainConfig, TrainError, autocast, check_names, resolve_device
+from pcvr_lib.train.config import (
+    TrainConfig,
+    TrainError,
+    autocast,
+    check_names,
+    check_threads,
+    resolve_device,
+    torch_threads,
+)
 from pcvr_lib.train.evaluate import predict_batches
 from pcvr_lib.train.inputs import (
     check_batch_rows,
@@ -97,6 +112,7 @@ def train(config: TrainConfig, progress=None, *, overwrite: bool = False, resume
         raise TrainError("batch sizes must be >= 1")
     if config.eval_every < 0 or config.log_every < 0:
         raise TrainError("--eval-every and --log-every must be >= 0")
+    check_threads(config.threads)
     if overwrite and resume:
         raise TrainError("--overwrite and --resume exclude each other: replace the run or continue it")
     check_names(config)
@@ -114,7 +130,7 @@ def train(config: TrainConfig, progress=None, *, overwrite: bool = False, resume
     previous = (torch.are_deterministic_algorithms_enabled(), torch.is_deterministic_algorithms_warn_only_enabled())
     seed_everything(config.seed, config.deterministic)
     try:
-        with reading(data):
+        with reading(data), torch_threads(config.threads):
             return _train(config, device, data, schema, run_dir, progress, start, data_warnings)
     finally:  # the deterministic switch is process-wide: give the caller its setting back
         torch.use_deterministic_algorithms(previous[0], warn_only=previous[1])
@@ -140,11 +156,11 @@ def _prepare_run_dir(run_dir: Path, config: TrainConfig, *, overwrite: bool, res
         return None
     if not resume:
         return None
-    resumable = [f for _, f in complete_checkpoints(run_dir) if (f / STATE_FILE).is_file()]
-    if not resumable:
+    candidates = [f for _, f in complete_checkpoints(run_dir) if resumable(f)]
+    if not candidates:
         raise TrainError(f"--resume: {run_dir} holds no complete checkpoint with optimizer state to continue from "
                          "(train without --resume, or with --overwrite)")
-    folder = resumable[-1]
+    folder = candidates[-1]
     verify_checkpoint(folder)
     saved = read_json_file(folder / CONFIG_FILE, "train config")
     now = config.to_dict()
@@ -214,8 +230,11 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, r
     telemetry = Telemetry("train", device)
     eval_seconds = 0.0
     if config.log_every:
+        cap = raw_model(model).config.vocab_cap
         print(f"train: {config.model} on {data} ({int(split.train_mask.sum())} train / {int(split.valid_mask.sum())} "
-              f"holdout rows), steps {start + 1}..{config.steps} of {config.batch_size} rows, run dir {run_dir}",
+              f"holdout rows), steps {start + 1}..{config.steps} of {config.batch_size} rows, run dir {run_dir}; "
+              f"tables {f'capped at {cap} rows' if cap else 'uncapped'}, sequences "
+              f"{','.join(f'{d.name}:{d.max_len}' for d in schema.domains)}, {torch.get_num_threads()} thread(s)",
               file=sys.stderr, flush=True)
     bar = StepProgress(config.steps, start, f"train {config.model}", every=config.log_every)
     done = start  # the last step completed (what Ctrl-C reports)
@@ -249,13 +268,8 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, r
                 if step == config.steps or (config.eval_every and step % config.eval_every == 0):
                     t0 = time.perf_counter()
                     val_result = _holdout(model, data, schema, config, split, device)
-                    # the name goes into the history before the save, so the checkpoint lists itself
-                    name = checkpoint_name(step, val_result["metrics"]["auc"])
-                    history["checkpoints"] = [c for c in history["checkpoints"] if c != name] + [name]
-                    save_checkpoint(run_dir, model, schema, config, step, val_result["metrics"]["auc"],
-                                    optimizers=optimizers,
-                                    train_state={"history": history,
-                                                 "train_positive_rate": meta.get("train_positive_rate")})
+                    _save(run_dir, model, schema, config, step, val_result["metrics"], optimizers, history, meta,
+                          bar, t0)
                     eval_seconds += time.perf_counter() - t0
             telemetry.excluded = eval_seconds  # elapsed_sec and the rates cover the training steps only
     except KeyboardInterrupt:
@@ -275,6 +289,7 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, r
         data_warnings = [*data_warnings, f"holdout {undefined}: the checkpoint is named AUC=undefined"]
         warn(data_warnings[-1])
     checkpoints = [str(run_dir / name) for name in history["checkpoints"]]
+    best = str(run_dir / retention(history["checkpoints"], config.keep_checkpoints)[1])
     summary = {
         "run_dir": str(run_dir),
         "experiment_name": config.experiment_name or config.model,
@@ -298,14 +313,37 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, r
         "validation_score_diagnostics": metrics["score_diagnostics"],
         "init_validation_metrics": history["init_metrics"],
         "checkpoints": checkpoints,
-        "best_checkpoint": checkpoints[-1],
-        "checkpoint_sha256": read_manifest(Path(checkpoints[-1]))["sha256"],
+        "best_checkpoint": best,  # the highest holdout AUC: what val and infer use
+        "last_checkpoint": checkpoints[-1],  # what --resume continues
+        "checkpoint_sha256": read_manifest(Path(best))["sha256"],
         "train_config": config.to_dict(),
         "model_config": model.config.to_dict(),
         "telemetry": train_telemetry,
     }
     write_json(run_dir / SUMMARY_FILE, summary)
     return summary
+
+
+def _save(run_dir: Path, model, schema, config: TrainConfig, step: int, metrics: dict, optimizers, history: dict,
+          meta: dict, bar: StepProgress, t0: float) -> None:
+    """Save the checkpoint of `step`, then apply the retention: checkpoints that are neither the best nor
+    the last are removed, and the previous last loses its optimizer state when it stays as the best.
+    The history saved with the checkpoint already lists what is kept, so a resumed run agrees with the disk."""
+    name = checkpoint_name(step, metrics["auc"])
+    before = [c for c in history["checkpoints"] if c != name]
+    kept, _ = retention([*before, name], config.keep_checkpoints)
+    history["checkpoints"] = kept
+    folder = save_checkpoint(run_dir, model, schema, config, step, metrics["auc"], optimizers=optimizers,
+                             train_state={"history": history, "train_positive_rate": meta.get("train_positive_rate")})
+    dropped = [c for c in before if c not in kept]
+    for old in dropped:
+        shutil.rmtree(run_dir / old, ignore_errors=True)
+    if config.keep_checkpoints != "all" and before and before[-1] in kept:
+        drop_training_state(run_dir / before[-1])  # still the best, no longer the last
+    size = sum(f.stat().st_size for f in folder.iterdir())
+    bar.note(f"validated after step {step}: holdout AUC {auc_text(metrics['auc'])} on {metrics['sample_count']} "
+             f"rows; saved {name} ({size / 2**20:,.0f} MiB){f', removed {len(dropped)} older' if dropped else ''} "
+             f"in {time.perf_counter() - t0:.1f}s")
 
 
 def _positive_rate(data: Path, rows: np.ndarray) -> float:
