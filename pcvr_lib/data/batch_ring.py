@@ -124,7 +124,6 @@ class RingSender:
         self.ring: _Ring | None = None
         self.arrays: list[np.ndarray] = []  # one array per slot of the current ring, kept for the refcounts
         self.free_refs: list[int] = []
-        self.next_slot = 0
         self.counts = {"shared": 0, "copied": 0, "pickled": 0, "lent": 0, "rings": 0, "slot_bytes": 0}
 
     def _new_ring(self, need: int, rows: int) -> None:
@@ -136,13 +135,12 @@ class RingSender:
         self.ring = _Ring(path, self.slots, slot_bytes, create=True)
         self.arrays = [self.ring.slot_array(k) for k in range(self.slots)]
         self.free_refs = [sys.getrefcount(self.arrays[k]) for k in range(self.slots)]  # as _free_slot counts
-        self.next_slot = 0
 
     def _free_slot(self) -> int | None:
-        ring = self.ring
-        for k in [*range(self.next_slot, ring.slots), *range(self.next_slot)]:
-            if ring.states[k] == _FREE and sys.getrefcount(self.arrays[k]) == self.free_refs[k]:
-                self.next_slot = (k + 1) % ring.slots
+        """The lowest free slot: the slots used most recently are reused first, so the pages of the others
+        are never touched (each first touch is a page fault)."""
+        for k in range(self.ring.slots):
+            if self.ring.states[k] == _FREE and sys.getrefcount(self.arrays[k]) == self.free_refs[k]:
                 return k
         return None
 
