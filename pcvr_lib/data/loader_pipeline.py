@@ -4,7 +4,6 @@ augmentation, and with worker processes the shared cache's roles (see pcvr_lib.d
 from __future__ import annotations
 
 import bisect
-import functools
 import queue
 import threading
 from collections.abc import Sequence
@@ -349,20 +348,6 @@ class Pipeline:
         }
 
 
-@functools.cache  # once per worker process
-def _own_arrow_allocator() -> None:
-    """Decode with an Arrow allocator the parent process never used. A forked worker shares the pages the
-    parent's allocator keeps free (after the parent decoded something itself, e.g. a benchmark's pyarrow
-    floor read), and writing into one copies it first: a new worker's first decodes took 0.5-1.3 s instead
-    of 0.13-0.2 s here, and handing those pages back (release_unused) did not remove most of it."""
-    try:
-        jemalloc = pa.jemalloc_memory_pool()
-    except NotImplementedError:  # a pyarrow built without jemalloc
-        jemalloc = None
-    fresh = jemalloc is not None and pa.default_memory_pool().backend_name != "jemalloc"
-    pa.set_memory_pool(jemalloc if fresh else pa.system_memory_pool())
-
-
 class WorkerDataset(torch.utils.data.IterableDataset):
     """DataLoader side: worker w produces the plan items at positions w, w + W, ... (in plan order), and
     hands each batch over through its ring of shared-memory slots (`batch_ring`)."""
@@ -377,8 +362,6 @@ class WorkerDataset(torch.utils.data.IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
-        if info is not None:
-            _own_arrow_allocator()
         # a fresh pipeline (counters, and the shared cache's decisions from the plan's start) per
         # iteration, as in the single-process path: one iteration is the whole plan
         shared = sender = None
