@@ -317,7 +317,8 @@ def test_loader_workers(benchmark, setup, preset, workers, round_line):
     against a pyarrow read of the same columns with as many reader threads (1 for 0 workers: the loader's
     own read-ahead thread), read before and after the loader round; ratio = loader rows/s over the mean of
     the two reads' rows/s. With workers the cache is one cache shared by them (its hits per worker and
-    overall are stored, and must equal the single-process loader's on the same plan)."""
+    overall are stored, and must equal the single-process loader's on the same plan). The workers hand their
+    batches over through shared-memory slots (pcvr_lib/data/batch_ring.py; `handoff` in extra_info)."""
     cfg, schema, path = setup
     columns = schema.converter_columns
     groups = pq.ParquetFile(path).metadata.num_row_groups
@@ -374,4 +375,7 @@ def test_loader_workers(benchmark, setup, preset, workers, round_line):
         pyarrow_read_sec=floors,
         ratio_to_pyarrow_read=(rows / seconds) / floor_rows_per_sec,
         per_worker_rows=[w["rows"] for w in loader.stats_per_worker()],
+        # how batches reached this process: slots of the workers' shared-memory rings (copied: made after
+        # conversion, e.g. cache hits), pickled when every slot was held; None without workers
+        handoff=stats["handoff"],
     )

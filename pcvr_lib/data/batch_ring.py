@@ -229,7 +229,8 @@ class RingSender:
         the DataLoader, when every slot is busy."""
         handle = batch if isinstance(batch, SlotBatch) else self._place(batch)
         self.counts["shared" if handle is not None else "pickled"] += 1
-        return handle if handle is not None else batch
+        # pickled as a batch of its own memory (its tensors may lie in a slot, a private arena or a mapped file)
+        return handle if handle is not None else batch.clone()
 
     def lend(self, batch: Batch) -> SlotBatch | None:
         """A descriptor for another worker (a batch converted here from a row group only this worker

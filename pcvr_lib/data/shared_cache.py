@@ -11,7 +11,8 @@ share one cache of the full capacity instead, in two parts:
   the hits are exactly those of the single-process loader on the same plan (tested).
 - The payloads. A converted batch that will be hit later is written once with `torch.save` into a
   directory on shared memory (/dev/shm where it exists) and read back memory-mapped (`torch.load(mmap=True)`)
-  by whichever worker owns the hit, with no Arrow decoding and no conversion. The writer publishes one
+  by whichever worker owns the hit, with no Arrow decoding and no conversion (and copied once more, into
+  that worker's ring slot: pcvr_lib/data/batch_ring.py). The writer publishes one
   hard link per future hit (`<insert position>-<hit position>.pt`, created after the file is complete, so
   a reader never sees a partial file), and each reader unlinks its own link after loading: the memory is
   released when the last hit has been served, which is at or before the policy's eviction.
@@ -144,4 +145,4 @@ class SharedBatchStore:
             delay = min(delay * 2, 0.02)
         batch = torch.load(path, mmap=True, weights_only=False)
         path.unlink()  # the mapping stays valid; the memory goes when the last reader is done
-        return batch.clone()  # own memory: the mapping is released once the clone is made
+        return batch  # over the (private) mapping: the worker copies it into a ring slot, then lets it go
