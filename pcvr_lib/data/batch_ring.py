@@ -5,8 +5,10 @@ shared-memory segment by torch's pickler (a copy, a file descriptor sent over a 
 both sides), which cost more than a second worker gained. Instead each worker fills a ring of
 preallocated slots in one file on shared memory (/dev/shm where there is one), mapped once by the worker
 and once by the consumer, and only a small descriptor goes through the queue: the ring, the slot, and
-each tensor's dtype, shape and offset (the Batch with `SlotTensor`s where its tensors were). The worker
-copies a finished batch into the slot once; the consumer's batch is tensors over the mapped slot, no copy.
+each tensor's dtype, shape and offset (the Batch with `SlotTensor`s where its tensors were). The worker's
+converter converts straight into a free slot (`RingSender.take` is its arena source), so a converted batch
+is sent without a copy; a batch made after conversion (augmented, row-selected, a cache hit) is copied into
+a slot once. The consumer's batch is tensors over its mapping of the slot, no copy.
 
 Lifetime (the rule a DataLoader user expects: a batch is valid for as long as anything refers to it):
 a slot is busy from the moment the worker takes it until the last tensor over it is gone in the consumer.
@@ -24,8 +26,9 @@ store removes an unfinished iteration's folder), and the memory goes when the la
 
 A worker may also lend a slot to another worker (`lend`): the batches of a row group are converted by the
 one worker that decodes it (loader_pipeline), and a batch due to come out of another worker goes to that
-worker as a descriptor of the converter's slot instead of a file of the shared store; that worker makes its
-own batch from the slot (split filter, augmentations) and sends it through its own ring.
+worker as a descriptor of the converter's slot instead of a file of the shared store; that worker passes
+the descriptor on as it is when no split filter or augmentation applies, and otherwise makes its own batch
+from the slot and sends that through its own ring.
 """
 
 from __future__ import annotations
