@@ -193,3 +193,27 @@ def test_a_converted_batch_is_sent_from_its_slot_and_a_made_one_is_copied(schema
     assert states[sent.slot] == 0 and states[made.slot] == 1  # the other one is still held
     del second
     assert states[made.slot] == 0
+
+
+def test_too_little_shared_memory_pickles_the_batches_and_says_so(schema, dataset, monkeypatch, capfd):
+    """Where /dev/shm is too small for a ring (a container's 64 MB), writing past it would kill the worker
+    (SIGBUS): the worker makes no ring, pickles its batches (the same batches) and warns."""
+    import pcvr_lib.data.batch_ring as batch_ring
+
+    real = os.statvfs
+
+    class Tiny:
+        def __init__(self, path):
+            stat = real(path)
+            self.f_frsize, self.f_bavail = stat.f_frsize, 1
+
+    monkeypatch.setattr(batch_ring.os, "statvfs", Tiny)
+    options = dict(batch_size=BATCH, passes=1, shuffle=True, seed=3)
+    local = _snapshot(PcvrLoader(dataset, schema, **options))
+    loader = PcvrLoader(dataset, schema, num_workers=1, **options)
+    for reference, batch in zip(local, loader, strict=True):
+        assert_identical(reference, batch)
+    handoff = loader.stats()["handoff"]
+    assert handoff["pickled"] == len(local) and handoff["shared"] == 0 and handoff["rings"] == 0
+    assert "MiB free, a ring needs" in handoff["ring_unavailable"][0]
+    assert "no shared-memory ring" in capfd.readouterr().err

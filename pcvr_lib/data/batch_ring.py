@@ -5,8 +5,10 @@ shared-memory segment by torch's pickler (a copy, a file descriptor sent over a 
 both sides), which cost more than a second worker gained. Instead each worker fills a ring of
 preallocated slots in one file on shared memory (/dev/shm where there is one), mapped once by the worker
 and once by the consumer, and only a small descriptor goes through the queue: the ring, the slot, and
-each tensor's dtype, shape and offset (the Batch with `SlotTensor`s where its tensors were). The worker
-copies a finished batch into the slot once; the consumer's batch is tensors over the mapped slot, no copy.
+each tensor's dtype, shape and offset (the Batch with `SlotTensor`s where its tensors were). The worker's
+converter converts straight into a free slot (`RingSender.take` is its arena source), so a converted batch
+is sent without a copy; a batch made after conversion (augmented, row-selected, a cache hit) is copied into
+a slot once. The consumer's batch is tensors over its mapping of the slot, no copy.
 
 Lifetime (the rule a DataLoader user expects: a batch is valid for as long as anything refers to it):
 a slot is busy from the moment the worker takes it until the last tensor over it is gone in the consumer.
@@ -24,8 +26,9 @@ store removes an unfinished iteration's folder), and the memory goes when the la
 
 A worker may also lend a slot to another worker (`lend`): the batches of a row group are converted by the
 one worker that decodes it (loader_pipeline), and a batch due to come out of another worker goes to that
-worker as a descriptor of the converter's slot instead of a file of the shared store; that worker makes its
-own batch from the slot (split filter, augmentations) and sends it through its own ring.
+worker as a descriptor of the converter's slot instead of a file of the shared store; that worker passes
+the descriptor on as it is when no split filter or augmentation applies, and otherwise makes its own batch
+from the slot and sends that through its own ring.
 """
 
 from __future__ import annotations
@@ -125,12 +128,23 @@ class RingSender:
         self.arrays: list[np.ndarray] = []  # one array per slot of the current ring, kept for the refcounts
         self.free_refs: list[int] = []
         self.counts = {"shared": 0, "copied": 0, "pickled": 0, "lent": 0, "rings": 0, "slot_bytes": 0}
+        self.unavailable: str | None = None  # why there is no ring (too little shared memory): batches are pickled
 
     def _new_ring(self, need: int, rows: int) -> None:
         # room for full batches when the first one is short, and for the small tensors the converter makes apart
         slot_bytes = _round_up(max(need, need * self.batch_rows // max(rows, 1)) + _SPARE_PER_ROW * self.batch_rows,
                                _PAGE)
         path = self.directory / f"ring-{self.worker}-{self.counts['rings']}.bin"
+        size = _round_up(self.slots, _PAGE) + self.slots * slot_bytes
+        fs = os.statvfs(self.directory)
+        free = fs.f_bavail * fs.f_frsize
+        if free < size:  # a small /dev/shm (containers): writing a page there past its size is a SIGBUS
+            self.unavailable = f"{self.directory}: {free >> 20} MiB free, a ring needs {size >> 20} MiB"
+            # on stderr itself: a worker process's warnings filter may be anyone's (a test runner's, recording)
+            print(f"warning: loader worker {self.worker}: no shared-memory ring ({self.unavailable}); its batches "
+                  "are pickled instead, which is slower (make /dev/shm larger)", file=sys.stderr, flush=True)
+            self.ring, self.arrays, self.free_refs = None, [], []
+            return
         self.counts.update(rings=self.counts["rings"] + 1, slot_bytes=slot_bytes)
         self.ring = _Ring(path, self.slots, slot_bytes, create=True)
         self.arrays = [self.ring.slot_array(k) for k in range(self.slots)]
@@ -147,21 +161,25 @@ class RingSender:
     def take(self, nbytes: int, rows: int) -> np.ndarray | None:
         """The converter's arena source: a free slot's array (at least `nbytes`), or None (the converter then
         uses memory of its own and `send` copies)."""
-        if self.ring is None:
+        if self.ring is None and self.unavailable is None:
             self._new_ring(nbytes, rows)
-        if nbytes > self.ring.slot_bytes:
+        if self.ring is None or nbytes > self.ring.slot_bytes:
             return None
         k = self._free_slot()
         return self.arrays[k] if k is not None else None
 
     def _slot_of(self, batch: Batch) -> int | None:
-        """The slot holding the batch's first tensor, when that is one of this ring's."""
+        """The slot of the current ring holding the batch's first tensor, if one does."""
         if self.ring is None:
             return None
         first = batch.tensors()[0]
         base = self.arrays[0].ctypes.data
         k = (first.data_ptr() - base) // self.ring.slot_bytes
-        return int(k) if first.data_ptr() >= base and k < self.ring.slots else None
+        if first.data_ptr() < base or k >= self.ring.slots:
+            return None
+        start, end = self.arrays[k].ctypes.data, self.arrays[k].ctypes.data + self.ring.slot_bytes
+        inside = start <= first.data_ptr() and first.data_ptr() + first.numel() * first.element_size() <= end
+        return int(k) if inside else None
 
     def _in_place(self, batch: Batch) -> SlotBatch | None:
         """The descriptor of a batch converted into a slot not yet sent, its tensors made apart copied into
@@ -200,9 +218,9 @@ class RingSender:
         for t in batch.tensors():
             layout.append(need)
             need += _round_up(t.numel() * t.element_size(), _ALIGN)
-        if self.ring is None or need > self.ring.slot_bytes:
+        if (self.ring is None or need > self.ring.slot_bytes) and self.unavailable is None:
             self._new_ring(need, batch.batch_size)
-        k = self._free_slot()
+        k = self._free_slot() if self.ring is not None and need <= self.ring.slot_bytes else None
         if k is None:
             return None
         offsets = dict(zip(map(id, batch.tensors()), layout, strict=True))
@@ -240,7 +258,7 @@ class RingSender:
         return handle
 
     def stats(self) -> dict:
-        return dict(self.counts, slots=self.slots)
+        return dict(self.counts, slots=self.slots, unavailable=self.unavailable)
 
 
 def _release(states: np.ndarray, slot: int) -> None:

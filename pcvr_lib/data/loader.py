@@ -231,4 +231,5 @@ def _handoff(per_worker: list[dict | None]) -> dict | None:
     if not per_worker or any(w is None for w in per_worker):
         return None
     total = {k: sum(w[k] for w in per_worker) for k in ("shared", "copied", "pickled", "lent", "rings")}
-    return dict(total, slots_per_worker=per_worker[0]["slots"], slot_bytes=max(w["slot_bytes"] for w in per_worker))
+    return dict(total, slots_per_worker=per_worker[0]["slots"], slot_bytes=max(w["slot_bytes"] for w in per_worker),
+                ring_unavailable=[w["unavailable"] for w in per_worker if w["unavailable"]])
