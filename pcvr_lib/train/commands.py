@@ -207,6 +207,11 @@ def add_val_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--data", help="parquet file (default: the one the model was trained on)")
     parser.add_argument("--rows", choices=["valid", "all"], default="valid",
                         help="holdout side of the training split (default) or every row")
+    _add_scoring_options(parser)
+
+
+def _add_scoring_options(parser: argparse.ArgumentParser) -> None:
+    """The options val and infer share: batch size, device, threads, list order."""
     parser.add_argument("--batch-size", type=int, default=256, help="rows per batch (default 256)")
     parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
     parser.add_argument("--threads", type=int,
@@ -230,12 +235,7 @@ def add_infer_arguments(parser: argparse.ArgumentParser) -> None:
                         "model.safetensors")
     parser.add_argument("--data", help="parquet file (default: the one the model was trained on)")
     parser.add_argument("--result-dir", help="where predictions.json goes (default: the checkpoint's run dir)")
-    parser.add_argument("--batch-size", type=int, default=256, help="rows per batch (default 256)")
-    parser.add_argument("--device", default="cpu", help="torch device (default cpu)")
-    parser.add_argument("--threads", type=int,
-                        help="torch threads while scoring (default: the ones the run was trained with, e.g. 1 "
-                             "after train --quick; one per core when it set none)")
-    _add_list_order(parser, None)
+    _add_scoring_options(parser)
 
 
 def run_infer(args: argparse.Namespace) -> int:
