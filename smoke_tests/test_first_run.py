@@ -7,6 +7,7 @@ import fcntl
 import json
 import os
 import re
+import select
 import shlex
 import struct
 import sys
@@ -243,6 +244,24 @@ def _pty_with_columns(columns: int):
     return master, os.fdopen(slave, "w", buffering=1)
 
 
+def _read_until_closed(master: int) -> str:
+    """Everything written to the pseudo-terminal: one read may return only the first line (some kernels
+    hand out one write per read), so read until the closed slave side reports EIO or end of file, or
+    nothing more arrives within a second."""
+    chunks = []
+    try:
+        while select.select([master], [], [], 1.0)[0]:
+            chunk = os.read(master, 1 << 16)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    except OSError:
+        pass
+    finally:
+        os.close(master)
+    return b"".join(chunks).decode()
+
+
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="pseudo-terminal sizes set with Linux ioctls")
 def test_a_terminal_without_width_gets_plain_lines(monkeypatch):
     """tqdm draws nothing on a terminal that reports 0 columns: there, as off a terminal, progress is a
@@ -259,12 +278,10 @@ def test_a_terminal_without_width_gets_plain_lines(monkeypatch):
                 steps.update(step, 32, 0.5, 0.1)
             steps.note("validated after step 4")
             steps.close()
-            stream.flush()
-            written = os.read(master, 1 << 16).decode()
         finally:
             monkeypatch.setattr(sys, "stderr", sys.__stderr__)
             stream.close()
-            os.close(master)
+        written = _read_until_closed(master)
         lines = [line.strip() for line in written.replace("\r", "\n").splitlines() if line.strip()]
         if expect_bar:
             assert any("train test" in line and "%|" in line for line in lines)
