@@ -29,6 +29,7 @@ from torch import nn
 from pcvr_lib.data.batch import Batch, SequenceBlock
 from pcvr_lib.models.kernel_ops import RMSNorm, attention, field_means
 from pcvr_lib.models.sequences import NUM_SEQ_STATS, NUM_TIME_BUCKETS, sequence_stats, time_buckets, trim_sequence
+from pcvr_lib.models.tables import SparseTable
 from pcvr_lib.schema import Schema
 
 BACKENDS = ("torch", "triton", "tilelang")
@@ -290,7 +291,7 @@ class FeatureEmbeddings(nn.Module):
                                         ("keep", keep, torch.bool)):
                 self.register_buffer(f"seq_{name}_{domain.name}", torch.tensor(values, dtype=dtype)[:, None],
                                      persistent=False)
-        self.table = nn.Embedding(next_row, emb_dim, padding_idx=0, sparse=True)
+        self.table = SparseTable(next_row, emb_dim)
         nn.init.normal_(self.table.weight, std=0.05)
         with torch.no_grad():
             self.table.weight[0].zero_()

@@ -51,6 +51,7 @@ from pcvr_lib.models.common import (
 from pcvr_lib.models.kernel_ops import bag_mean
 from pcvr_lib.models.registry import register
 from pcvr_lib.models.sequences import NUM_TIME_BUCKETS, masked_mean, pack_segments, time_buckets, trim_sequence
+from pcvr_lib.models.tables import SparseTable
 
 UTC8 = 8 * 3600
 DAY = 86400.0
@@ -107,7 +108,7 @@ class WidthTables(nn.Module):
             layout.append((base if n else 0, max(n, 1)))
         self.tables = nn.ModuleDict()
         for w, n in sorted(rows.items()):
-            table = nn.Embedding(n, w, padding_idx=0, sparse=True)
+            table = SparseTable(n, w)
             nn.init.normal_(table.weight, std=0.05)
             with torch.no_grad():
                 table.weight[0].zero_()

@@ -18,6 +18,7 @@ from pcvr_lib import kernels
 from pcvr_lib.kernels.attention import role_mask as kernel_role_mask
 from pcvr_lib.kernels.norms import rms_norm_formula
 from pcvr_lib.models.sequences import masked_mean
+from pcvr_lib.models.tables import bag_mean_of_table
 
 
 # ------------------------------------------------------------------------------------------------ norms
@@ -197,8 +198,7 @@ def bag_mean(table: nn.Embedding, rows: torch.Tensor, backend: str = "torch") ->
     rows, 0 for an empty bag."""
     if backend == "torch":
         return masked_mean(table(rows), rows > 0, dim=-2)
-    mean = kernels.embedding_bag_mean(table.weight, rows.reshape(-1, rows.shape[-1]), backend=backend,
-                                      sparse_grad=table.sparse)
+    mean = bag_mean_of_table(table, rows.reshape(-1, rows.shape[-1]), backend)
     return mean.view(*rows.shape[:-1], table.embedding_dim)
 
 

@@ -1,0 +1,129 @@
+"""Sparse embedding tables, and their row gradients in a form torch.compile can trace.
+
+Eagerly a table is a plain `nn.Embedding(sparse=True)`: backward gives a COO gradient of the rows a batch
+touched. torch.compile's AOTAutograd cannot produce sparse gradients, so a compiled step runs under a
+`RowCapture`: every lookup of a table adds a zero "sink" tensor of the lookup's shape to the rows it reads
+(x + 0 is x) and writes the rows it read into a fixed buffer. Backward then gives each sink, as a plain
+dense gradient, the gradient of every row read (one piece per position, 0 at the padding row), and
+`install_gradients` hands the tables these pieces as uncoalesced COO gradients (rows, pieces): what the
+optimizers, the grad-norm clip and `embedding_bag.merge_rows` already take, with nothing of data-dependent
+size and no device-to-host sync. The buffers are planned once per batch shape (`RowCapture.plan`, one eager
+forward) and reused, so the compiled graph sees the same inputs at every step.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from pcvr_lib import kernels
+
+
+class SparseTable(nn.Embedding):
+    """A row-sparse embedding table (padding row 0, sparse gradients) whose lookups a `RowCapture` can
+    take over. Same parameters and state-dict keys as `nn.Embedding`."""
+
+    def __init__(self, num_rows: int, dim: int):
+        super().__init__(num_rows, dim, padding_idx=0, sparse=True)
+
+    def forward(self, rows: torch.Tensor) -> torch.Tensor:
+        if _ACTIVE is None:
+            return super().forward(rows)
+        sink = _ACTIVE.lookup(self, rows)
+        real = (rows != 0).unsqueeze(-1).to(self.weight.dtype)  # the padding row gets no gradient
+        return F.embedding(rows, self.weight.detach()) + sink.view(*rows.shape, -1) * real
+
+
+def bag_mean_of_table(table: nn.Embedding, ids: torch.Tensor, backend: str) -> torch.Tensor:
+    """[N, L] table rows (0 = no id) -> [N, E] bag means on a kernel backend. Under a `RowCapture` the kernel
+    computes the means from the detached table, and the sink of the lookup carries the gradient of every
+    piece (the mean's backward: grad / count at each non-zero id)."""
+    if _ACTIVE is None:
+        return kernels.embedding_bag_mean(table.weight, ids, backend=backend, sparse_grad=table.sparse)
+    sink = _ACTIVE.lookup(table, ids).view(*ids.shape, -1)
+    real = (ids != 0).to(sink.dtype)
+    share = real / real.sum(-1, keepdim=True).clamp(min=1)
+    mean = kernels.embedding_bag_mean(table.weight.detach(), ids, backend=backend)
+    return mean + (sink * share.unsqueeze(-1)).sum(-2)
+
+
+@dataclass
+class _Slot:
+    table: nn.Embedding
+    rows: torch.Tensor  # (N,) int64: the rows one lookup read
+    sink: torch.Tensor  # (N, E) zeros, requires grad: its gradient is the lookup's row pieces
+
+
+class RowCapture:
+    """The fixed buffers of one forward's table lookups, in call order (see the module docstring)."""
+
+    def __init__(self):
+        self.slots: list[_Slot] = []
+        self._position = 0
+        self._planning = False
+
+    @classmethod
+    def plan(cls, forward) -> RowCapture:
+        """Run `forward()` once eagerly (no gradient) and keep a buffer pair per table lookup it makes."""
+        capture = cls()
+        capture._planning = True
+        with torch.no_grad(), capture.active():
+            forward()
+        capture._planning = False
+        return capture
+
+    @contextlib.contextmanager
+    def active(self):
+        global _ACTIVE
+        if _ACTIVE is not None:
+            raise RuntimeError("RowCapture: another capture is already active (captures do not nest)")
+        _ACTIVE, self._position = self, 0
+        try:
+            yield self
+        finally:
+            _ACTIVE = None
+        if not self._planning and self._position != len(self.slots):
+            raise RuntimeError(f"RowCapture: the forward made {self._position} table lookups, the plan has "
+                               f"{len(self.slots)} (the model's lookups changed since it was planned)")
+
+    def lookup(self, table: nn.Embedding, rows: torch.Tensor) -> torch.Tensor:
+        """The sink of the next lookup; records the rows it reads."""
+        if self._planning:
+            weight = table.weight
+            self.slots.append(_Slot(table, torch.zeros(rows.numel(), dtype=torch.int64, device=weight.device),
+                                    torch.zeros(rows.numel(), weight.shape[1], dtype=weight.dtype,
+                                                device=weight.device, requires_grad=True)))
+        if self._position >= len(self.slots):
+            raise RuntimeError(f"RowCapture: the forward made more table lookups than the {len(self.slots)} "
+                               "planned")
+        slot = self.slots[self._position]
+        self._position += 1
+        if slot.table is not table or slot.rows.numel() != rows.numel():
+            raise RuntimeError("RowCapture: a table lookup does not match the plan (another table or batch "
+                               "shape); plan a capture per batch shape")
+        slot.rows.copy_(rows.reshape(-1))
+        return slot.sink
+
+    def install_gradients(self) -> None:
+        """After backward: each table's gradient becomes the uncoalesced COO of its lookups' (row, piece)
+        pairs (sinks without a gradient add nothing), and the sinks' gradients are cleared."""
+        by_table: dict[int, tuple[nn.Embedding, list[torch.Tensor], list[torch.Tensor]]] = {}
+        for slot in self.slots:
+            if slot.sink.grad is None:
+                continue
+            _, rows, pieces = by_table.setdefault(id(slot.table), (slot.table, [], []))
+            rows.append(slot.rows)
+            pieces.append(slot.sink.grad)
+            slot.sink.grad = None
+        for table, rows, pieces in by_table.values():
+            weight = table.weight
+            grad = torch.sparse_coo_tensor(torch.cat(rows).unsqueeze(0), torch.cat(pieces), weight.shape,
+                                           check_invariants=False)
+            weight.grad = grad if weight.grad is None else weight.grad + grad
+
+
+_ACTIVE: RowCapture | None = None
