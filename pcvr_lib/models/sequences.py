@@ -4,6 +4,7 @@ into one stream."""
 
 from __future__ import annotations
 
+import contextlib
 import math
 
 import numpy as np
@@ -16,6 +17,25 @@ TIME_BOUNDARIES_SEC = np.geomspace(5.0, 31_536_000.0, NUM_TIME_BUCKETS - 1)
 NUM_SEQ_STATS = 6
 
 _TIME_BOUNDARIES: dict[torch.device, torch.Tensor] = {}
+
+_STATIC_LENGTHS = False
+
+
+def static_lengths() -> bool:
+    """True where sequences keep their full padded length instead of the batch's longest row: under
+    torch.compile (no host read, one graph for every batch) and inside `at_static_lengths()` (an eager pass
+    that must see the compiled graph's shapes, e.g. planning its table lookups)."""
+    return _STATIC_LENGTHS or torch.compiler.is_compiling()
+
+
+@contextlib.contextmanager
+def at_static_lengths():
+    global _STATIC_LENGTHS
+    previous, _STATIC_LENGTHS = _STATIC_LENGTHS, True
+    try:
+        yield
+    finally:
+        _STATIC_LENGTHS = previous
 
 
 def _time_boundaries(device: torch.device) -> torch.Tensor:
@@ -87,9 +107,9 @@ def trim_sequence(seq: SequenceBlock, max_len: int | None = None, tail: bool = F
         values = values * keep[:, None, :]
         timestamps = seq.timestamps.gather(1, pos) * keep
         return SequenceBlock(values=values, timestamps=timestamps, lengths=w.to(seq.lengths.dtype))
-    # eager: trim to the batch's longest row (one host read); compiled: keep the static length (no sync, one
-    # graph for every batch; the padded positions are masked downstream)
-    if torch.compiler.is_compiling():
+    # eager: trim to the batch's longest row (one host read); compiled (or planning a compiled step): keep the
+    # static length (no sync, one graph for every batch; the padded positions are masked downstream)
+    if static_lengths():
         used = seq.max_len
     else:
         used = int(lengths.max().item()) if lengths.numel() else 0
@@ -142,7 +162,7 @@ def pack_segments(segments: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[to
     dst_start = torch.cumsum(lengths, 1) - lengths  # where each segment begins in the stream
     total = lengths.sum(1)
     # T: the batch's largest total (one host read) eagerly; compiled, the static bound (every segment full)
-    t_out = tokens.shape[1] if torch.compiler.is_compiling() else max(int(total.max().item()), 1)
+    t_out = tokens.shape[1] if static_lengths() else max(int(total.max().item()), 1)
     pos = torch.arange(t_out, device=device)[None, :].expand(b, -1)
     # segment owning each output position: (number of segment starts <= pos) - 1. An empty segment
     # shares its start with the next one, and counting both picks the later one, the real owner.

@@ -1,6 +1,7 @@
 """One model on one operator backend, ready to run a training step or an inference pass on a fixed batch:
 what the model-level benchmark times and what the backend tests compare (the same step as `pcvr train`:
-BCE on the logits, `optim.train_step` with AdamW on the dense and sparse Adagrad on the tables)."""
+BCE on the logits, `optim.train_step` with fused AdamW on the dense and sparse Adagrad on the tables), eagerly or
+compiled (`models.compiled`)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import torch.nn.functional as F
 
 from pcvr_lib.data.batch import Batch
 from pcvr_lib.models.common import BACKEND_OPTIONS
+from pcvr_lib.models.compiled import CompiledModel, mode_problem
 from pcvr_lib.models.registry import build_model
 
 
@@ -19,32 +21,44 @@ def backend_options(backend: str) -> dict[str, str]:
 
 class ModelStep:
     """`name` built with `seed` on `backend` (every operator switch; `config` may override single switches),
-    with its optimizers, on `batch`."""
+    with its optimizers, on `batch`, run in `mode` (`compiled.MODES`: eager, compile, graph)."""
 
     def __init__(self, name: str, schema, batch: Batch, backend: str, *, config: dict | None = None,
-                 seed: int = 0, device: str | torch.device = "cpu", max_grad_norm: float = 1.0):
+                 seed: int = 0, device: str | torch.device = "cpu", max_grad_norm: float = 1.0,
+                 mode: str = "eager", compiler="inductor"):
         from pcvr_lib.optim import build_optimizer_set
 
+        problem = mode_problem(mode, device)
+        if problem:
+            raise ValueError(f"ModelStep: {problem}")
         torch.manual_seed(seed)  # the same initial weights on every backend
         self.model = build_model(name, schema, {**backend_options(backend), **(config or {})}).to(device)
         self.batch = batch.to(device)
-        self.optimizers = build_optimizer_set(self.model.dense_parameters(), self.model.sparse_parameters())
+        # fused AdamW: one kernel per step, its step counts on the device (torch's for-each AdamW keeps them on
+        # the host and reads them there)
+        self.optimizers = build_optimizer_set(self.model.dense_parameters(), self.model.sparse_parameters(),
+                                              dense="fused_adamw")
         self.max_grad_norm = max_grad_norm
+        self.mode = mode
+        self.forward = self.model if mode == "eager" else CompiledModel(self.model, mode, compiler)
 
     def loss(self) -> torch.Tensor:
-        logits = self.model(self.batch)
+        logits = self.forward(self.batch)
         return F.binary_cross_entropy_with_logits(logits.float().squeeze(-1), self.batch.label.float())
 
     def train_step(self) -> dict:
+        """One step; loss, grad_norm and clip_coef come back as device tensors (no host sync)."""
         from pcvr_lib.optim import train_step
 
         self.model.train()
-        return train_step(self.loss(), self.optimizers, max_grad_norm=self.max_grad_norm, skip_nonfinite=False)
+        after_backward = getattr(self.forward, "after_backward", None)
+        return train_step(self.loss(), self.optimizers, max_grad_norm=self.max_grad_norm, skip_nonfinite=False,
+                          after_backward=after_backward, read=False)
 
     @torch.no_grad()
     def infer(self) -> torch.Tensor:
         self.model.eval()
-        return self.model(self.batch)
+        return self.forward(self.batch)
 
     @torch.no_grad()
     def eval_loss(self) -> float:

@@ -1,14 +1,15 @@
 """Sparse embedding tables, and their row gradients in a form torch.compile can trace.
 
-Eagerly a table is a plain `nn.Embedding(sparse=True)`: backward gives a COO gradient of the rows a batch
-touched. torch.compile's AOTAutograd cannot produce sparse gradients, so a compiled step runs under a
+Eagerly a table is an `nn.Embedding(sparse=True)` whose backward gives a COO gradient of one piece per
+position read, of fixed size (no device-to-host sync). torch.compile's AOTAutograd cannot produce sparse gradients, so a compiled step runs under a
 `RowCapture`: every lookup of a table adds a zero "sink" tensor of the lookup's shape to the rows it reads
-(x + 0 is x) and writes the rows it read into a fixed buffer. Backward then gives each sink, as a plain
+(x + 0 is x) and keeps the rows it read (an extra output of the compiled graph). Backward then gives each sink, as a plain
 dense gradient, the gradient of every row read (one piece per position, 0 at the padding row), and
 `install_gradients` hands the tables these pieces as uncoalesced COO gradients (rows, pieces): what the
 optimizers, the grad-norm clip and `embedding_bag.merge_rows` already take, with nothing of data-dependent
-size and no device-to-host sync. The buffers are planned once per batch shape (`RowCapture.plan`, one eager
-forward) and reused, so the compiled graph sees the same inputs at every step.
+size and no device-to-host sync. The sinks are planned once per batch shape (`RowCapture.plan`, one eager
+forward at the compiled graph's static shapes) and reused, so the compiled graph sees the same inputs at
+every step.
 """
 
 from __future__ import annotations
@@ -32,10 +33,32 @@ class SparseTable(nn.Embedding):
 
     def forward(self, rows: torch.Tensor) -> torch.Tensor:
         if _ACTIVE is None:
-            return super().forward(rows)
+            if not (torch.is_grad_enabled() and self.weight.requires_grad):
+                return F.embedding(rows, self.weight)
+            return _RowLookup.apply(self.weight, rows)
         sink = _ACTIVE.lookup(self, rows)
         real = (rows != 0).unsqueeze(-1).to(self.weight.dtype)  # the padding row gets no gradient
         return F.embedding(rows, self.weight.detach()) + sink.view(*rows.shape, -1) * real
+
+
+class _RowLookup(torch.autograd.Function):
+    """weight[rows] whose backward gives the table a COO gradient of one piece per position read (0 at the
+    padding row): fixed size, where nn.Embedding's sparse backward drops the padding positions by a boolean
+    mask (a device-to-host sync on CUDA)."""
+
+    @staticmethod
+    def forward(ctx, weight, rows):
+        ctx.save_for_backward(rows)
+        ctx.table_shape = weight.shape
+        return F.embedding(rows, weight)
+
+    @staticmethod
+    def backward(ctx, grad):
+        (rows,) = ctx.saved_tensors
+        flat = rows.reshape(-1)
+        pieces = grad.reshape(flat.numel(), -1) * (flat != 0).unsqueeze(1).to(grad.dtype)
+        gradient = torch.sparse_coo_tensor(flat.long().unsqueeze(0), pieces, ctx.table_shape, check_invariants=False)
+        return gradient, None
 
 
 def bag_mean_of_table(table: nn.Embedding, ids: torch.Tensor, backend: str) -> torch.Tensor:
@@ -54,12 +77,12 @@ def bag_mean_of_table(table: nn.Embedding, ids: torch.Tensor, backend: str) -> t
 @dataclass
 class _Slot:
     table: nn.Embedding
-    rows: torch.Tensor  # (N,) int64: the rows one lookup read
     sink: torch.Tensor  # (N, E) zeros, requires grad: its gradient is the lookup's row pieces
+    rows: torch.Tensor | None = None  # (N,) int64: the rows the last forward's lookup read
 
 
 class RowCapture:
-    """The fixed buffers of one forward's table lookups, in call order (see the module docstring)."""
+    """The sinks of one forward's table lookups, in call order (see the module docstring)."""
 
     def __init__(self):
         self.slots: list[_Slot] = []
@@ -68,7 +91,7 @@ class RowCapture:
 
     @classmethod
     def plan(cls, forward) -> RowCapture:
-        """Run `forward()` once eagerly (no gradient) and keep a buffer pair per table lookup it makes."""
+        """Run `forward()` once eagerly (no gradient) and keep a sink per table lookup it makes."""
         capture = cls()
         capture._planning = True
         with torch.no_grad(), capture.active():
@@ -94,18 +117,18 @@ class RowCapture:
         """The sink of the next lookup; records the rows it reads."""
         if self._planning:
             weight = table.weight
-            self.slots.append(_Slot(table, torch.zeros(rows.numel(), dtype=torch.int64, device=weight.device),
-                                    torch.zeros(rows.numel(), weight.shape[1], dtype=weight.dtype,
-                                                device=weight.device, requires_grad=True)))
+            sink = torch.zeros(rows.numel(), weight.shape[1], dtype=weight.dtype, device=weight.device,
+                               requires_grad=True)
+            self.slots.append(_Slot(table, sink))
         if self._position >= len(self.slots):
             raise RuntimeError(f"RowCapture: the forward made more table lookups than the {len(self.slots)} "
                                "planned")
         slot = self.slots[self._position]
         self._position += 1
-        if slot.table is not table or slot.rows.numel() != rows.numel():
+        if slot.table is not table or slot.sink.shape[0] != rows.numel():
             raise RuntimeError("RowCapture: a table lookup does not match the plan (another table or batch "
                                "shape); plan a capture per batch shape")
-        slot.rows.copy_(rows.reshape(-1))
+        slot.rows = rows.reshape(-1).long()  # under torch.compile an extra output of the graph, not a copy
         return slot.sink
 
     def install_gradients(self) -> None:
@@ -113,12 +136,12 @@ class RowCapture:
         pairs (sinks without a gradient add nothing), and the sinks' gradients are cleared."""
         by_table: dict[int, tuple[nn.Embedding, list[torch.Tensor], list[torch.Tensor]]] = {}
         for slot in self.slots:
-            if slot.sink.grad is None:
+            if slot.sink.grad is None or slot.rows is None:
                 continue
             _, rows, pieces = by_table.setdefault(id(slot.table), (slot.table, [], []))
             rows.append(slot.rows)
             pieces.append(slot.sink.grad)
-            slot.sink.grad = None
+            slot.sink.grad, slot.rows = None, None
         for table, rows, pieces in by_table.values():
             weight = table.weight
             grad = torch.sparse_coo_tensor(torch.cat(rows).unsqueeze(0), torch.cat(pieces), weight.shape,

@@ -126,18 +126,27 @@ def train_step(
     max_grad_norm: float | None = 1.0,
     lr_multiplier: float | None = None,
     skip_nonfinite: bool = True,
+    after_backward=None,
+    read: bool = True,
 ) -> dict:
     """One optimisation step from a scalar loss; gradients are set to None afterwards.
 
-    Order: loss.backward() -> clip the global grad norm over dense and sparse gradients (skipped when
-    max_grad_norm is None) -> dense step (orthogonal_adamw transforms its gradients first) -> sparse step.
-    With skip_nonfinite, a non-finite loss or grad norm skips both steps (this costs one host sync
-    before the step). Returns floats: loss, grad_norm (before clipping), clip_coef, lr_multiplier and
-    skipped.
+    Order: loss.backward() -> `after_backward()` when given (a compiled model's captured table gradients
+    become the tables' gradients there: models.compiled) -> clip the global grad norm over dense and sparse
+    gradients (skipped when max_grad_norm is None) -> dense step (orthogonal_adamw transforms its gradients
+    first) -> sparse step. With skip_nonfinite, a non-finite loss or grad norm skips both steps (this costs
+    one host sync before the step). Returns loss, grad_norm (before clipping), clip_coef, lr_multiplier and
+    skipped, as floats; with read=False (which needs skip_nonfinite=False) loss, grad_norm and clip_coef stay
+    0-d device tensors, so the step never waits for the device.
     """
     if loss.dim() != 0 and loss.numel() != 1:
         raise OptimizerError(f"train_step needs a scalar loss, got shape {tuple(loss.shape)}")
+    if skip_nonfinite and not read:
+        raise OptimizerError("train_step: skip_nonfinite reads the loss and the grad norm; read=False needs "
+                             "skip_nonfinite=False")
     loss.backward()
+    if after_backward is not None:
+        after_backward()
     params = optimizers.parameters()
     if max_grad_norm is None:
         norm = global_grad_norm(params)
@@ -154,7 +163,9 @@ def train_step(
         optimizers.step()
     optimizers.zero_grad(set_to_none=True)
     if not skip_nonfinite:
-        values = torch.stack([loss.detach().float().reshape(()), norm, coef]).tolist()
+        values = [loss.detach().float().reshape(()), norm, coef]
+        if read:
+            values = torch.stack(values).tolist()
     return {"loss": values[0], "grad_norm": values[1], "clip_coef": values[2],
             "lr_multiplier": 1.0 if lr_multiplier is None else lr_multiplier, "skipped": skipped}
 
