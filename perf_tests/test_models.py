@@ -1,18 +1,23 @@
-"""Model-level benchmarks: one training step and one inference pass of every model on every operator backend.
+"""Model-level benchmarks: one training step and one inference pass of every model on every operator backend,
+eager and compiled.
 
-Ids: `model=<name>,backend=<torch|triton|tilelang>,phase=<train_step|infer>`. A backend sets all three
-operator switches of the model config (attention, RMSNorm/LayerNorm, embedding-bag mean); what stays on
-torch whatever the switch is listed in notes/models.md (queryformer's per-column LayerNorm).
+Ids: `model=<name>,backend=<torch|triton|tilelang>,mode=<eager|compile|graph>,phase=<train_step|infer>`. A
+backend sets all three operator switches of the model config (attention, RMSNorm/LayerNorm, embedding-bag
+mean); what stays on torch whatever the switch is listed in notes/models.md (queryformer's per-column
+LayerNorm). A mode is `models.compiled`'s: eager, torch.compile(fullgraph) with inductor, or the same with
+inductor's CUDA graphs (reduce-overhead); the optimizers run eagerly in every mode. torch.compile of the
+torch backend is the named peer (`speedup_vs_torch_compile`).
 
 GPU: batch 256 at the reference's sequence lengths (the demo schema's 256/256/512/512), reference widths
 and depths, tables capped at `GPU_TABLE_CAP` rows per feature (a step touches only the batch's rows; the
 reference's 2.2B-parameter queryformer tables would take minutes to build per case). The batch is a
 seeded random one (`pcvr_lib.workloads.models.random_batch`). CPU: a tiny config, torch only (the Triton
 interpreter cannot run the fp32 models' bf16 attention; smoke_tests/test_model_backends.py checks the
-norms and the embedding in the models, and every attention call site in fp16), run once under
---benchmark-disable in CI.
+norms and the embedding in the models, and every attention call site in fp16), eager for every model and
+compiled for baseline only (inductor's CPU code generation takes about a minute a model;
+smoke_tests/test_model_compile.py traces every model), run once under --benchmark-disable in CI.
 
-Checked first: the backend's logits at initialisation and its loss after one training step against the
+Checked first: the case's logits at initialisation and its loss after one training step against the eager
 torch backend's (same seed, same dropout draws) by flash-attention's rule (`tolerance.flash_rule`): error
 at most twice torch's own at the kernels' precision plus one bf16 ulp of the largest value. The fp32
 models' attention runs in bf16 in flash_attention, so "torch's own" is the torch backend with its SDPA
@@ -22,9 +27,10 @@ failures on the H200 (the reason was not logged): its 4 blocks of 110 tokens fee
 and on CPU at batch 64 bf16 attention alone (no kernel) reached 0.99 of that bound at init (baseline
 0.25); the benchmark's batch of 256 has 4x the rows.
 
-Timed with `timing.bench_gpu(graph=False)`: a training step cannot be captured in a CUDA graph (the
-optimizers' host reads), so device time is the profiler's kernel sum per call; host and per-call time in
-extra_info, with `speedup_vs_torch` (per-call, same session) once the torch case ran.
+Timed with `timing.bench_gpu(graph=False)` (the step's own CUDA graphs, in mode graph, are inductor's):
+device time is the profiler's kernel sum per call; host and per-call time in extra_info, with
+`speedup_vs_torch` (per call against eager torch, same session) and, for the compiled modes,
+`speedup_vs_torch_compile` (against the torch backend in the same mode) once those cases ran.
 """
 
 from __future__ import annotations
@@ -41,6 +47,7 @@ from pcvr_lib import sources, timing
 from pcvr_lib.kernels import dispatch
 from pcvr_lib.kernels.tolerance import ULP, flash_rule, max_abs_error
 from pcvr_lib.models import model_names
+from pcvr_lib.models.compiled import MODES, mode_problem
 from pcvr_lib.models.step import ModelStep
 from pcvr_lib.schema import load_schema
 from pcvr_lib.workloads.models import DEMO_SCHEMA, GPU_BATCH, GPU_TABLE_CAP, demo_schema, random_batch
@@ -51,9 +58,10 @@ PHASES = ("train_step", "infer")
 CPU_CONFIG = {"vocab_cap": 64, "d_model": 48, "num_heads": 2, "num_blocks": 1}
 SEED = 0
 
-_PER_CALL_US: dict[tuple[str, str], float] = {}  # (model, phase) -> the torch backend's per-call us
-# One build per (model, backend), shared by both phases; only the current model's are kept (GPU memory).
-_STEPS: dict[tuple[str, str], ModelStep] = {}
+_PER_CALL_US: dict[tuple[str, str, str], float] = {}  # (model, phase, mode) -> the torch backend's per-call us
+# One build per (model, backend, mode), shared by both phases; only the current model's are kept (GPU memory).
+_STEPS: dict[tuple[str, str, str], ModelStep] = {}
+CPU_COMPILED = ("baseline",)  # the models compiled on CPU (inductor's code generation: ~1 min a model)
 _REFERENCE: dict[str, dict] = {}  # model -> the torch backend's logits at init and loss after one step
 _FAILED: dict[tuple[str, str], str] = {}  # (model, backend) -> why its check failed (the other phase repeats it)
 OPERATOR_SWITCHES = ("attention_backend", "rms_norm_backend", "embedding_backend")
@@ -66,11 +74,11 @@ def _inputs():
     return schema, random_batch(schema, batch=GPU_BATCH if CUDA else 4, seed=3)
 
 
-def _build(name: str, backend: str, switches: dict | None = None) -> ModelStep:
+def _build(name: str, backend: str, switches: dict | None = None, mode: str = "eager") -> ModelStep:
     schema, batch = _inputs()
     config = {"vocab_cap": GPU_TABLE_CAP} if CUDA else dict(CPU_CONFIG)
     return ModelStep(name, schema, batch, backend, config={**config, **(switches or {})}, seed=SEED,
-                     device="cuda" if CUDA else "cpu")
+                     device="cuda" if CUDA else "cpu", mode=mode)
 
 
 def _one_step(step: ModelStep) -> dict:
@@ -81,19 +89,19 @@ def _one_step(step: ModelStep) -> dict:
     return {"logits": logits, "loss": step.eval_loss()}
 
 
-def _step(name: str, backend: str) -> ModelStep:
-    """The (model, backend) step of both phases; the torch one also gives the model's reference."""
+def _step(name: str, backend: str, mode: str = "eager") -> ModelStep:
+    """The (model, backend, mode) step of both phases; eager torch also gives the model's reference."""
     for key in [k for k in _STEPS if k[0] != name]:
         del _STEPS[key]
-    if (name, backend) not in _STEPS:
-        if backend == "torch":
+    if (name, backend, mode) not in _STEPS:
+        if backend == "torch" and mode == "eager":
             step = _build(name, "torch")
             _REFERENCE[name] = _reference(name, step)
             step.loss_after_step = _REFERENCE[name]["loss"]
         else:
-            step = _checked(name, backend)
-        _STEPS[(name, backend)] = step
-    return _STEPS[(name, backend)]
+            step = _checked(name, backend, mode)
+        _STEPS[(name, backend, mode)] = step
+    return _STEPS[(name, backend, mode)]
 
 
 @contextlib.contextmanager
@@ -143,17 +151,17 @@ def _compare(name: str, what: str, ours: dict) -> str | None:
     return None
 
 
-def _checked(name: str, backend: str) -> ModelStep:
-    """The backend's step after its check against torch (fails the case with the reason, and names the
+def _checked(name: str, backend: str, mode: str) -> ModelStep:
+    """The case's step after its check against eager torch (fails the case with the reason, and names the
     operator switch that alone reproduces the difference). The step is one training step on."""
-    if (name, backend) in _FAILED:
-        pytest.fail(_FAILED[(name, backend)])
+    if (name, backend, mode) in _FAILED:
+        pytest.fail(_FAILED[(name, backend, mode)])
     if name not in _REFERENCE:
         _step(name, "torch")
-    step = _build(name, backend)
+    step = _build(name, backend, mode=mode)
     try:
         ours = _one_step(step)
-        problem = _compare(name, f"{name} {backend}", ours)
+        problem = _compare(name, f"{name} {backend} {mode}", ours)
     except Exception as exc:  # noqa: BLE001 - reported with the per-switch diagnosis below
         problem = f"{name} {backend}: {type(exc).__name__}: {exc}"
     if problem is None:
@@ -161,27 +169,34 @@ def _checked(name: str, backend: str) -> ModelStep:
         return step
     del step
     alone = []
-    for switch in OPERATOR_SWITCHES:  # which switch alone reproduces it (the others on torch)
+    for switch in OPERATOR_SWITCHES if backend != "torch" else ():  # which switch alone reproduces it
         try:
-            single = _one_step(_build(name, "torch", {switch: backend}))
+            single = _one_step(_build(name, "torch", {switch: backend}, mode))
             why = _compare(name, f"{switch}={backend} alone", single)
         except Exception as exc:  # noqa: BLE001 - part of the diagnosis
             why = f"{switch}={backend} alone: {type(exc).__name__}: {exc}"
         alone.append(why or f"{switch}={backend} alone: matches torch")
-    _FAILED[(name, backend)] = problem + "\n  " + "\n  ".join(alone)
+    _FAILED[(name, backend, mode)] = problem + "".join(f"\n  {line}" for line in alone)
     # at once in the log (past pytest's sys capture): a session cut short still shows why
-    print(f"CHECK FAILED {name} {backend}: {_FAILED[(name, backend)]}", file=sys.__stderr__, flush=True)
-    pytest.fail(_FAILED[(name, backend)])
+    print(f"CHECK FAILED {name} {backend} {mode}: {_FAILED[(name, backend, mode)]}", file=sys.__stderr__,
+          flush=True)
+    pytest.fail(_FAILED[(name, backend, mode)])
 
 
 RETURNS = {"train_step": "one optimizer step taken: forward, backward, step (parameters updated in place)",
            "infer": "the logits (no gradient)"}
-CASES = [pytest.param(m, b, p, id=f"model={m},backend={b},phase={p}")
-         for m in model_names() for b in BACKENDS for p in PHASES]
+CASES = [pytest.param(m, b, mode, p, id=f"model={m},backend={b},mode={mode},phase={p}")
+         for m in model_names() for b in BACKENDS for mode in MODES for p in PHASES]
 
 
-@pytest.mark.parametrize("name,backend,phase", CASES)
-def test_model(benchmark, name, backend, phase):
+@pytest.mark.parametrize("name,backend,mode,phase", CASES)
+def test_model(benchmark, name, backend, mode, phase):
+    problem = mode_problem(mode, "cuda" if CUDA else "cpu")
+    if problem:
+        pytest.skip(problem)
+    if mode != "eager" and not CUDA and name not in CPU_COMPILED:
+        pytest.skip(f"on CPU only {', '.join(CPU_COMPILED)} runs compiled (inductor's code generation takes "
+                    "about a minute a model; smoke_tests/test_model_compile.py traces every model)")
     if backend != "torch":
         if not CUDA:
             pytest.skip(f"{backend}: no CUDA device (the CPU checks on Triton's interpreter are in "
@@ -190,12 +205,12 @@ def test_model(benchmark, name, backend, phase):
         if not ok:
             pytest.skip(f"{backend}: {why}")
     benchmark.group = f"model={name},phase={phase}"
-    step = _step(name, backend)  # checked against torch first (non-torch backends)
+    step = _step(name, backend, mode)  # checked against eager torch first (every other case)
     info = {"batch": step.batch.batch_size, "parameters": step.model.parameter_counts(),
             "loss_after_step": step.loss_after_step, "torch_loss_after_step": _REFERENCE[name]["loss"],
             "returns": RETURNS[phase], **sources.stamp(f"model:{name}:{backend}")}
-    if backend != "torch":
-        info["checked"] = "logits at init and loss after one step vs torch (flash-attention rule at bf16)"
+    if (backend, mode) != ("torch", "eager"):
+        info["checked"] = "logits at init and loss after one step vs eager torch (flash-attention rule at bf16)"
     call = step.train_step if phase == "train_step" else step.infer
     benchmark.extra_info.update(info)
     if not CUDA:
@@ -207,6 +222,9 @@ def test_model(benchmark, name, backend, phase):
     per_call = result.get("per_call_us")
     if per_call:
         if backend == "torch":
-            _PER_CALL_US[(name, phase)] = per_call
-        elif (name, phase) in _PER_CALL_US:
-            benchmark.extra_info["speedup_vs_torch"] = round(_PER_CALL_US[(name, phase)] / per_call, 4)
+            _PER_CALL_US[(name, phase, mode)] = per_call
+        peers = {"speedup_vs_torch": "eager", **({"speedup_vs_torch_compile": mode} if mode != "eager" else {})}
+        for key, peer_mode in peers.items():
+            peer = _PER_CALL_US.get((name, phase, peer_mode))
+            if peer and (backend, mode) != ("torch", peer_mode):
+                benchmark.extra_info[key] = round(peer / per_call, 4)

@@ -1,15 +1,15 @@
 """Sparse embedding tables, and their row gradients in a form torch.compile can trace.
 
 Eagerly a table is an `nn.Embedding(sparse=True)` whose backward gives a COO gradient of one piece per
-position read, of fixed size (no device-to-host sync). torch.compile's AOTAutograd cannot produce sparse gradients, so a compiled step runs under a
-`RowCapture`: every lookup of a table adds a zero "sink" tensor of the lookup's shape to the rows it reads
-(x + 0 is x) and keeps the rows it read (an extra output of the compiled graph). Backward then gives each sink, as a plain
-dense gradient, the gradient of every row read (one piece per position, 0 at the padding row), and
-`install_gradients` hands the tables these pieces as uncoalesced COO gradients (rows, pieces): what the
-optimizers, the grad-norm clip and `embedding_bag.merge_rows` already take, with nothing of data-dependent
-size and no device-to-host sync. The sinks are planned once per batch shape (`RowCapture.plan`, one eager
-forward at the compiled graph's static shapes) and reused, so the compiled graph sees the same inputs at
-every step.
+position read, of fixed size (no device-to-host sync). torch.compile's AOTAutograd cannot produce sparse
+gradients, so a compiled step runs under a `RowCapture`: every lookup of a table adds a zero "sink" tensor
+of the lookup's shape to the rows it reads (x + 0 is x) and keeps the rows it read (an extra output of the
+compiled graph). Backward then gives each sink, as a plain dense gradient, the gradient of every row read
+(one piece per position, 0 at the padding row), and `install_gradients` hands the tables these pieces as
+uncoalesced COO gradients (rows, pieces): what the optimizers, the grad-norm clip and
+`embedding_bag.merge_rows` already take, with nothing of data-dependent size and no device-to-host sync.
+The sinks are planned once per batch shape (`RowCapture.plan`, one eager forward at the compiled graph's
+static shapes) and reused, so the compiled graph sees the same inputs at every step.
 """
 
 from __future__ import annotations

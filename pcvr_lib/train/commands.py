@@ -136,7 +136,13 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
         help=f"torch threads while training (default: one per core; {QUICK_THREADS} with --quick: on a busy small "
              "CPU one thread is often several times faster)")
     add("--amp", action="store_true", help="bf16 autocast")
-    add("--compile", action="store_true", help="torch.compile (eager fallback, recorded)")
+    modes = parser.add_mutually_exclusive_group()
+    modes.add_argument("--compile", dest="compile", action="store_const", const="compile", default="eager",
+                       help="run the model under torch.compile (one graph for forward and backward; the first "
+                            "steps compile, about a minute a model on a CPU); falls back to eager, with a "
+                            "warning, where it fails")
+    modes.add_argument("--graph", dest="compile", action="store_const", const="graph",
+                       help="--compile with inductor's CUDA graphs (CUDA devices only)")
     add("--num-workers", type=int, default=0, help="data loader worker processes (default 0: in-process)")
     add("--log-every", type=int, default=5,
         help="without a terminal, or on one that reports no width (logs, CI): a progress line every N steps and "

@@ -13,6 +13,7 @@ import torch
 from pcvr_lib.data.loader import PRESETS
 from pcvr_lib.data.split import SPLIT_METHODS
 from pcvr_lib.models import model_names
+from pcvr_lib.models.compiled import MODES
 from pcvr_lib.optim.registry import DENSE_OPTIMIZERS
 
 # `pcvr train --quick` (the first run) and the CPU smoke scale the reference settings down the same way: no
@@ -60,7 +61,7 @@ class TrainConfig:
     device: str = "cpu"
     threads: int | None = None  # torch intra-op threads while training (None: torch's default, one per core)
     amp: bool = False  # bf16 autocast
-    compile: bool = False
+    compile: str = "eager"  # models.compiled.MODES: eager, compile (torch.compile) or graph (+ CUDA graphs)
     num_workers: int = 0
     log_every: int = 0  # 0: silent
     list_order: str = "auto"  # sequence list order: auto (told per row from the event times) or given
@@ -77,6 +78,8 @@ class TrainConfig:
         if unknown:
             raise TrainError(f"train config: unknown option(s) {unknown}")
         values = dict(values)
+        if isinstance(values.get("compile"), bool):  # runs saved when compile was on/off
+            values["compile"] = "compile" if values["compile"] else "eager"
         if "betas" in values:
             values["betas"] = tuple(values["betas"])
         return cls(**values)
@@ -92,6 +95,8 @@ def check_names(config: TrainConfig) -> None:
         raise TrainError(f"unknown --split {config.split!r}; one of {', '.join(SPLIT_METHODS)}")
     if config.loader_preset not in PRESETS:
         raise TrainError(f"unknown --loader-preset {config.loader_preset!r}; one of {', '.join(PRESETS)}")
+    if config.compile not in MODES:
+        raise TrainError(f"unknown compile mode {config.compile!r}; one of {', '.join(MODES)}")
     if config.keep_checkpoints not in KEEP_CHECKPOINTS:
         raise TrainError(f"unknown --keep-checkpoints {config.keep_checkpoints!r}; one of "
                          f"{', '.join(KEEP_CHECKPOINTS)}")

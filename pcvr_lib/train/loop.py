@@ -5,8 +5,9 @@ training_summary.json and training_telemetry.json into the run dir.
   `pcvr_lib.optim` (AdamW lr 1e-4 betas (0.9, 0.98) for dense parameters, sparse Adagrad lr 0.05 for the
   embedding tables), global grad-norm clipping at 1.0 over dense and sparse gradients; a step with a
   non-finite loss (or gradient norm) is skipped and counted. Optional bf16 autocast (`amp`) and
-  torch.compile (with an eager fallback that is recorded). Batches come from `pcvr_lib.data.loader`
-  (`steps` mode: seeded draws of batch keys on the training side of the split).
+  torch.compile (`compile`: models.compiled's modes, with an eager fallback that is recorded). Batches
+  come from `pcvr_lib.data.loader` (`steps` mode: seeded draws of batch keys on the training side of the
+  split).
 - Validation after the last step (and every `eval_every` steps) on the holdout side; each writes a
   checkpoint (`pcvr_lib.train.checkpoint`). The run keeps the best of them by holdout AUC (the one
   `val` and `infer` use) and the last (the one `--resume` continues, the only one with optimizer state),
@@ -36,6 +37,7 @@ from pcvr_lib.data.convert import labels_from_label_type
 from pcvr_lib.errors import Interrupted, check_writable, warn
 from pcvr_lib.metrics import auc_text, classification_metrics, undefined_auc_reason
 from pcvr_lib.models import build_model
+from pcvr_lib.models.compiled import CompiledModel, mode_problem
 from pcvr_lib.optim import build_optimizer_set, train_step
 from pcvr_lib.progress import StepProgress
 from pcvr_lib.train.checkpoint import (
@@ -117,6 +119,8 @@ def train(config: TrainConfig, progress=None, *, overwrite: bool = False, resume
         raise TrainError("--overwrite and --resume exclude each other: replace the run or continue it")
     check_names(config)
     device = resolve_device(config.device)
+    if mode_problem(config.compile, device):
+        raise TrainError(f"--{config.compile}: {mode_problem(config.compile, device)} (--device {config.device})")
     data = data_path(config.data).resolve()  # stored absolute: val and infer find it from any folder
     config = dataclasses.replace(config, data=str(data))
     schema_file = schema_path(data, config.schema)
@@ -177,18 +181,31 @@ def _prepare_run_dir(run_dir: Path, config: TrainConfig, *, overwrite: bool, res
     return folder
 
 
-def _compile(model, enabled: bool, meta: dict):
-    meta["compile_requested"] = enabled
-    meta["compile_active"] = False
-    if not enabled:
-        return model
+def _runner(model, mode: str, meta: dict):
+    """What the training steps call for logits: the model, or the model compiled in `mode`."""
+    meta["compile_mode"] = mode
+    meta["compile_active"] = mode != "eager"
+    return model if mode == "eager" else CompiledModel(model, mode)
+
+
+def _first_logits(runner, model, batch, meta: dict):
+    """The first step's logits; a compiled model that fails to compile falls back to eager, with a warning
+    line and the reason in the telemetry."""
+    if runner is model:
+        return runner, runner(batch)
+    t0 = time.perf_counter()
     try:
-        compiled = torch.compile(model)
-        meta["compile_active"] = True
-        return compiled
+        logits = runner(batch)
     except Exception as exc:  # noqa: BLE001 - compile problems fall back to eager, recorded
-        meta["compile_fallback_reason"] = f"{type(exc).__name__}: {exc}"
-        return model
+        meta["compile_active"] = False
+        lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
+        cause = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]  # "backend='x' raised:" + the cause
+        meta["compile_fallback_reason"] = f"{type(exc).__name__}: {cause}"[:300]
+        warn(f"--{meta['compile_mode']}: torch.compile failed on the first step ({meta['compile_fallback_reason']});"
+             " training continues eagerly")
+        return model, model(batch)
+    meta["first_step_forward_sec_with_compile"] = round(time.perf_counter() - t0, 3)
+    return runner, logits
 
 
 def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, resume_from: Path | None,
@@ -225,7 +242,7 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, r
     elif config.init_output_prior:
         meta["train_positive_rate"] = _positive_rate(data, split.train_mask)
         raw_model(model).set_output_prior(meta["train_positive_rate"])
-    runner = _compile(model, config.compile, meta)
+    runner = _runner(model, config.compile, meta)
     val_result = None
     telemetry = Telemetry("train", device)
     eval_seconds = 0.0
@@ -249,11 +266,13 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, r
                 model.train()
                 batch = batch.to(device, non_blocking=True)
                 with autocast(device, config.amp):
-                    logits = runner(batch)
-                if step == start + 1 and config.compile and meta["compile_active"]:
-                    meta["first_step_sec_with_compile"] = time.perf_counter() - telemetry.t0
+                    if step == start + 1:
+                        runner, logits = _first_logits(runner, model, batch, meta)
+                    else:
+                        logits = runner(batch)
                 loss = F.binary_cross_entropy_with_logits(logits.float().squeeze(-1), batch.label.float())
-                info = train_step(loss, optimizers, max_grad_norm=config.max_grad_norm, skip_nonfinite=True)
+                info = train_step(loss, optimizers, max_grad_norm=config.max_grad_norm, skip_nonfinite=True,
+                                  after_backward=getattr(runner, "after_backward", None))
                 history["skipped"] += int(info["skipped"])
                 history["clipped"] += int(info["clip_coef"] < 1.0)
                 history["losses"].append(finite_or_none(info["loss"]))
