@@ -16,17 +16,17 @@ from torch import nn
 
 from pcvr_lib import kernels
 from pcvr_lib.kernels.attention import role_mask as kernel_role_mask
-from pcvr_lib.kernels.norms import rms_norm_formula
 from pcvr_lib.models.sequences import masked_mean
 from pcvr_lib.models.tables import bag_mean_of_table
 
 
 # ------------------------------------------------------------------------------------------------ norms
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, backend: str = "torch") -> torch.Tensor:
-    """RMSNorm over the last dim. The torch backend is the kernels package's fp32 eager formula (the models'
-    reference numerics), not F.rms_norm."""
+    """RMSNorm over the last dim. The torch backend is torch's fused F.rms_norm (the weight in x's dtype, so
+    that bf16 activations under autocast keep the fused kernel), the fastest torch has, rather than the
+    original tooling's eager fp32 formula (several kernels); the kernels are checked against fp64."""
     if backend == "torch":
-        return rms_norm_formula(x, weight, eps)
+        return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
     return kernels.rms_norm(x, weight, eps, backend=backend)
 
 
