@@ -24,7 +24,7 @@ from pcvr_lib.models.tables import bag_mean_of_table
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, backend: str = "torch") -> torch.Tensor:
     """RMSNorm over the last dim. The torch backend is torch's fused F.rms_norm (the weight in x's dtype, so
     that bf16 activations under autocast keep the fused kernel), the fastest torch has, rather than the
-    original tooling's eager fp32 formula (several kernels); the kernels are checked against fp64."""
+    original tooling's eager fp32 formula (several kernels; kept as `kernels.norms.rms_norm_formula`)."""
     if backend == "torch":
         return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
     return kernels.rms_norm(x, weight, eps, backend=backend)

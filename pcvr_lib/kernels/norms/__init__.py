@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from pcvr_lib.kernels import dispatch
-from pcvr_lib.kernels.norms.reference import layer_norm_reference, rms_norm_reference
+from pcvr_lib.kernels.norms.reference import layer_norm_reference, rms_norm_formula, rms_norm_reference
 
 OPS = ("rms_norm", "layer_norm")
 for _op in OPS:
@@ -247,4 +247,4 @@ _layer_norm_op.register_autograd(_layer_norm_backward, setup_context=_layer_norm
 
 
 __all__ = ["OPS", "check_norm_inputs", "layer_norm", "layer_norm_reference", "layer_norm_torch", "rms_norm",
-           "rms_norm_reference", "rms_norm_torch", "rows_view"]
+           "rms_norm_formula", "rms_norm_reference", "rms_norm_torch", "rows_view"]

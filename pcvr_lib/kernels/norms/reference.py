@@ -1,4 +1,5 @@
-"""The norms' numerics references: fp64 RMSNorm and LayerNorm (what every backend is checked against)."""
+"""The norms' numerics references: fp64 RMSNorm and LayerNorm (what every backend is checked against), and
+the original tooling's eager RMSNorm formula (the models' numerics reference, several kernels in fp32)."""
 
 from __future__ import annotations
 
@@ -18,3 +19,9 @@ def layer_norm_reference(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     var = (xd - mean).pow(2).mean(-1, keepdim=True)
     return (xd - mean) * torch.rsqrt(var + eps) * weight.double() + bias.double()
 
+
+def rms_norm_formula(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    """The eager formula of the original tooling, upcast to fp32 (several kernels and fp32 temporaries)."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * weight.float()
+    return y.to(x.dtype)
