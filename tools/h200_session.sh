@@ -215,14 +215,16 @@ for s in "$@"; do
     perf_attention)
       step perf_attention "${ATTN_S:-150}" $PYTEST perf_tests/test_attention.py ${ATTN_K:+-k "$ATTN_K"} \
         --benchmark-only --benchmark-json="$OUT/attention.json" ;;
-    perf_models)  # model x backend x phase (perf_tests/test_models.py), checked against torch first.
+    perf_models)  # model x backend x mode x phase (perf_tests/test_models.py), checked against eager torch
+      # first; MODELS_K selects cases (-k), e.g. MODELS_K="mode=eager" or "baseline and not tilelang": the
+      # compiled modes compile each model on first use (inductor), too many for one call at once.
       # The models' TileLang variants load from the carried pack (a variant missing from it compiles here in
       # 16 processes, not one by one inside a test); then every case's outcome is logged as it ends (-v), a
       # failed check's reason at once (the test writes it past the capture), tracebacks of a case stuck 90 s.
       step precompile_models 120 python3 -m pcvr_lib.precompile --models --workers 16
-      step perf_models 300 python3 -m pytest -v -p no:cacheprovider --tb=short -rfE --capture=sys \
-        -o faulthandler_timeout=90 perf_tests/test_models.py --benchmark-only --durations=10 \
-        --benchmark-json="$OUT/models.json" ;;
+      step perf_models "${MODELS_S:-300}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfE --capture=sys \
+        -o faulthandler_timeout=90 perf_tests/test_models.py ${MODELS_K:+-k "$MODELS_K"} --benchmark-only \
+        --durations=10 --benchmark-json="$OUT/models.json" ;;
     smoke_triton|smoke_tilelang)  # the smoke with every operator switch on one backend (numerics end to end;
       # run `smoke` first in the same call: the summary then compares them, tools/smoke_compare.py);
       # smoke_triton's 21 runs take about 300 s (symbiosis ~7 s a run, queryformer ~12 s)
