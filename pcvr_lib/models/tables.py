@@ -119,6 +119,8 @@ class RowCapture:
             weight = table.weight
             sink = torch.zeros(rows.numel(), weight.shape[1], dtype=weight.dtype, device=weight.device,
                                requires_grad=True)
+            # the same tensor at every step: CUDA graphs may read it in place instead of copying it in
+            torch._dynamo.mark_static_address(sink)
             self.slots.append(_Slot(table, sink))
         if self._position >= len(self.slots):
             raise RuntimeError(f"RowCapture: the forward made more table lookups than the {len(self.slots)} "
