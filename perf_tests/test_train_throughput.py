@@ -69,11 +69,11 @@ def test_train_throughput(benchmark, name, mode, workers, data_scale, data_cache
     # a GPU pass over the data (at most 200 steps); 8 on a CPU, where the step takes tens of milliseconds
     steps = max(4, min(200, (1000 * MULTIPLIER[data_scale]) // batch_size)) if CUDA else 8
 
-    def loader():
+    def loader(num_workers=workers):
         return PcvrLoader(path, schema, preset="none", batch_size=batch_size, mode="steps", steps=steps, seed=0,
-                          num_workers=workers, pin_memory=CUDA)
+                          num_workers=num_workers, pin_memory=CUDA)
 
-    first = next(iter(loader()))
+    first = next(iter(loader(num_workers=0)))  # the step's build batch: no workers started for one batch
     config = {"vocab_cap": GPU_TABLE_CAP} if CUDA else dict(CPU_CONFIG)
     step = ModelStep(name, schema, first, BACKEND, config=config, device=device, mode=mode)
     for _ in range(WARMUP_STEPS):

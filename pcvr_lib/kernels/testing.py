@@ -167,15 +167,14 @@ def count_host_reads():
 def graph_host_reads(graph_module) -> list[str]:
     """`host_read` for the aten ops of a traced graph (an AOTAutograd forward or backward graph, whose nodes
     carry fake tensors as `meta["val"]`): the names of the nodes that would read the device from the host."""
+    from torch.fx.node import map_arg
+
     reads = []
     for node in graph_module.graph.nodes:
         if node.op != "call_function" or not hasattr(node.target, "_schema"):
             continue
-        vals = [a.meta.get("val") if hasattr(a, "meta") else a for a in node.args]
-        vals = [[i.meta.get("val") if hasattr(i, "meta") else i for i in v] if isinstance(v, (list, tuple)) else v
-                for v in vals]
-        kwargs = {k: (v.meta.get("val") if hasattr(v, "meta") else v) for k, v in node.kwargs.items()}
-        read = host_read(node.target, vals, kwargs)
+        args, kwargs = map_arg((node.args, node.kwargs), lambda arg: arg.meta.get("val"))
+        read = host_read(node.target, args, kwargs)
         if read is not None:
             reads.append(f"{node.name}: {read}")
     return reads

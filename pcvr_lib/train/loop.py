@@ -119,8 +119,9 @@ def train(config: TrainConfig, progress=None, *, overwrite: bool = False, resume
         raise TrainError("--overwrite and --resume exclude each other: replace the run or continue it")
     check_names(config)
     device = resolve_device(config.device)
-    if mode_problem(config.compile, device):
-        raise TrainError(f"--{config.compile}: {mode_problem(config.compile, device)} (--device {config.device})")
+    problem = mode_problem(config.compile, device)
+    if problem:
+        raise TrainError(f"--{config.compile}: {problem} (--device {config.device})")
     data = data_path(config.data).resolve()  # stored absolute: val and infer find it from any folder
     config = dataclasses.replace(config, data=str(data))
     schema_file = schema_path(data, config.schema)
