@@ -61,6 +61,26 @@ def test_a_model_that_fails_to_compile_trains_eagerly_with_a_warning(data, tmp_p
     assert len(summary["losses"]) == 2 and summary["skipped_steps"] == 0
 
 
+def test_a_backward_that_fails_to_compile_trains_eagerly_with_a_warning(data, tmp_path, monkeypatch, capsys):
+    """AOTAutograd compiles the backward graph at the first backward, after the forward compiled and ran:
+    the fallback covers that too (the half-done step's gradients dropped, the step run again eagerly)."""
+    from torch._dynamo.backends.common import aot_autograd
+
+    def refuses(graph_module, example_inputs):
+        raise RuntimeError("this compiler refuses every backward graph")
+
+    backend = aot_autograd(fw_compiler=lambda graph_module, example_inputs: graph_module, bw_compiler=refuses)
+    monkeypatch.setattr(loop, "CompiledModel", functools.partial(CompiledModel, compiler=backend))
+    torch._dynamo.reset()
+    summary = train(_config(data, tmp_path / "fallback_bw", compile="compile", steps=2))
+    meta = summary["telemetry"]["metadata"]
+    assert meta["compile_active"] is False, meta
+    assert "this compiler refuses every backward graph" in meta["compile_fallback_reason"]
+    assert "--compile: torch.compile failed on the first step" in capsys.readouterr().err
+    assert len(summary["losses"]) == 2 and summary["skipped_steps"] == 0
+    assert all(loss is not None for loss in summary["losses"])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a CUDA device")
 def test_graph_mode_needs_a_cuda_device(data, tmp_path, capsys):
     code = cli_main(["train", "--model", "baseline", "--data", str(data), "--run-dir", str(tmp_path / "g"),

@@ -10,7 +10,7 @@
 #  sweep norm_sweep tune host perf_norms perf_embedding perf_attention noise planted aa aa1 aa2 gate planted_host optim
 #  gpu_timer host_ab smoke
 #  accuracy_parallel perf_models smoke_triton smoke_tilelang tune_long tune_small tune_one_tile tune_masks pcvr_ab
-#  profile_host)
+#  profile_host loader_cores)
 # pcvr_ab: tools/attention_pcvr_ab.py, our flash_attention against every SDPA backend at the PCVR shape, per call,
 #   interleaved rounds in one process, ours / best SDPA with a paired 95% interval ($OUT/pcvr_ab.json; ~80 s).
 # profile_host: tools/profile_models.py --host, where each model's train step spends its host time, torch vs
@@ -216,15 +216,26 @@ for s in "$@"; do
       step perf_attention "${ATTN_S:-150}" $PYTEST perf_tests/test_attention.py ${ATTN_K:+-k "$ATTN_K"} \
         --benchmark-only --benchmark-json="$OUT/attention.json" ;;
     perf_models)  # model x backend x mode x phase (perf_tests/test_models.py), checked against eager torch
-      # first; MODELS_K selects cases (-k), e.g. MODELS_K="mode=eager" or "baseline and not tilelang": the
-      # compiled modes compile each model on first use (inductor), too many for one call at once.
+      # first; MODELS_K selects cases (-k, words only: "=" is not allowed there), e.g. MODELS_K="eager" or
+      # "baseline and not tilelang"; MODELS_IDS=FILE runs the node ids listed in FILE in that order (a cut
+      # then falls on the last ones). The compiled modes compile each model on first use (inductor), too many
+      # for one call at once. MODELS_PRECOMPILE=0 skips the TileLang warm-up (no tilelang case selected).
       # The models' TileLang variants load from the carried pack (a variant missing from it compiles here in
       # 16 processes, not one by one inside a test); then every case's outcome is logged as it ends (-v), a
       # failed check's reason at once (the test writes it past the capture), tracebacks of a case stuck 90 s.
-      step precompile_models 120 python3 -m pcvr_lib.precompile --models --workers 16
+      [ "${MODELS_PRECOMPILE:-1}" = 0 ] || step precompile_models 120 python3 -m pcvr_lib.precompile --models --workers 16
+      if [ -n "${MODELS_IDS:-}" ]; then mapfile -t targets < "$MODELS_IDS"; else targets=(perf_tests/test_models.py); fi
       step perf_models "${MODELS_S:-300}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfE --capture=sys \
-        -o faulthandler_timeout=90 perf_tests/test_models.py ${MODELS_K:+-k "$MODELS_K"} --benchmark-only \
-        --durations=10 --benchmark-json="$OUT/models.json" ;;
+        -o faulthandler_timeout=90 "${targets[@]}" ${MODELS_K:+-k "$MODELS_K"} --benchmark-only \
+        --durations=10 --benchmark-json="$OUT/${MODELS_JSON:-models}.json" ;;
+    loader_cores)  # make bench's loader-worker cases (0/1/2 workers) pinned to 4 cores, then to 2 (taskset),
+      # LOADER_ROUNDS times in turn, so that a drift of the host's speed falls on both core counts alike
+      for r in $(seq 1 "${LOADER_ROUNDS:-2}"); do
+        for cores in 4 2; do
+          step "loader_${cores}cores_r$r" 120 taskset -c "0-$(( cores - 1 ))" $PYTEST perf_tests/test_data_pipeline.py \
+            -k "test_loader_workers and none" --benchmark-only --benchmark-json="$OUT/loader_${cores}cores_r$r.json"
+        done
+      done ;;
     smoke_triton|smoke_tilelang)  # the smoke with every operator switch on one backend (numerics end to end;
       # run `smoke` first in the same call: the summary then compares them, tools/smoke_compare.py);
       # smoke_triton's 21 runs take about 300 s (symbiosis ~7 s a run, queryformer ~12 s)
@@ -266,7 +277,12 @@ for f in "$OUT"/aa_diff_12.log "$OUT"/aa_diff_21.log "$OUT"/aa_cross_12.log "$OU
 for b in triton tilelang; do [ -f "$OUT/smoke_$b.log" ] && tail -14 "$OUT/smoke_$b.log"
   [ -d "$OUT/smoke_$b" ] && [ -d "$OUT/smoke_h200" ] && python3 tools/smoke_compare.py "$OUT/smoke_h200" \
     "$OUT/smoke_$b" --json "$OUT/smoke_compare_$b.json"; done  # same AUC as torch within seed noise?
-[ -f "$OUT/models.json" ] && python3 -m pcvr_lib report "$OUT/models.json" --view models
+for f in "$OUT"/models*.json; do [ -f "$f" ] && python3 -m pcvr_lib report "$f" --view models; done
+for f in "$OUT"/loader_*cores_r*.json; do [ -f "$f" ] && { echo "$(basename "$f"):"; python3 -m pcvr_lib report "$f" | cut -c1-160 | head -12; }; done
 [ -f "$OUT/pcvr_ab.log" ] && grep -E "^(left out|[0-9]+ interleaved|\|)" "$OUT/pcvr_ab.log" | tail -24
 [ -f "$OUT/profile_host.log" ] && tail -60 "$OUT/profile_host.log"
+# the device tool brings back 8 files at most: past that, everything but the logs' summary goes in one archive
+if (( $(find "$OUT" -type f | wc -l) > 8 )); then
+  tar -C "$OUT" -czf /tmp/session.tar.gz . && find "$OUT" -mindepth 1 -delete && mv /tmp/session.tar.gz "$OUT/"
+fi
 exit 0

@@ -189,24 +189,36 @@ def _runner(model, mode: str, meta: dict):
     return model if mode == "eager" else CompiledModel(model, mode)
 
 
-def _first_logits(runner, model, batch, meta: dict):
-    """The first step's logits; a compiled model that fails to compile falls back to eager, with a warning
-    line and the reason in the telemetry."""
+def _step(runner, batch, optimizers, config: TrainConfig, device) -> dict:
+    """One training step: forward (under autocast), loss, backward and the optimizers."""
+    with autocast(device, config.amp):
+        logits = runner(batch)
+    loss = F.binary_cross_entropy_with_logits(logits.float().squeeze(-1), batch.label.float())
+    return train_step(loss, optimizers, max_grad_norm=config.max_grad_norm, skip_nonfinite=True,
+                      after_backward=getattr(runner, "after_backward", None))
+
+
+def _first_step(runner, model, batch, optimizers, config: TrainConfig, device, meta: dict):
+    """The first training step, which compiles a compiled model's forward and (at its backward) its backward
+    graph. A failure in either falls back to eager: the half-done step's gradients are dropped (no optimizer
+    has stepped yet: they step after the backward) and the step runs again eagerly, with a warning line and
+    the reason in the telemetry. Returns the runner for the next steps and the step's info."""
     if runner is model:
-        return runner, runner(batch)
+        return runner, _step(model, batch, optimizers, config, device)
     t0 = time.perf_counter()
     try:
-        logits = runner(batch)
+        info = _step(runner, batch, optimizers, config, device)
     except Exception as exc:  # noqa: BLE001 - compile problems fall back to eager, recorded
+        optimizers.zero_grad(set_to_none=True)
         meta["compile_active"] = False
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
         cause = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]  # "backend='x' raised:" + the cause
         meta["compile_fallback_reason"] = f"{type(exc).__name__}: {cause}"[:300]
         warn(f"--{meta['compile_mode']}: torch.compile failed on the first step ({meta['compile_fallback_reason']});"
              " training continues eagerly")
-        return model, model(batch)
-    meta["first_step_forward_sec_with_compile"] = round(time.perf_counter() - t0, 3)
-    return runner, logits
+        return model, _step(model, batch, optimizers, config, device)
+    meta["first_step_sec_with_compile"] = round(time.perf_counter() - t0, 3)
+    return runner, info
 
 
 def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, resume_from: Path | None,
@@ -266,14 +278,10 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, r
             for step, batch in enumerate(train_loader, start=start + 1):
                 model.train()
                 batch = batch.to(device, non_blocking=True)
-                with autocast(device, config.amp):
-                    if step == start + 1:
-                        runner, logits = _first_logits(runner, model, batch, meta)
-                    else:
-                        logits = runner(batch)
-                loss = F.binary_cross_entropy_with_logits(logits.float().squeeze(-1), batch.label.float())
-                info = train_step(loss, optimizers, max_grad_norm=config.max_grad_norm, skip_nonfinite=True,
-                                  after_backward=getattr(runner, "after_backward", None))
+                if step == start + 1:
+                    runner, info = _first_step(runner, model, batch, optimizers, config, device, meta)
+                else:
+                    info = _step(runner, batch, optimizers, config, device)
                 history["skipped"] += int(info["skipped"])
                 history["clipped"] += int(info["clip_coef"] < 1.0)
                 history["losses"].append(finite_or_none(info["loss"]))
