@@ -37,8 +37,13 @@ class SparseTable(nn.Embedding):
                 return F.embedding(rows, self.weight)
             return _RowLookup.apply(self.weight, rows)
         sink = _ACTIVE.lookup(self, rows)
-        real = (rows != 0).unsqueeze(-1).to(self.weight.dtype)  # the padding row gets no gradient
-        return F.embedding(rows, self.weight.detach()) + sink.view(*rows.shape, -1) * real
+        return F.embedding(rows, self.weight.detach()) + sink.view(*rows.shape, -1) * _real(rows, self.weight.dtype)
+
+
+def _real(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """rows[..., None] != 0 as `dtype`: 1 where a lookup reads a real row, 0 at the padding row (which gets
+    no gradient)."""
+    return (rows != 0).unsqueeze(-1).to(dtype)
 
 
 class _RowLookup(torch.autograd.Function):
@@ -56,7 +61,7 @@ class _RowLookup(torch.autograd.Function):
     def backward(ctx, grad):
         (rows,) = ctx.saved_tensors
         flat = rows.reshape(-1)
-        pieces = grad.reshape(flat.numel(), -1) * (flat != 0).unsqueeze(1).to(grad.dtype)
+        pieces = grad.reshape(flat.numel(), -1) * _real(flat, grad.dtype)
         gradient = torch.sparse_coo_tensor(flat.long().unsqueeze(0), pieces, ctx.table_shape, check_invariants=False)
         return gradient, None
 
@@ -68,10 +73,10 @@ def bag_mean_of_table(table: nn.Embedding, ids: torch.Tensor, backend: str) -> t
     if _ACTIVE is None:
         return kernels.embedding_bag_mean(table.weight, ids, backend=backend, sparse_grad=table.sparse)
     sink = _ACTIVE.lookup(table, ids).view(*ids.shape, -1)
-    real = (ids != 0).to(sink.dtype)
-    share = real / real.sum(-1, keepdim=True).clamp(min=1)
+    real = _real(ids, sink.dtype)
+    share = real / real.sum(-2, keepdim=True).clamp(min=1)
     mean = kernels.embedding_bag_mean(table.weight.detach(), ids, backend=backend)
-    return mean + (sink * share.unsqueeze(-1)).sum(-2)
+    return mean + (sink * share).sum(-2)
 
 
 @dataclass
