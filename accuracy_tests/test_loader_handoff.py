@@ -109,7 +109,10 @@ def test_held_batches_are_never_overwritten(schema, dataset):
     for reference, batch in zip(local, held, strict=True):
         assert_identical(reference, batch)
     handoff = loader.stats()["handoff"]
-    assert handoff["shared"] == SLOTS and handoff["pickled"] == len(local) - SLOTS
+    # each slot sent once: the first ring's 8, and a ring of larger slots the worker starts when a later batch
+    # does not fit the first ring's (ragged sequences; its first batch sizes that one) adds at most 8 more
+    assert SLOTS <= handoff["shared"] <= SLOTS * handoff["rings"], handoff
+    assert handoff["shared"] + handoff["pickled"] == len(local), handoff
 
 
 def test_a_view_keeps_its_slot_and_a_dropped_batch_frees_it(schema, dataset):
