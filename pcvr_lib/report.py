@@ -283,28 +283,35 @@ def data_view(data: dict) -> str:
 
 
 def models_view(data: dict) -> str:
-    """Markdown, one row per (model, phase) of perf_tests/test_models.py: each backend's per-call us [device
-    us], and the fastest of triton/tilelang against torch (per call: the time the 1.2x target is set on)."""
+    """Markdown, one row per (model, phase) of perf_tests/test_models.py: per-call us [device us] of each
+    backend x mode the file holds, and the fastest of triton/tilelang (any mode) per call against eager torch
+    and against torch.compile of torch (mode compile; the peer the targets name)."""
     cases: dict = {}
     notes: dict = {}
+    columns = set()
     for b in data["benchmarks"]:
-        m = re.search(r"model=(\w+),backend=(\w+),phase=(\w+)", b.get("name", ""))
+        m = re.search(r"model=(\w+),backend=(\w+)(?:,mode=(\w+))?,phase=(\w+)", b.get("name", ""))
         if not m:
             continue
-        name, backend, phase = m.groups()
+        name, backend, mode, phase = m.groups()
+        mode = mode or "eager"  # files from before the mode axis ran eagerly
         gpu = b.get("extra_info", {}).get("stat") == "device"
         per_call, device, _ = case_times(b) if gpu else (b["stats"]["median"] * 1e6, None, None)
-        cases.setdefault((name, phase), {})[backend] = (per_call, device, _stale_mark(data, b))
+        cases.setdefault((name, phase), {})[backend, mode] = (per_call, device, _stale_mark(data, b))
         notes.setdefault((name, phase), set()).update(b.get("extra_info", {}).get("torch_ops", []))
-    backends = ("torch", "triton", "tilelang")
+        columns.add((backend, mode))
+    order = [(b, m) for b in ("torch", "triton", "tilelang") for m in ("eager", "compile", "graph")]
+    columns = [c for c in order if c in columns]
     rows = []
     for (name, phase), by in cases.items():
-        cells = [f"{by[k][0]:.0f} [{_fmt(by[k][1], '.0f')}]{by[k][2]}" if k in by else "-" for k in backends]
-        ours = [k for k in ("triton", "tilelang") if k in by]
+        cells = [f"{by[k][0]:.0f} [{_fmt(by[k][1], '.0f')}]{by[k][2]}" if k in by else "-" for k in columns]
+        ours = [k for k in by if k[0] != "torch"]
         best = min(ours, key=lambda k: by[k][0]) if ours else None
-        vs = f"{by['torch'][0] / by[best][0]:.2f}x ({best})" if best and "torch" in by else "-"
-        rows.append([name, phase, *cells, vs, "; ".join(sorted(notes[(name, phase)])) or "-"])
-    header = ["model", "phase", *(f"{k} us [device]" for k in backends), "best ours vs torch", "on torch"]
+        vs = [f"{by[peer][0] / by[best][0]:.2f}x ({'/'.join(best)})" if best and peer in by else "-"
+              for peer in (("torch", "eager"), ("torch", "compile"))]
+        rows.append([name, phase, *cells, *vs, "; ".join(sorted(notes[(name, phase)])) or "-"])
+    header = ["model", "phase", *(f"{b} {m} us [device]" for b, m in columns), "best ours vs torch eager",
+              "vs torch compile", "on torch"]
     return format_table(header, rows) if rows else "(no model cases in this file)"
 
 

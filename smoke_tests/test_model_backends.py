@@ -65,8 +65,9 @@ def test_backend_flags_set_the_model_options_and_refuse_a_contradiction():
 def test_models_report_view_compares_the_fastest_backend_with_torch():
     from pcvr_lib.report import models_view
 
-    def case(backend, per_call_us, device_us, torch_ops=()):
-        return {"name": f"test_model[model=tokenformer,backend={backend},phase=train_step]",
+    def case(backend, per_call_us, device_us, torch_ops=(), mode=None):
+        axis = f",mode={mode}" if mode else ""  # files from before the mode axis name no mode: eager
+        return {"name": f"test_model[model=tokenformer,backend={backend}{axis},phase=train_step]",
                 "stats": {"median": device_us * 1e-6},
                 "extra_info": {"stat": "device", "per_call_us": per_call_us, "device_us": device_us,
                                "torch_ops": list(torch_ops)}}
@@ -74,8 +75,17 @@ def test_models_report_view_compares_the_fastest_backend_with_torch():
     text = models_view({"benchmarks": [case("torch", 1200.0, 900.0), case("triton", 1000.0, 700.0, ["attention"]),
                                        case("tilelang", 800.0, 750.0, ["attention"])]})
     row = next(line for line in text.splitlines() if line.startswith("tokenformer"))
-    assert "1200 [900]" in row and "800 [750]" in row and "1.50x (tilelang)" in row
+    assert "1200 [900]" in row and "800 [750]" in row and "1.50x (tilelang/eager)" in row
     assert row.rstrip().endswith("attention")
+    # with the mode axis: the fastest of ours in any mode, against eager torch and against torch.compile of torch
+    text = models_view({"benchmarks": [case("torch", 1200.0, 900.0, mode="eager"),
+                                       case("torch", 900.0, 800.0, mode="compile"),
+                                       case("triton", 1000.0, 700.0, mode="eager"),
+                                       case("triton", 600.0, 550.0, mode="graph")]})
+    header, row = text.splitlines()[0], next(line for line in text.splitlines() if line.startswith("tokenformer"))
+    assert "torch compile us [device]" in header and "triton graph us [device]" in header
+    assert "tilelang" not in header  # only the columns the file holds
+    assert "2.00x (triton/graph)" in row and "1.50x (triton/graph)" in row
 
 
 def _kernel_and_torch(monkeypatch, **args):

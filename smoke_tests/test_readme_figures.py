@@ -263,23 +263,35 @@ def attention_model_claims() -> None:
     assert len(CLAIMS) - before == 8, "four shapes, fwd and fwd+bwd"
 
 
+MODEL_COLUMNS = (("torch", "eager"), ("torch", "compile"), ("torch", "graph"), ("triton", "eager"), ("triton", "compile"),
+                 ("triton", "graph"))
+
+
 def model_claims() -> None:
-    """The train-step table (models.json: per call and device ms, torch / the faster of ours) and the smoke's
-    worst paired AUC difference (smoke_s6/compare_*.json, every verdict `same`)."""
+    """The model table (models.json: per call and device ms per backend x mode, the faster of ours per call
+    against eager torch and against torch.compile of torch) and the smoke's worst paired AUC difference
+    (smoke_s6/compare_*.json, every verdict `same`)."""
     times = {}
     snap = "h200/models.json"
     for b in run(snap)["benchmarks"]:
-        name = b["name"][b["name"].index("[") + 1:-1]
-        model, backend, phase = (part.split("=")[1] for part in name.split(","))
-        times[model, backend, phase] = (b["extra_info"]["per_call_us"] / 1e3, b["extra_info"]["device_us"] / 1e3, b)
-    for model in ("baseline", "interformer", "onetrans", "tokenformer", "symbiosis", "dualq", "queryformer"):
-        torch_t, triton_t, tilelang_t = (times[model, b, "train_step"] for b in ("torch", "triton", "tilelang"))
-        for *_, b in (torch_t, triton_t, tilelang_t):
-            read(snap, b)
-        per_call = torch_t[0] / min(triton_t[0], tilelang_t[0])
-        device = torch_t[1] / min(triton_t[1], tilelang_t[1])
-        cells = " | ".join(f"{t[0]:.1f} [{t[1]:.1f}]" for t in (torch_t, triton_t, tilelang_t))
-        say(f"| {model} | {cells} | {per_call:.2f}x | {device:.2f}x |")
+        fields = dict(part.split("=") for part in b["name"][b["name"].index("[") + 1:-1].split(","))
+        times[fields["model"], fields["phase"], fields["backend"], fields["mode"]] = b
+    for model in ("baseline", "interformer", "tokenformer"):
+        for phase in ("train_step", "infer"):
+            cells, measured = [], {}
+            for backend, mode in MODEL_COLUMNS:
+                b = times.get((model, phase, backend, mode))
+                if b is None:
+                    case = f"perf_tests/test_models.py::test_model[model={model},backend={backend},mode={mode},phase={phase}]"
+                    cells.append("check failed" if case in run(snap).get("failed", {}) else "not run")
+                    continue
+                read(snap, b)
+                measured[backend, mode] = (b["extra_info"]["per_call_us"] / 1e3, b["extra_info"]["device_us"] / 1e3)
+                cells.append(f"{measured[backend, mode][0]:.1f} [{measured[backend, mode][1]:.1f}]")
+            ours = min(v[0] for k, v in measured.items() if k[0] != "torch")
+            ratios = [f"{measured[peer][0] / ours:.2f}x" if peer in measured else "-"
+                      for peer in (("torch", "eager"), ("torch", "compile"))]
+            say(f"| {model} | {phase} | {' | '.join(cells)} | {' | '.join(ratios)} |")
     compares = [json.loads((ROOT / ".benchmarks/h200/smoke_s6" / f"compare_{b}.json").read_text())["models"]
                 for b in ("triton", "tilelang")]
     verdicts = [v for c in compares for v in c.values()]
