@@ -263,8 +263,8 @@ def attention_model_claims() -> None:
     assert len(CLAIMS) - before == 8, "four shapes, fwd and fwd+bwd"
 
 
-MODEL_COLUMNS = (("torch", "eager"), ("torch", "compile"), ("torch", "graph"), ("triton", "eager"), ("triton", "compile"),
-                 ("triton", "graph"))
+MODEL_COLUMNS = (("torch", "eager"), ("torch", "compile"), ("torch", "graph"),
+                 ("triton", "eager"), ("triton", "compile"), ("triton", "graph"))
 
 
 def model_claims() -> None:
@@ -282,7 +282,8 @@ def model_claims() -> None:
             for backend, mode in MODEL_COLUMNS:
                 b = times.get((model, phase, backend, mode))
                 if b is None:
-                    case = f"perf_tests/test_models.py::test_model[model={model},backend={backend},mode={mode},phase={phase}]"
+                    case = (f"perf_tests/test_models.py::test_model[model={model},backend={backend},mode={mode},"
+                            f"phase={phase}]")
                     cells.append("check failed" if case in run(snap).get("failed", {}) else "not run")
                     continue
                 read(snap, b)
