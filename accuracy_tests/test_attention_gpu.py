@@ -37,18 +37,13 @@ def test_gpu_accuracy(backend, case):
     check_case(backend, B, H, Sq, Skv, D, DT[dt], mode, p=p, device="cuda")
 
 
-# A head dim whose backward takes the one-tile kernel by default runs these cases in test_gpu_accuracy already
-# (GPU_CASES holds them); only the others need the kernel routed explicitly (none while every dim is routed).
-ONE_TILE_ROUTED_ONLY = [c for c in workload.ONE_TILE_GPU_CASES if c[4] not in config.TRITON_ONE_TILE_DEFAULT_DIMS]
-
-
-@pytest.mark.gpu
-@pytest.mark.parametrize("case", ONE_TILE_ROUTED_ONLY, ids=_gpu_case_id)
-def test_gpu_triton_one_tile(case, one_tile_routed):
-    """The one-tile backward, routed for a head dim whose default backward is the two-kernel one, against fp64."""
-    require_cuda_backend("flash_attention", "triton")
-    B, H, Sq, Skv, D, dt, mode, p = case
-    check_case("triton", B, H, Sq, Skv, D, DT[dt], mode, p=p, device="cuda")
+def test_every_one_tile_case_runs_in_the_gpu_accuracy_cases():
+    """The one-tile backward's GPU cases reach it through test_gpu_accuracy: each is one of its cases and its
+    head dim takes the one-tile kernel by default (a dim that did not would need the kernel routed, as the
+    interpreter tests do with the fixture one_tile_routed)."""
+    for case in workload.ONE_TILE_GPU_CASES:
+        assert case in workload.GPU_CASES, case
+        assert case[4] in config.TRITON_ONE_TILE_DEFAULT_DIMS, case
 
 
 @pytest.mark.gpu

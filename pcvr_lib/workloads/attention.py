@@ -44,8 +44,8 @@ SYMBIOSIS_LAYOUT = [0, 1] + [2] * 7 + [3] * 4 + [4] * 3 + [5] * 3 + [6] * 90 + [
 
 # the one-tile backward's shapes (Sq, Skv <= config.TRITON_BWD_ONE_TILE_CONFIGS' BLOCK_M, 128): the PCVR shape's
 # S128 D64 key lengths, symbiosis' roles at S110 D32, D16 and D128 at the tile's edge, dropout. In GPU_CASES they
-# run the default backward (the one-tile one at the head dims config.TRITON_ONE_TILE_DEFAULT_DIMS routes);
-# test_gpu_triton_one_tile runs them, and every mask at S17, with the one-tile routed where it is not the default.
+# run the default backward, the one-tile one at the head dims config.TRITON_ONE_TILE_DEFAULT_DIMS routes (every
+# dim of ONE_TILE_GPU_CASES: accuracy_tests/test_attention_gpu.py checks that they are all GPU cases routed so).
 ONE_TILE_EDGE_CASES = (
     [(8, 2, 128, 128, 64, dt, "key_lengths", 0.0) for dt in ("fp16", "bf16")]
     + [(4, 2, 128, 128, 16, "bf16", mode, 0.0) for mode in ("window", "causal_valid")]
