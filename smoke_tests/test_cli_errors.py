@@ -18,59 +18,36 @@ from hypothesis import strategies as st
 import pcvr_lib.train as trainer
 from pcvr_lib.cli import COMMANDS, build_parser
 from pcvr_lib.cli import main as cli_main
-from pcvr_lib.data.generate import generate_dataset
 from pcvr_lib.train import commands, evaluate, loop
 from pcvr_lib.workloads.models import DEMO_SCHEMA
+from smoke_tests.cli_runs import (
+    ROWS,
+    TRAIN,
+    best_checkpoint,
+    copy_of,
+    demo_data,
+    finished_run,
+    one_error_line,
+    without_notices,
+)
 
-ROWS = 120
-MAX_LENS = "seq_a:6,seq_b:6,seq_c:6,seq_d:6"
-TRAIN = ["--model", "baseline", "--max-lens", MAX_LENS, "--batch-size", "32", "--model-config",
-         '{"vocab_cap": 64}', "--log-every", "0"]
 FAST = settings(max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-
-
-def without_notices(err: str) -> list[str]:
-    """stderr's lines but the `warning:` / `note:` lines the commands print about their data (counted lossy
-    values, batch sizes) once its preconditions hold, before the work."""
-    return [line for line in err.strip().splitlines() if not line.startswith(("warning: ", "note: "))]
-
-
-def one_error_line(capsys, command: str, *needles: str) -> str:
-    """The captured stderr is exactly one `pcvr <command>: error: ...` line holding every needle (after the
-    warnings about the data, when the error came during the work)."""
-    err = capsys.readouterr().err
-    lines = without_notices(err)
-    assert len(lines) == 1 and "Traceback" not in err, err
-    assert lines[0].startswith(f"pcvr {command}: error: "), err
-    for needle in needles:
-        assert needle in lines[0], (needle, err)
-    return lines[0]
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return generate_dataset(DEMO_SCHEMA, rows=ROWS, seed=5, out=tmp_path_factory.mktemp("data") / "d.parquet",
-                            progress=False)
+    return demo_data(tmp_path_factory.mktemp("data"))
 
 
 @pytest.fixture(scope="module")
 def run(data, tmp_path_factory):
     """A finished run: 3 steps, checkpoints at steps 2 and 3."""
-    run_dir = tmp_path_factory.mktemp("runs") / "base"
-    assert cli_main(["train", *TRAIN, "--data", str(data), "--run-dir", str(run_dir), "--steps", "3",
-                     "--eval-every", "2"]) == 0
-    return run_dir
+    return finished_run(data, tmp_path_factory.mktemp("runs") / "base", "--steps", "3", "--eval-every", "2")
 
 
 @pytest.fixture
 def run_copy(run, tmp_path):
-    copy = tmp_path / "copy"
-    shutil.copytree(run, copy)
-    return copy
-
-
-def _checkpoint(run_dir: Path) -> Path:
-    return run_dir / Path(json.loads((run_dir / "training_summary.json").read_text())["best_checkpoint"]).name
+    return copy_of(run, tmp_path)
 
 
 # ------------------------------------------------------------------------------------- the boundary
@@ -222,7 +199,7 @@ def test_random_bytes_as_parquet(payload, run, tmp_path, capsys):
 @pytest.mark.parametrize("damage", ["truncated", "empty", "bad header", "4 KB overwritten"])
 @pytest.mark.parametrize("command", ["val", "infer"])
 def test_damaged_checkpoint_is_refused(damage, command, run_copy, capsys):
-    model = _checkpoint(run_copy) / trainer.MODEL_FILE
+    model = best_checkpoint(run_copy) / trainer.MODEL_FILE
     raw = bytearray(model.read_bytes())
     if damage == "truncated":
         raw = raw[: len(raw) // 3]
@@ -247,7 +224,7 @@ def test_random_bytes_as_checkpoint(payload, run, tmp_path, capsys):
     the safetensors reader's refusal becomes the one line."""
     folder = tmp_path / "ckpt"
     shutil.rmtree(folder, ignore_errors=True)
-    shutil.copytree(_checkpoint(run), folder)
+    shutil.copytree(best_checkpoint(run), folder)
     (folder / trainer.MODEL_FILE).write_bytes(payload)
     manifest = json.loads((folder / trainer.MANIFEST_FILE).read_text())
     manifest["sha256"][trainer.MODEL_FILE] = trainer.file_sha256(folder / trainer.MODEL_FILE)
@@ -320,7 +297,7 @@ def test_reused_run_dir_is_refused_then_overwritten(run_copy, data, capsys):
 
 
 def test_val_uses_the_checkpoint_the_summary_names(run_copy):
-    named = _checkpoint(run_copy)
+    named = best_checkpoint(run_copy)
     stray = run_copy / "global_step99.AUC=0.890000"  # a later-looking checkpoint of another run
     shutil.copytree(named, stray)
     assert cli_main(["val", "--run-dir", str(run_copy)]) == 0
@@ -415,7 +392,7 @@ def test_batch_size_means_what_it_says_and_presets_reach_training(run, data, tmp
                      "--loader-preset", "augment", "--no-strict-time-filter"]) == 0
     loader = json.loads((run_dir / "training_telemetry.json").read_text())["metadata"]["loader"]
     assert loader["preset"] == "augment" and loader["augmentations"] and loader["strict_time_filter"] is False
-    saved = json.loads((_checkpoint(run_dir) / trainer.CONFIG_FILE).read_text())
+    saved = json.loads((best_checkpoint(run_dir) / trainer.CONFIG_FILE).read_text())
     assert saved["loader_preset"] == "augment" and saved["strict_time_filter"] is False
     assert np.isfinite(json.loads((run_dir / "training_summary.json").read_text())["validation_metrics"]["auc"])
 

@@ -20,39 +20,35 @@ from pcvr_lib.compare import default_noise_path
 from pcvr_lib.data.generate import generate_dataset
 from pcvr_lib.train.checkpoint import file_sha256
 from pcvr_lib.workloads.models import DEMO_SCHEMA
-from smoke_tests.test_cli_errors import MAX_LENS, TRAIN, one_error_line
+from smoke_tests.cli_runs import (
+    MAX_LENS,
+    ROWS,
+    TRAIN,
+    best_checkpoint,
+    copy_of,
+    demo_data,
+    finished_run,
+    one_error_line,
+    run_summary,
+)
 
 ROOT = Path(__file__).resolve().parent.parent
 ONLINE_SCHEMA = ROOT / "fixtures" / "online.schema.json"
-ROWS = 120
 
 
 @pytest.fixture(scope="module")
 def data(tmp_path_factory):
-    return generate_dataset(DEMO_SCHEMA, rows=ROWS, seed=5, out=tmp_path_factory.mktemp("data") / "d.parquet",
-                            progress=False)
+    return demo_data(tmp_path_factory.mktemp("data"))
 
 
 @pytest.fixture(scope="module")
 def run(data, tmp_path_factory):
-    run_dir = tmp_path_factory.mktemp("runs") / "base"
-    assert cli_main(["train", *TRAIN, "--data", str(data), "--run-dir", str(run_dir), "--steps", "2"]) == 0
-    return run_dir
+    return finished_run(data, tmp_path_factory.mktemp("runs") / "base", "--steps", "2")
 
 
 @pytest.fixture
 def run_copy(run, tmp_path):
-    copy = tmp_path / "copy"
-    shutil.copytree(run, copy)
-    return copy
-
-
-def _summary(run_dir: Path) -> dict:
-    return json.loads((run_dir / "training_summary.json").read_text())
-
-
-def _checkpoint(run_dir: Path) -> Path:
-    return run_dir / Path(_summary(run_dir)["best_checkpoint"]).name
+    return copy_of(run, tmp_path)
 
 
 def _edited(data: Path, folder: Path, column: str, values) -> Path:
@@ -102,12 +98,12 @@ def test_weights_of_another_model_under_a_valid_digest(run_copy, data, tmp_path,
     assert cli_main(["train", "--model", "onetrans", "--max-lens", MAX_LENS, "--batch-size", "32", "--model-config",
                      '{"vocab_cap": 32}', "--log-every", "0", "--data", str(data), "--run-dir", str(other),
                      "--steps", "1"]) == 0
-    folder = _checkpoint(run_copy)
-    shutil.copy(_checkpoint(other) / "model.safetensors", folder / "model.safetensors")
+    folder = best_checkpoint(run_copy)
+    shutil.copy(best_checkpoint(other) / "model.safetensors", folder / "model.safetensors")
     manifest = json.loads((folder / "checkpoint.json").read_text())
     manifest["sha256"]["model.safetensors"] = file_sha256(folder / "model.safetensors")
     (folder / "checkpoint.json").write_text(json.dumps(manifest))
-    summary = _summary(run_copy)
+    summary = run_summary(run_copy)
     summary["checkpoint_sha256"] = manifest["sha256"]
     (run_copy / "training_summary.json").write_text(json.dumps(summary))
     for command in (["val", "--run-dir"], ["infer", "--checkpoint"]):
@@ -135,7 +131,7 @@ def test_data_path_is_stored_absolute(data, tmp_path, capsys, monkeypatch):
     shutil.copytree(data.parent, folder)
     monkeypatch.chdir(folder)
     assert cli_main(["train", *TRAIN, "--data", "d.parquet", "--run-dir", "r", "--steps", "1"]) == 0
-    assert _summary(folder / "r")["data_path"] == str(folder / "d.parquet")
+    assert run_summary(folder / "r")["data_path"] == str(folder / "d.parquet")
     monkeypatch.chdir(tmp_path)  # another folder: val finds the data the model was trained on
     assert cli_main(["val", "--run-dir", str(folder / "r")]) == 0
     capsys.readouterr()
@@ -152,7 +148,7 @@ def test_one_class_holdout_has_no_auc(data, tmp_path, capsys):
     out, err = capsys.readouterr()
     assert "holdout AUC undefined" in out and "AUC=0.5" not in out
     assert "warning: holdout AUC is undefined: all 24 scored rows are negative (no positive label)" in err
-    summary = _summary(run_dir)
+    summary = run_summary(run_dir)
     assert summary["validation_metrics"]["auc"] is None and summary["best_checkpoint"].endswith("AUC=undefined")
     assert any("AUC is undefined" in w for w in summary["data_warnings"])
     assert cli_main(["val", "--run-dir", str(run_dir)]) == 0
@@ -171,7 +167,7 @@ def test_null_labels_and_nan_dense_values_are_counted(data, tmp_path, capsys):
     err = capsys.readouterr().err
     said = f"warning: {nulls}: 12 of 120 rows have a null label_type, read as negative (not converted)"
     assert said in err and "dense values are NaN or infinite, read as missing, in " in err
-    assert said.removeprefix("warning: ") in _summary(run_dir)["data_warnings"]
+    assert said.removeprefix("warning: ") in run_summary(run_dir)["data_warnings"]
     assert cli_main(["val", "--run-dir", str(run_dir)]) == 0
     err = capsys.readouterr().err
     assert said in err and "NaN or infinite" not in err  # training said it; scoring reads them the same way
@@ -258,7 +254,7 @@ def test_batch_sizes_the_file_changes_are_said(data, tmp_path, capsys):
     said = ("--batch-size 1000 is more than the 96 training rows of the largest row group of "
             f"{data}: a batch never spans row groups, so every step trains on at most 96 rows")
     assert f"warning: {said}" in capsys.readouterr().err
-    assert said in _summary(tmp_path / "big")["data_warnings"]
+    assert said in run_summary(tmp_path / "big")["data_warnings"]
     assert cli_main(["train", *TRAIN[:-4], "--batch-size", "40", "--log-every", "0", "--data", str(data),
                      "--run-dir", str(tmp_path / "tails"), "--steps", "1"]) == 0
     assert ("note: --batch-size 40: 2 of 3 batches hold 40 rows, 1 (row groups' last) 16: a batch never spans row "
