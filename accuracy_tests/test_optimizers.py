@@ -353,6 +353,26 @@ def test_sparse_adagrad_merges_duplicates_before_squaring():
     assert torch.equal(opt.state[w]["sum"][others], torch.zeros(3, 1))
 
 
+def test_sparse_adagrad_takes_a_dense_table_gradient_as_its_sparse_form():
+    """A table's gradient is dense where its pieces outnumber its rows (models.tables): the same update as
+    the COO of the touched rows, and rows whose gradient and state are 0 stay put with eps 0 (no 0 / 0)."""
+    rows = torch.tensor([1, 3, 3, 5])
+    values = torch.randn(4, 2, generator=_gen(21))
+    coo = torch.sparse_coo_tensor(rows.unsqueeze(0), values, (6, 2), check_invariants=True)
+    start = torch.randn(6, 2, generator=_gen(22))
+    tables = [nn.Parameter(start.clone()) for _ in range(2)]
+    optimizers = [SparseAdagrad([t], lr=0.3, eps=0.0) for t in tables]
+    for _ in range(2):
+        tables[0].grad, tables[1].grad = coo.clone(), coo.to_dense()
+        for opt in optimizers:
+            opt.step()
+    assert not torch.isnan(tables[1]).any(), "a dense gradient's untouched rows became NaN (0 / 0 at eps 0)"
+    torch.testing.assert_close(tables[1], tables[0], rtol=1e-6, atol=1e-7)
+    untouched = torch.tensor([0, 2, 4])
+    assert torch.equal(tables[1].detach()[untouched], start[untouched])
+    torch.testing.assert_close(optimizers[1].state[tables[1]]["sum"], optimizers[0].state[tables[0]]["sum"])
+
+
 def test_the_sparse_step_reads_nothing_back_from_the_device():
     """Clipping and the sparse Adagrad step merge a sparse gradient's duplicate rows on the device (fixed-size
     slots), so neither asks for a value on the host (which would be a sync on a GPU)."""

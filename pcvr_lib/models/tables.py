@@ -10,6 +10,12 @@ uncoalesced COO gradients (rows, pieces): what the optimizers, the grad-norm cli
 `embedding_bag.merge_rows` already take, with nothing of data-dependent size and no device-to-host sync.
 The sinks are planned once per batch shape (`RowCapture.plan`, one eager forward at the compiled graph's
 static shapes) and reused, so the compiled graph sees the same inputs at every step.
+
+Where the pieces of a gradient outnumber the table's rows (a batch's sequence lookups read a small table
+millions of times, most of them the padding row), `table_gradient` makes it dense instead: one scatter-add
+into a (V, D) buffer is cheaper than carrying a slot per piece through the grad-norm clip's and the sparse
+optimizer's merges, and it is the same gradient. The choice depends on shapes only (no sync), so it is
+fixed for a compiled graph.
 """
 
 from __future__ import annotations
@@ -62,8 +68,23 @@ class _RowLookup(torch.autograd.Function):
         (rows,) = ctx.saved_tensors
         flat = rows.reshape(-1)
         pieces = grad.reshape(flat.numel(), -1) * _real(flat, grad.dtype)
-        gradient = torch.sparse_coo_tensor(flat.long().unsqueeze(0), pieces, ctx.table_shape, check_invariants=False)
-        return gradient, None
+        return table_gradient(flat.long(), pieces, ctx.table_shape), None
+
+
+def dense_gradient_pays(pieces: int, num_rows: int) -> bool:
+    """A table's gradient of `pieces` row pieces is kept dense when there are at least as many pieces as
+    rows: then the (V, D) buffer is no larger than the pieces themselves."""
+    return pieces >= num_rows
+
+
+def table_gradient(rows: torch.Tensor, pieces: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """The gradient of a (V, D) table from N row pieces (rows (N,) int64, pieces (N, D)): dense (the pieces
+    summed per row in fp32, rounded once to the pieces' dtype) when `dense_gradient_pays`, else the
+    uncoalesced COO of the pieces."""
+    if dense_gradient_pays(rows.numel(), shape[0]):
+        summed = torch.zeros(tuple(shape), dtype=torch.float32, device=pieces.device)
+        return summed.index_add_(0, rows, pieces.float()).to(pieces.dtype)
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), pieces, shape, check_invariants=False)
 
 
 def bag_mean_of_table(table: nn.Embedding, ids: torch.Tensor, backend: str) -> torch.Tensor:
@@ -71,7 +92,8 @@ def bag_mean_of_table(table: nn.Embedding, ids: torch.Tensor, backend: str) -> t
     computes the means from the detached table, and the sink of the lookup carries the gradient of every
     piece (the mean's backward: grad / count at each non-zero id)."""
     if _ACTIVE is None:
-        return kernels.embedding_bag_mean(table.weight, ids, backend=backend, sparse_grad=table.sparse)
+        sparse = table.sparse and not dense_gradient_pays(ids.numel(), table.num_embeddings)
+        return kernels.embedding_bag_mean(table.weight, ids, backend=backend, sparse_grad=sparse)
     sink = _ACTIVE.lookup(table, ids).view(*ids.shape, -1)
     real = _real(ids, sink.dtype)
     share = real / real.sum(-2, keepdim=True).clamp(min=1)
@@ -139,8 +161,8 @@ class RowCapture:
         return slot.sink
 
     def install_gradients(self) -> None:
-        """After backward: each table's gradient becomes the uncoalesced COO of its lookups' (row, piece)
-        pairs (sinks without a gradient add nothing), and the sinks' gradients are cleared."""
+        """After backward: each table's gradient becomes `table_gradient` of its lookups' (row, piece) pairs
+        (sinks without a gradient add nothing), and the sinks' gradients are cleared."""
         by_table: dict[int, tuple[nn.Embedding, list[torch.Tensor], list[torch.Tensor]]] = {}
         for slot in self.slots:
             if slot.sink.grad is None or slot.rows is None:
@@ -151,8 +173,7 @@ class RowCapture:
             slot.sink.grad, slot.rows = None, None
         for table, rows, pieces in by_table.values():
             weight = table.weight
-            grad = torch.sparse_coo_tensor(torch.cat(rows).unsqueeze(0), torch.cat(pieces), weight.shape,
-                                           check_invariants=False)
+            grad = table_gradient(torch.cat(rows), torch.cat(pieces), weight.shape)
             weight.grad = grad if weight.grad is None else weight.grad + grad
 
 

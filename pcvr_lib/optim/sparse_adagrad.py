@@ -6,7 +6,9 @@ sum of its duplicates: squaring before merging would be wrong):
     S[r] <- S[r] + G[r]^2;   W[r] <- W[r] - lr * G[r] / (sqrt(S[r]) + eps)      for touched rows r only
 
 which equals torch's Adagrad (lr_decay 0, weight decay 0, initial accumulator 0) on the touched rows and
-leaves the other rows and their state untouched. A dense gradient gets the same update on every row.
+leaves the other rows and their state untouched. A dense gradient gets the same update on every row (a
+table's gradient is dense where its pieces outnumber its rows: models.tables); its untouched rows have
+G[r] = 0 and keep their weights and state.
 
 The merge is embedding_bag.merge_rows: fixed-size (a slot per piece of the gradient), so the step never
 waits for the number of distinct rows; the slots past it add zeros, spread over distinct rows.
@@ -69,5 +71,7 @@ class SparseAdagrad(torch.optim.Optimizer):
                     p.index_add_(0, rows, values / denom, alpha=-lr)
                 else:
                     acc.addcmul_(g, g)
-                    p.addcdiv_(g, acc.sqrt().add_(eps), value=-lr)
+                    # an untouched row (G 0) whose state is still 0: with eps 0 that would be 0 / 0
+                    denom = acc.sqrt().add_(eps).clamp_min_(torch.finfo(acc.dtype).tiny)
+                    p.addcdiv_(g, denom, value=-lr)
         return loss

@@ -1,0 +1,95 @@
+"""A table's gradient is dense where its pieces outnumber its rows and COO otherwise (models.tables), and
+either form is the fp64 gradient of the lookups: eagerly (torch lookups and the kernels' bag means) and
+from a RowCapture. CPU; the Triton bag mean runs in Triton's interpreter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from pcvr_lib.kernels.embedding_bag import reference_weight_grad
+from pcvr_lib.kernels.tolerance import assert_close
+from pcvr_lib.models.tables import RowCapture, SparseTable, bag_mean_of_table, dense_gradient_pays, table_gradient
+
+
+def _dense(grad: torch.Tensor) -> torch.Tensor:
+    return grad.to_dense() if grad.is_sparse else grad
+
+
+@settings(max_examples=40, deadline=None)
+@given(num_rows=st.integers(1, 40), pieces=st.integers(1, 60), dim=st.integers(1, 9),
+       dtype=st.sampled_from([torch.float32, torch.bfloat16]), seed=st.integers(0, 2**16))
+def test_table_gradient_is_the_sum_of_its_pieces_in_either_form(num_rows, pieces, dim, dtype, seed):
+    gen = torch.Generator().manual_seed(seed)
+    rows = torch.randint(0, num_rows, (pieces,), generator=gen)
+    values = torch.randn(pieces, dim, generator=gen, dtype=torch.float64)
+    grad = table_gradient(rows, values.to(dtype), torch.Size((num_rows, dim)))
+    assert grad.is_sparse == (pieces < num_rows), (pieces, num_rows, grad.layout)
+    assert grad.dtype == dtype
+    expected = torch.zeros(num_rows, dim, dtype=torch.float64).index_add_(0, rows, values.to(dtype).double())
+    # many pieces on one row: atol relative to the size of the terms, not of their (possibly cancelling) sum
+    assert_close(_dense(grad), expected, dtype, scale=float(values.square().mean().sqrt()) * pieces ** 0.5,
+                 what=f"{pieces} pieces into {num_rows} rows")
+
+
+@pytest.mark.parametrize("reads, dense", [((3, 2), False), ((2, 5), True), ((6, 5), True)])  # of 10 rows
+def test_a_torch_lookup_gradient_is_dense_exactly_when_it_pays(reads, dense):
+    torch.manual_seed(4)
+    table = SparseTable(10, 4)
+    reference = torch.nn.Embedding(10, 4, padding_idx=0, dtype=torch.float64)
+    reference.weight.data.copy_(table.weight.data)
+    rows = torch.randint(0, 10, reads)
+    rows[0, 0] = 0  # a padding read: no gradient on row 0
+    weights = torch.randn(*reads, 4, dtype=torch.float64)
+    (table(rows).double() * weights).sum().backward()
+    (reference(rows) * weights).sum().backward()
+    grad = table.weight.grad
+    assert dense_gradient_pays(rows.numel(), 10) == dense
+    assert grad.is_sparse != dense, grad.layout
+    assert_close(_dense(grad), reference.weight.grad, torch.float32, what=f"lookup gradient, reads {reads}")
+    assert torch.count_nonzero(_dense(grad)[0]) == 0, "the padding row got a gradient"
+
+
+@pytest.mark.parametrize("bags, dense", [((2, 3), False), ((4, 4), True), ((5, 4), True)])  # of 16 rows
+def test_a_kernel_bag_mean_gradient_is_dense_exactly_when_it_pays(bags, dense, monkeypatch):
+    if torch.cuda.is_available():
+        pytest.skip("CPU check (Triton's interpreter); accuracy_tests cover the kernels on a GPU")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    torch.manual_seed(5)
+    table = SparseTable(16, 8)
+    ids = torch.randint(0, 16, bags)
+    ids[0, 0] = 0
+    grad_out = torch.randn(bags[0], 8, dtype=torch.float64)
+    (bag_mean_of_table(table, ids, "triton").double() * grad_out).sum().backward()
+    grad = table.weight.grad
+    assert dense_gradient_pays(ids.numel(), 16) == dense
+    assert grad.is_sparse != dense, grad.layout
+    assert_close(_dense(grad), reference_weight_grad(16, ids, grad_out), torch.float32,
+                 what=f"Triton bag-mean gradient, bags {bags}")
+
+
+def test_a_captured_gradient_takes_the_form_of_all_its_lookups_together():
+    """Two lookups of 6 reads each into a 10-row table: each alone would be COO, together (12 >= 10) the
+    captured gradient is dense, and it is the sum of both lookups' gradients."""
+    torch.manual_seed(6)
+    table = SparseTable(10, 3)
+    first, second = torch.randint(0, 10, (2, 3)), torch.randint(0, 10, (3, 2))
+    weights = [torch.randn(*rows.shape, 3) for rows in (first, second)]
+
+    def forward():
+        return sum((table(rows) * w).sum() for rows, w in zip((first, second), weights, strict=True))
+
+    capture = RowCapture.plan(forward)
+    with capture.active():
+        loss = forward()
+    loss.backward()
+    capture.install_gradients()
+    grad = table.weight.grad
+    assert not grad.is_sparse, "12 reads of a 10-row table: the captured gradient should be dense"
+    weight = table.weight.detach().double().requires_grad_()
+    sum((F.embedding(rows, weight, padding_idx=0) * w.double()).sum()
+        for rows, w in zip((first, second), weights, strict=True)).backward()
+    assert_close(grad, weight.grad, torch.float32, what="captured gradient of two lookups")
