@@ -373,6 +373,52 @@ def test_sparse_adagrad_takes_a_dense_table_gradient_as_its_sparse_form():
     torch.testing.assert_close(optimizers[1].state[tables[1]]["sum"], optimizers[0].state[tables[0]]["sum"])
 
 
+@pytest.mark.parametrize("capturable", [False, True])
+def test_reset_state_makes_the_next_step_a_first_step(capturable):
+    """OptimizerSet.reset_state_ (what a captured CUDA graph's warm-up is undone with, in place): after
+    three steps, reset and the weights restored, a step equals a fresh optimizer set's first step."""
+    shapes = [(5, 4), (4,)]
+    start_dense, start_table = _params(shapes, seed=31), torch.randn(9, 3, generator=_gen(32))
+
+    def build():
+        dense = [nn.Parameter(p.detach().clone()) for p in start_dense]
+        table = nn.Parameter(start_table.clone())
+        opts = build_optimizer_set(dense, [table], dense="fused_adamw", dense_options={"capturable": capturable},
+                                   sparse_options={"initial_accumulator_value": 0.1})
+        return dense + [table], opts
+
+    def step(params, opts, seed):
+        _set_grads(params[:-1], seed)
+        rows = torch.randint(1, 9, (6,), generator=_gen(seed))
+        params[-1].grad = torch.sparse_coo_tensor(rows.unsqueeze(0), torch.randn(6, 3, generator=_gen(seed + 1)),
+                                                  (9, 3), check_invariants=True)
+        opts.step()
+        opts.zero_grad()
+
+    used, used_opts = build()
+    memory = {id(t): t.data_ptr() for o in used_opts.optimizers for st in o.state.values() for t in st.values()
+              if torch.is_tensor(t)}
+    for seed in range(3):
+        step(used, used_opts, seed)
+    used_opts.reset_state_()
+    with torch.no_grad():
+        for p, start in zip(used, [*start_dense, start_table], strict=True):
+            p.copy_(start)
+    states = [t for o in used_opts.optimizers for st in o.state.values() for t in st.values() if torch.is_tensor(t)]
+    assert all(memory.get(id(t), t.data_ptr()) == t.data_ptr() for t in states), "reset_state_ moved a state tensor"
+    fresh, fresh_opts = build()
+    step(used, used_opts, 7)
+    step(fresh, fresh_opts, 7)
+    for a, b in zip(used, fresh, strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-6, atol=1e-7)
+
+
+def test_reset_state_refuses_an_optimizer_without_a_known_fresh_state():
+    params = _params([(4, 4)])
+    with pytest.raises(OptimizerError, match="Muon"):
+        OptimizerSet(dense=Muon(params, lr=0.02)).reset_state_()
+
+
 def test_the_sparse_step_reads_nothing_back_from_the_device():
     """Clipping and the sparse Adagrad step merge a sparse gradient's duplicate rows on the device (fixed-size
     slots), so neither asks for a value on the host (which would be a sync on a GPU)."""

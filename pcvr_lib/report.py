@@ -285,7 +285,8 @@ def data_view(data: dict) -> str:
 def models_view(data: dict) -> str:
     """Markdown, one row per (model, phase) of perf_tests/test_models.py: per-call us [device us] of each
     backend x mode the file holds, and the fastest of triton/tilelang (any mode) per call against eager torch
-    and against torch.compile of torch (mode compile; the peer the targets name)."""
+    and against torch.compile of torch (the faster of its modes compile and graph: the peer the targets
+    name)."""
     cases: dict = {}
     notes: dict = {}
     columns = set()
@@ -300,15 +301,17 @@ def models_view(data: dict) -> str:
         cases.setdefault((name, phase), {})[backend, mode] = (per_call, device, _stale_mark(data, b))
         notes.setdefault((name, phase), set()).update(b.get("extra_info", {}).get("torch_ops", []))
         columns.add((backend, mode))
-    order = [(b, m) for b in ("torch", "triton", "tilelang") for m in ("eager", "compile", "graph")]
+    order = [(b, m) for b in ("torch", "triton", "tilelang") for m in ("eager", "compile", "graph", "captured")]
     columns = [c for c in order if c in columns]
     rows = []
     for (name, phase), by in cases.items():
         cells = [f"{by[k][0]:.0f} [{_fmt(by[k][1], '.0f')}]{by[k][2]}" if k in by else "-" for k in columns]
         ours = [k for k in by if k[0] != "torch"]
         best = min(ours, key=lambda k: by[k][0]) if ours else None
-        vs = [f"{by[peer][0] / by[best][0]:.2f}x ({'/'.join(best)})" if best and peer in by else "-"
-              for peer in (("torch", "eager"), ("torch", "compile"))]
+        compiled = [k for k in (("torch", "compile"), ("torch", "graph")) if k in by]
+        peers = [("torch", "eager") if ("torch", "eager") in by else None,
+                 min(compiled, key=lambda k: by[k][0]) if compiled else None]
+        vs = [f"{by[peer][0] / by[best][0]:.2f}x ({'/'.join(best)})" if best and peer else "-" for peer in peers]
         rows.append([name, phase, *cells, *vs, "; ".join(sorted(notes[(name, phase)])) or "-"])
     header = ["model", "phase", *(f"{b} {m} us [device]" for b, m in columns), "best ours vs torch eager",
               "vs torch compile", "on torch"]

@@ -9,6 +9,9 @@ gradients). Modes:
 - "graph": the same with mode="reduce-overhead": inductor's CUDA graphs (CUDA only), which replay the
   forward and the backward with one launch each.
 
+(A third mode, "captured", is not compiled: the whole eager step, optimizers included, as one CUDA graph;
+`models.captured`.)
+
 A training forward returns the logits; after `loss.backward()`, `after_backward()` gives the tables their
 gradients (`optim.train_step(..., after_backward=compiled.after_backward)`). The optimizers run eagerly.
 """
@@ -22,15 +25,15 @@ from pcvr_lib.data.batch import Batch
 from pcvr_lib.models.sequences import at_static_lengths
 from pcvr_lib.models.tables import RowCapture
 
-MODES = ("eager", "compile", "graph")
+MODES = ("eager", "compile", "graph", "captured")
 
 
 def mode_problem(mode: str, device: torch.device | str) -> str | None:
     """Why `mode` cannot run on `device` (None when it can)."""
     if mode not in MODES:
         return f"unknown mode {mode!r} (one of {', '.join(MODES)})"
-    if mode == "graph" and torch.device(device).type != "cuda":
-        return "mode 'graph' replays CUDA graphs and needs a CUDA device; use 'compile' on the CPU"
+    if mode in ("graph", "captured") and torch.device(device).type != "cuda":
+        return f"mode {mode!r} replays CUDA graphs and needs a CUDA device; use 'compile' on the CPU"
     return None
 
 

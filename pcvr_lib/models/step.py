@@ -1,7 +1,7 @@
 """One model on one operator backend, ready to run a training step or an inference pass on a fixed batch:
 what the model-level benchmark times and what the backend tests compare (the same step as `pcvr train`:
-BCE on the logits, `optim.train_step` with fused AdamW on the dense and sparse Adagrad on the tables), eagerly or
-compiled (`models.compiled`)."""
+BCE on the logits, `optim.train_step` with fused AdamW on the dense and sparse Adagrad on the tables), eagerly,
+compiled (`models.compiled`) or captured whole as one CUDA graph per phase (`models.captured`)."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import torch
 import torch.nn.functional as F
 
 from pcvr_lib.data.batch import Batch
+from pcvr_lib.models.captured import StepGraph, capture_training
 from pcvr_lib.models.common import BACKEND_OPTIONS
 from pcvr_lib.models.compiled import CompiledModel, mode_problem
 from pcvr_lib.models.registry import build_model
+from pcvr_lib.models.sequences import at_static_lengths
 
 
 def backend_options(backend: str) -> dict[str, str]:
@@ -21,7 +23,9 @@ def backend_options(backend: str) -> dict[str, str]:
 
 class ModelStep:
     """`name` built with `seed` on `backend` (every operator switch; `config` may override single switches),
-    with its optimizers, on `batch`, run in `mode` (`compiled.MODES`: eager, compile, graph)."""
+    with its optimizers, on `batch`, run in `mode` (`compiled.MODES`: eager, compile, graph, captured). In
+    mode captured each phase is captured at its first call (`models.captured`: the batch's memory and the
+    learning rates are fixed from then on) and replayed at every call."""
 
     def __init__(self, name: str, schema, batch: Batch, backend: str, *, config: dict | None = None,
                  seed: int = 0, device: str | torch.device = "cpu", max_grad_norm: float = 1.0,
@@ -35,19 +39,29 @@ class ModelStep:
         self.model = build_model(name, schema, {**backend_options(backend), **(config or {})}).to(device)
         self.batch = batch.to(device)
         # fused AdamW: one kernel per step, its step counts on the device (torch's for-each AdamW keeps them on
-        # the host and reads them there)
+        # the host and reads them there); capturable where a CUDA graph captures its step
         self.optimizers = build_optimizer_set(self.model.dense_parameters(), self.model.sparse_parameters(),
-                                              dense="fused_adamw")
+                                              dense="fused_adamw",
+                                              dense_options={"capturable": mode == "captured"})
         self.max_grad_norm = max_grad_norm
         self.mode = mode
-        self.forward = self.model if mode == "eager" else CompiledModel(self.model, mode, compiler)
+        self.forward = self.model if mode in ("eager", "captured") else CompiledModel(self.model, mode, compiler)
+        self._graphs: dict[str, StepGraph] = {}
 
     def loss(self) -> torch.Tensor:
         logits = self.forward(self.batch)
         return F.binary_cross_entropy_with_logits(logits.float().squeeze(-1), self.batch.label.float())
 
     def train_step(self) -> dict:
-        """One step; loss, grad_norm and clip_coef come back as device tensors (no host sync)."""
+        """One step; loss, grad_norm and clip_coef come back as device tensors (no host sync; in mode
+        captured the graph's own, overwritten by the next step)."""
+        if self.mode == "captured":
+            if "train_step" not in self._graphs:
+                self._graphs["train_step"] = capture_training(self.model, self.optimizers, self._static_train_step)
+            return self._graphs["train_step"].replay()
+        return self._train_step()
+
+    def _train_step(self) -> dict:
         from pcvr_lib.optim import train_step
 
         self.model.train()
@@ -55,10 +69,25 @@ class ModelStep:
         return train_step(self.loss(), self.optimizers, max_grad_norm=self.max_grad_norm, skip_nonfinite=False,
                           after_backward=after_backward, read=False)
 
+    def _static_train_step(self) -> dict:
+        with at_static_lengths():
+            return self._train_step()
+
     @torch.no_grad()
     def infer(self) -> torch.Tensor:
+        """The logits of the batch (in mode captured the graph's own, overwritten by the next call)."""
+        if self.mode == "captured":
+            if "infer" not in self._graphs:
+                self._graphs["infer"] = StepGraph(self._static_infer)
+            return self._graphs["infer"].replay()
         self.model.eval()
         return self.forward(self.batch)
+
+    @torch.no_grad()
+    def _static_infer(self) -> torch.Tensor:
+        self.model.eval()
+        with at_static_lengths():
+            return self.forward(self.batch)
 
     @torch.no_grad()
     def eval_loss(self) -> float:

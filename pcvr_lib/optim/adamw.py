@@ -48,14 +48,18 @@ def build_adamw(
     fused: bool | None = None,
     foreach: bool | None = None,
     name: str = "adamw",
+    capturable: bool = False,
 ) -> torch.optim.AdamW:
+    """torch's AdamW with the reference's defaults; capturable=True keeps its step counts on the device so
+    that a CUDA graph can capture its step (models.captured)."""
     check_common(name, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     params = list(params)
     if fused:
         flat = [p for g in params for p in g["params"]] if params and isinstance(params[0], dict) else params
         check_fused_supported(flat, name)
     return torch.optim.AdamW(
-        params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused, foreach=foreach
+        params, lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, fused=fused, foreach=foreach,
+        capturable=capturable,
     )
 
 

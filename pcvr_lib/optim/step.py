@@ -57,6 +57,27 @@ class OptimizerSet:
         for opt in self.optimizers:
             opt.zero_grad(set_to_none=set_to_none)
 
+    def reset_state_(self) -> None:
+        """Every optimizer's state back to that of a fresh optimizer, in place (the same memory, which a
+        captured CUDA graph goes on reading: models.captured): step counts and moment buffers 0, sparse
+        Adagrad's accumulator its initial value. Only for optimizers whose state has that meaning (torch's
+        AdamW, SparseAdagrad); others are an error naming them."""
+        from .sparse_adagrad import SparseAdagrad
+
+        for opt in self.optimizers:
+            if not isinstance(opt, (torch.optim.AdamW, SparseAdagrad)):
+                raise OptimizerError(f"reset_state_: {type(opt).__name__}'s state has no known fresh value "
+                                     "(AdamW and SparseAdagrad only)")
+            for group in opt.param_groups:
+                fresh = group.get("initial_accumulator_value", 0.0)
+                for p in group["params"]:
+                    state = opt.state.get(p, {})
+                    for key, value in state.items():
+                        if torch.is_tensor(value):
+                            value.fill_(fresh if key == "sum" else 0)
+                        else:
+                            state[key] = 0
+
     def state_dict(self) -> dict:
         return {"dense": self.dense.state_dict() if self.dense is not None else None,
                 "sparse": self.sparse.state_dict() if self.sparse is not None else None}
