@@ -71,7 +71,7 @@ def test_forward_shape_and_finite(name, schema, batch):
 
 
 @pytest.mark.parametrize("name", MODELS)
-def test_backward_reaches_every_dense_parameter_and_tables_get_sparse_grads(name, schema, batch):
+def test_backward_reaches_every_dense_parameter_and_every_table(name, schema, batch):
     model = _model(name, schema)
     model(batch).sum().backward()
     sparse = model.sparse_parameters()
@@ -81,11 +81,11 @@ def test_backward_reaches_every_dense_parameter_and_tables_get_sparse_grads(name
     assert len(sparse) + len(model.dense_parameters()) == len(list(model.parameters()))
     for pname, p in model.named_parameters():
         if id(p) in sparse_ids:
-            assert p.grad is not None and p.grad.is_sparse, pname
-            g = p.grad.coalesce()
-            assert g.values().abs().sum() > 0, pname
-            rows = g.indices()[0]
-            assert (g.values()[rows == 0] == 0).all(), "the padding row must get no gradient"
+            # COO, or dense where the batch reads the table more often than it has rows (models.tables)
+            assert p.grad is not None, f"{pname} gets no gradient"
+            g = p.grad.to_dense()
+            assert torch.isfinite(g).all() and g.abs().sum() > 0, pname
+            assert (g[0] == 0).all(), f"{pname}: the padding row must get no gradient"
         else:
             assert p.grad is not None, f"{pname} gets no gradient"
             assert torch.isfinite(p.grad).all(), pname
