@@ -3,7 +3,10 @@ tables capped at 8192 rows (the smoke's settings), one torch thread. Prints forw
 process CPU time of the third step (the first two warm up); process time, not wall time, so that other
 jobs on the machine inflate it less.
 
-    PYTHONPATH=. python3 tools/model_step_cpu.py [model,model,...]
+    PYTHONPATH=. python3 tools/model_step_cpu.py [model,model,...] [--coo-tables]
+
+--coo-tables keeps every table gradient in COO form (models.tables makes it dense where the batch reads a
+table more often than it has rows): the step as it was before that rule, to measure what the rule saves.
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from pcvr_lib.models import build_model, model_names
+from pcvr_lib.models import build_model, model_names, tables
 from pcvr_lib.optim import build_optimizer_set, train_step
 from pcvr_lib.smoke import DEFAULT_MAX_LEN, SMOKE_MODEL_CONFIG
 from pcvr_lib.workloads.models import demo_schema, random_batch
@@ -24,7 +27,10 @@ def main() -> None:
     torch.set_num_threads(1)
     schema = demo_schema(DEFAULT_MAX_LEN)
     batch = random_batch(schema, batch=128, seed=0)
-    names = sys.argv[1].split(",") if len(sys.argv) > 1 else model_names()
+    args = [a for a in sys.argv[1:] if a != "--coo-tables"]
+    if "--coo-tables" in sys.argv[1:]:
+        tables.dense_gradient_pays = lambda pieces, num_rows: False
+    names = args[0].split(",") if args else model_names()
     print(f"{'model':<12} {'forward s':>9} {'bwd+step s':>10} {'step s':>7}")
     for name in names:
         torch.manual_seed(0)
