@@ -101,7 +101,8 @@ def test_workers_give_bit_identical_batches(options, schema, dataset):
 def test_held_batches_are_never_overwritten(schema, dataset):
     """list(loader) keeps every batch: each slot is used once, the rest are pickled rather than written
     over a batch still held, and at the end every batch is still the in-process loader's."""
-    options = dict(batch_size=BATCH, passes=2, shuffle=True, seed=4)
+    # unpinned: on a CUDA machine the loader pins each batch as it comes out (a copy), which frees its slot
+    options = dict(batch_size=BATCH, passes=2, shuffle=True, seed=4, pin_memory=False)
     local = _snapshot(PcvrLoader(dataset, schema, **options))
     assert len(local) > SLOTS
     loader = PcvrLoader(dataset, schema, num_workers=1, **options)
@@ -118,7 +119,7 @@ def test_held_batches_are_never_overwritten(schema, dataset):
 def test_a_view_keeps_its_slot_and_a_dropped_batch_frees_it(schema, dataset):
     """A view of one field outlives its batch and keeps its values while later batches stream through the
     same worker's slots; once nothing refers to a batch, its slot is used again (one ring, no pickling)."""
-    options = dict(batch_size=BATCH, passes=3, shuffle=True, seed=6)
+    options = dict(batch_size=BATCH, passes=3, shuffle=True, seed=6, pin_memory=False)  # the slots' own memory
     local = _snapshot(PcvrLoader(dataset, schema, **options))
     loader = PcvrLoader(dataset, schema, num_workers=1, **options)
     kept = None

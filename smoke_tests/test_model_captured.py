@@ -14,7 +14,7 @@ from pcvr_lib.models.step import ModelStep
 from pcvr_lib.optim import build_optimizer_set
 from pcvr_lib.workloads.models import demo_schema, random_batch
 
-TINY = {"vocab_cap": 64, "d_model": 48, "num_heads": 2, "num_blocks": 1, "emb_dim": 16}
+TINY = {"vocab_cap": 64, "d_model": 64, "num_heads": 2, "num_blocks": 1, "emb_dim": 16}  # head dim 32: a kernel one
 STEPS = 3
 # after a few steps only loosely: Adagrad scales a row's step by 1 / |its gradient so far|, so rounding in a
 # near-zero gradient moves that row by up to the learning rate

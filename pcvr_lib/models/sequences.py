@@ -5,6 +5,7 @@ into one stream."""
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 
 import numpy as np
@@ -157,8 +158,11 @@ def pack_segments(segments: list[tuple[torch.Tensor, torch.Tensor]]) -> tuple[to
     b, _, d = tokens.shape
     device = tokens.device
     lengths = torch.stack([n.long() for _, n in segments], dim=1)  # [B, n_seg]
-    sizes = torch.tensor([t.shape[1] for t, _ in segments], device=device)
-    src_start = torch.cumsum(sizes, 0) - sizes  # where each segment begins in `tokens`
+    # where each segment begins in `tokens`, filled in on the device (a tensor from a host list would be a
+    # host-to-device copy, which a CUDA graph cannot hold)
+    src_start = torch.zeros(len(segments), dtype=torch.long, device=device)
+    for i, start in enumerate(itertools.accumulate(t.shape[1] for t, _ in segments[:-1]), start=1):
+        src_start[i].fill_(start)
     dst_start = torch.cumsum(lengths, 1) - lengths  # where each segment begins in the stream
     total = lengths.sum(1)
     # T: the batch's largest total (one host read) eagerly; compiled, the static bound (every segment full)
