@@ -111,13 +111,6 @@ def triton_interpret_enabled() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0").lower() in ("1", "true", "on", "yes")
 
 
-def capturing_cuda_graph() -> bool:
-    """Whether the current CUDA stream is being captured into a CUDA graph: no host read (a sync) and no copy
-    from pageable host memory may happen then, so input checks that read values are skipped (shapes are
-    still checked) and host-side choices are made as at the warm-up runs before the capture."""
-    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
-
-
 def _resolve_device(device) -> torch.device:
     if device is None:
         return torch.device("cuda" if torch.cuda.is_available() else "cpu")

@@ -183,7 +183,7 @@ def flash_attention(q, k, v, *, key_lengths=None, causal=False, causal_valid=Fal
     if scale is None:
         scale = 1.0 / math.sqrt(q.shape[3])
     p = float(dropout_p) if training else 0.0
-    if p > 0.0 and dispatch.capturing_cuda_graph():
+    if p > 0.0 and _capturing():
         raise ValueError(
             f"{OP}: dropout_p={p} inside a CUDA graph capture: the dropout seed is drawn on the host when the "
             "call is captured, so every replay would drop the very same weights. Capture with training=False "
@@ -232,6 +232,11 @@ def flash_attention(q, k, v, *, key_lengths=None, causal=False, causal_valid=Fal
     else:
         out = impl.forward(q, k, v, key_lengths, mode, scale, seed, p, False, structured=structured)[0]
     return out[..., :D] if D in PADDED_HEAD_DIMS else out
+
+
+def _capturing() -> bool:
+    """Whether the current CUDA stream is being captured into a graph (only asked when dropout is on)."""
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def _empty_result(q, k, v):

@@ -29,8 +29,6 @@ from dataclasses import dataclass
 
 import torch
 
-from pcvr_lib.kernels import dispatch
-
 MODES = ("none", "key_lengths", "causal", "causal_valid", "window", "roles")
 # the kernels' compile-time mask code (key lengths are a separate flag, so "none" and "key_lengths" share 1)
 MODE_CODE = {"none": 1, "key_lengths": 1, "causal": 2, "causal_valid": 3, "window": 4, "roles": 5}
@@ -150,16 +148,14 @@ def role_mask(roles: torch.Tensor, role_visibility: torch.Tensor, key_valid: tor
     for name, t in (("role_visibility", role_visibility), ("key_valid", key_valid)):
         if t is not None and t.device != roles.device:
             raise RuntimeError(f"{where}: {name} on {t.device}, roles on {roles.device}")
-    # the role ids' range is a host read: not when compiled or captured (the shapes are checked)
-    if roles.numel() and not (torch.compiler.is_compiling() or dispatch.capturing_cuda_graph()):
+    if roles.numel() and not torch.compiler.is_compiling():  # (compiled: no host read; the shapes are checked)
         lo, hi = int(roles.min()), int(roles.max())
         if lo < 0 or hi >= R:
             raise ValueError(f"{where}: role ids must be in [0, {R}) (role_visibility is {R} x {R}), got {lo}..{hi}")
     codes = roles.to(torch.int32)
     if key_valid is not None:
         codes = codes | (~key_valid).to(torch.int32) * INVALID_KEY
-    # the bit of each key role, made on the device (a tensor from a host list would be a host-to-device copy)
-    weights = torch.ones(R, dtype=torch.int64, device=roles.device) << torch.arange(R, device=roles.device)
+    weights = torch.tensor([1 << s for s in range(R)], dtype=torch.int64, device=roles.device)
     words = torch.zeros(32, dtype=torch.int32, device=roles.device)
     words[:R] = (role_visibility.to(torch.int64) * weights).sum(1).to(torch.int32)
     return RoleMask(codes.contiguous(), words, roles, role_visibility, key_valid)
