@@ -269,8 +269,8 @@ MODEL_COLUMNS = tuple((backend, mode) for backend in ("torch", "triton")
 
 def model_claims() -> None:
     """The model table (models.json: per call and device ms per backend x mode, the faster of ours per call
-    against eager torch and against torch.compile of torch, the faster of its modes compile and graph) and the smoke's worst paired AUC difference
-    (smoke_s6/compare_*.json, every verdict `same`)."""
+    against eager torch and against torch.compile of torch, the faster of its modes compile and graph) and
+    the smoke's worst paired AUC difference (smoke_s6/compare_*.json, every verdict `same`)."""
     times = {}
     snap = "h200/models.json"
     for b in run(snap)["benchmarks"]:
