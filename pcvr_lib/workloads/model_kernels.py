@@ -72,6 +72,8 @@ MODEL_VARIANTS: dict[str, list[tuple]] = {  # generated: python3 -m pcvr_lib.wor
         ('fwd_train', 8, _float32),
     ],
     "embedding_bag_mean": [
+        ('bwd_dense', 256, _float32, _int64, 1),
+        ('bwd_dense', 64, _float32, _int64, 1),
         ('bwd_sparse', 16, _float32, _int64, 4),
         ('bwd_sparse', 256, _float32, _int64, 4),
         ('bwd_sparse', 32, _float32, _int64, 4),
