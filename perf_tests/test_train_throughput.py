@@ -1,9 +1,10 @@
 """End to end: the loader feeding the training step, in rows/s, beside the step alone (one batch, again and
 again) and the loader alone (the same plan, nothing done with the batches), and which side bounds it.
 
-Ids: `model=<name>,mode=<eager|compile|graph>,workers=<0|2>`. The step is `ModelStep` (the model-level
-benchmark's: fused AdamW, sparse Adagrad, clipping; our Triton kernels on a GPU, torch on the CPU) with
-each loader batch moved to the device before its step. `bound` in extra_info: "step" when loader + step
+Ids: `model=<name>,mode=<eager|compile|graph|captured>,workers=<0|2>`. The step is `ModelStep` (the
+model-level benchmark's: fused AdamW, sparse Adagrad, clipping; our Triton kernels on a GPU, torch on the
+CPU) with each loader batch moved to the device before its step (in mode captured copied into the batch the
+graph was captured on: `ModelStep.batch`). `bound` in extra_info: "step" when loader + step
 reach 0.9x the step alone; else "loader" when the loader alone is slower than the step alone (its rows/s
 and worker count beside it); else "serial" when loader + step reach no more than 1.1x
 `serial_rows_per_sec` = 1 / (1/step + 1/loader), the rate with no overlap at all (the loader's work is not

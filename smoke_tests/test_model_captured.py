@@ -68,3 +68,25 @@ def test_the_captured_step_trains_and_scores_as_eager(name, backend):
                          torch.float32, what=f"{name} {backend}: loss of step {step}, captured vs eager")
         assert_close(captured.infer().clone(), eager.infer().double(), torch.float32, tol=AFTER_STEPS,
                      what=f"{name} {backend}: captured vs eager scores after {STEPS} steps")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="mode captured: no CUDA device")
+def test_a_new_batch_is_copied_into_the_captured_one():
+    """Assigning `step.batch` after a capture copies it into the memory the graph reads (the loader-fed
+    benchmark does that): the captured step then trains on the new batch as eager does; another shape is
+    refused."""
+    eager, captured = _pair("baseline", "triton")
+    schema = demo_schema()
+    with at_static_lengths():
+        for seed in (3, 4, 5):
+            batch = random_batch(schema, batch=64, seed=seed).to("cuda")
+            losses = []
+            for run in (eager, captured):
+                run.batch = batch
+                torch.manual_seed(seed)
+                losses.append(float(run.train_step()["loss"]))
+            assert_close(torch.tensor(losses[1]), torch.tensor(losses[0], dtype=torch.float64), torch.float32,
+                         what=f"captured vs eager loss on batch seed {seed}")
+    with pytest.raises(ValueError, match="every batch must have the shapes and dtypes"):
+        captured.batch = random_batch(schema, batch=32, seed=6).to("cuda")

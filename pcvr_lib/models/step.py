@@ -37,6 +37,7 @@ class ModelStep:
             raise ValueError(f"ModelStep: {problem}")
         torch.manual_seed(seed)  # the same initial weights on every backend
         self.model = build_model(name, schema, {**backend_options(backend), **(config or {})}).to(device)
+        self._graphs: dict[str, StepGraph] = {}
         self.batch = batch.to(device)
         # fused AdamW: one kernel per step, its step counts on the device (torch's for-each AdamW keeps them on
         # the host and reads them there); capturable where a CUDA graph captures its step
@@ -46,7 +47,28 @@ class ModelStep:
         self.max_grad_norm = max_grad_norm
         self.mode = mode
         self.forward = self.model if mode in ("eager", "captured") else CompiledModel(self.model, mode, compiler)
-        self._graphs: dict[str, StepGraph] = {}
+
+    @property
+    def batch(self) -> Batch:
+        return self._batch
+
+    @batch.setter
+    def batch(self, batch: Batch) -> None:
+        """The batch the next call runs on. Once a phase is captured its graph reads the memory of the batch
+        it was captured on, so a new batch is copied into that memory (same shapes and dtypes, or an error)."""
+        if not self._graphs:
+            self._batch = batch
+            return
+        static, new = self._batch.tensors(), batch.tensors()
+        same = len(static) == len(new) and all((a.shape, a.dtype) == (b.shape, b.dtype)
+                                               for a, b in zip(static, new, strict=True))
+        if not same:
+            raise ValueError("ModelStep: in mode captured every batch must have the shapes and dtypes of the one "
+                             f"captured on (batch size {self._batch.batch_size}, the same sequence lengths); got "
+                             f"batch size {batch.batch_size} or other lengths: drop the last partial batch, or "
+                             "build a ModelStep per batch shape")
+        for a, b in zip(static, new, strict=True):
+            a.copy_(b, non_blocking=True)
 
     def loss(self) -> torch.Tensor:
         logits = self.forward(self.batch)
