@@ -101,8 +101,11 @@ def _run_one(job: dict[str, Any], steps_done=None) -> dict[str, Any]:
         device=job["device"], amp=job["amp"], model_config=job["model_config"], eval_at_init=True,
     ), progress=(lambda *_: steps_done(1)) if steps_done is not None else None,
         overwrite=True)  # OUT/<model>_seed<seed> belongs to the smoke: a new smoke replaces its runs
+    t_train = time.perf_counter()
     evaluation = validate(run_dir, device=job["device"])
+    t_val = time.perf_counter()
     inference = infer(run_dir, device=job["device"])
+    t_infer = time.perf_counter()
     tel = summary["telemetry"]
     ev = evaluation["telemetry"]
     return {
@@ -124,6 +127,13 @@ def _run_one(job: dict[str, Any], steps_done=None) -> dict[str, Any]:
         "infer_rows_per_sec": inference["rows_per_sec"],
         "infer_peak_rss_mb": inference["cpu_peak_rss_mb"],
         "parameters": tel["model_parameters"],
+        "mode": tel["metadata"].get("compile_mode"),
+        "mode_fallback_reason": tel["metadata"].get("compile_fallback_reason"),
+        # the three calls whole: what the steps, passes and scoring above leave out is setup (building the
+        # model, reading data, checkpoints, the first calls' kernel compiles)
+        "train_call_sec": t_train - t0,
+        "val_call_sec": t_val - t_train,
+        "infer_call_sec": t_infer - t_val,
         "wall_sec": time.perf_counter() - t0,
     }
 
@@ -256,8 +266,10 @@ def _execute(work: list[dict], jobs: int, stream) -> list[dict]:
 
     def show(r):
         done = len(results)
-        line = (f"{done}/{total} {r['model']} seed {r['seed']}: AUC {auc_text(r['auc'])}, train {r['train_sec']:.1f}s, "
-                f"val {r['eval_sec']:.1f}s, infer {r['infer_sec']:.1f}s (elapsed {time.perf_counter() - t0:.0f}s)")
+        line = (f"{done}/{total} {r['model']} seed {r['seed']}: AUC {auc_text(r['auc'])}, train {r['train_sec']:.1f}s "
+                f"({r['mode']}{', fell back: ' + r['mode_fallback_reason'] if r['mode_fallback_reason'] else ''}; "
+                f"{r['train_call_sec']:.1f}s with setup and checkpoints), val {r['eval_sec']:.1f}s, "
+                f"infer {r['infer_sec']:.1f}s, run {r['wall_sec']:.1f}s (elapsed {time.perf_counter() - t0:.0f}s)")
         if steps_bar.disable:
             print(line, file=stream, flush=True)
         else:

@@ -193,3 +193,22 @@ def _one_step_logits(step: ModelStep):
     torch.manual_seed(1)  # the same dropout draws on every backend
     step.train_step()
     return before, step.infer()
+
+
+def test_role_attention_masks_pack_what_the_kernels_role_mask_packs():
+    """Symbiosis' per-batch role mask (static layout packed once, key validity added per batch) equals what
+    kernels.attention.role_mask builds from the same inputs (the one that checks the role ids)."""
+    from pcvr_lib.kernels.attention import role_mask
+    from pcvr_lib.models.kernel_ops import role_attention_masks, static_role_words
+
+    gen = torch.Generator().manual_seed(3)
+    roles = torch.randint(0, 5, (23,), generator=gen)
+    visibility = torch.rand(5, 5, generator=gen) < 0.5
+    key_valid = torch.rand(4, 23, generator=gen) < 0.7
+    pairs = visibility[roles][:, roles]
+    ours = role_attention_masks(roles, visibility, pairs, key_valid, "triton", torch.float32,
+                                static_role_words(roles, visibility))["role_mask"]
+    theirs = role_mask(roles.expand(4, -1), visibility, key_valid)
+    for name in ("codes", "words", "roles", "visibility", "key_valid"):
+        assert torch.equal(getattr(ours, name), getattr(theirs, name)), name
+    assert ours.codes.dtype == theirs.codes.dtype and ours.codes.is_contiguous()

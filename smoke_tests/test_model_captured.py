@@ -90,3 +90,81 @@ def test_a_new_batch_is_copied_into_the_captured_one():
                          what=f"captured vs eager loss on batch seed {seed}")
     with pytest.raises(ValueError, match="every batch must have the shapes and dtypes"):
         captured.batch = random_batch(schema, batch=32, seed=6).to("cuda")
+
+
+class _ReplayByRunning:
+    """A CPU stand-in for StepGraph with its contract: `warmup` runs, `restore()`, then the "capture" (one
+    run whose outputs are the replay's), and every replay runs the step again on the memory it was captured
+    on. `fail_at_warmup` raises in the last warm-up run, as a sync in the step would fail there or in the
+    capture (after earlier runs changed the weights and the optimizer state)."""
+
+    fail_at_warmup = False
+
+    def __init__(self, run, restore=None, warmup=3):
+        for i in range(warmup):
+            run()
+            if self.fail_at_warmup and i == warmup - 1:
+                raise RuntimeError("operation not permitted when stream is capturing")
+        if restore is not None:
+            restore()
+        self.run = run
+        self.output = run()
+        self.first = True
+
+    def replay(self):
+        if not self.first:
+            self.output = self.run()
+        self.first = False
+        return self.output
+
+
+def _captured_training(monkeypatch, fail=False):
+    from pcvr_lib.models import captured
+    from pcvr_lib.optim import train_step
+
+    monkeypatch.setattr(captured, "StepGraph", type("Graph", (_ReplayByRunning,), {"fail_at_warmup": fail}))
+    schema = demo_schema()
+    torch.manual_seed(0)
+    step = ModelStep("baseline", schema, random_batch(schema, batch=8, seed=1), "torch", config=TINY)
+    step.optimizers = build_optimizer_set(step.model.dense_parameters(), step.model.sparse_parameters(),
+                                          dense="fused_adamw", dense_options={"capturable": True})
+    seen = []
+
+    def one_step(batch):
+        seen.append(batch)
+        with at_static_lengths():
+            loss = torch.nn.functional.binary_cross_entropy_with_logits(
+                step.model(batch).float().squeeze(-1), batch.label.float())
+            return train_step(loss, step.optimizers, skip_nonfinite=True, read=False)
+
+    return step, captured.CapturedTraining(step.model, step.optimizers, one_step), seen, schema
+
+
+def test_captured_training_copies_each_batch_into_the_captured_one_and_runs_other_shapes_eagerly(monkeypatch):
+    step, training, seen, schema = _captured_training(monkeypatch)
+    first, second = (random_batch(schema, batch=8, seed=s) for s in (1, 2))
+    training(first)
+    static = seen[-1]
+    assert static is not first and all(torch.equal(a, b) for a, b in zip(static.tensors(), first.tensors(),
+                                                                          strict=True))
+    training(second)  # replayed: the captured batch now holds the second one
+    assert seen[-1] is static and all(torch.equal(a, b) for a, b in zip(static.tensors(), second.tensors(),
+                                                                        strict=True))
+    short = random_batch(schema, batch=5, seed=3)
+    training(short)
+    assert seen[-1] is short and training.eager_steps == 1
+
+
+def test_a_failed_capture_leaves_the_model_and_the_optimizers_as_they_were(monkeypatch):
+    step, training, _, schema = _captured_training(monkeypatch, fail=True)
+    before = {k: v.clone() for k, v in step.model.state_dict().items()}
+    with pytest.raises(RuntimeError, match="stream is capturing"):
+        training(random_batch(schema, batch=8, seed=1))
+    for name, tensor in step.model.state_dict().items():
+        assert torch.equal(tensor, before[name]), name
+    for opt in step.optimizers.optimizers:
+        for state in opt.state.values():
+            for key, value in state.items():
+                fresh = 0.0
+                assert (value == fresh).all() if torch.is_tensor(value) else value == 0, key
+    assert all(p.grad is None for p in step.optimizers.parameters())

@@ -8,6 +8,7 @@ generation per model on a CPU); smoke_tests/test_model_compile.py checks every m
 from __future__ import annotations
 
 import functools
+import math
 
 import pytest
 import torch
@@ -88,3 +89,102 @@ def test_graph_mode_needs_a_cuda_device(data, tmp_path, capsys):
     err = capsys.readouterr().err
     assert code == 2 and "--graph: mode 'graph' replays CUDA graphs and needs a CUDA device" in err, err
     assert not (tmp_path / "g").exists() or not any((tmp_path / "g").iterdir())
+
+
+# ------------------------------------------------------------------ mode captured (the default on CUDA)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a CUDA device")
+def test_captured_mode_needs_a_cuda_device_and_auto_trains_eagerly_on_the_cpu(data, tmp_path, capsys):
+    code = cli_main(["train", "--model", "baseline", "--data", str(data), "--run-dir", str(tmp_path / "c"),
+                     "--captured", "--steps", "1"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--captured: mode 'captured' replays CUDA graphs and needs a CUDA device" in err, err
+    summary = train(_config(data, tmp_path / "auto", steps=1))
+    assert summary["train_config"]["compile"] == "auto"
+    assert summary["telemetry"]["metadata"]["compile_mode"] == "eager"
+
+
+@pytest.mark.parametrize("dense, mode, expected", [
+    ("adamw", "auto", ("captured", None)),
+    ("fused_adamw", "captured", ("captured", None)),
+    ("muon", "auto",
+     ("eager", "--dense-optimizer muon cannot be captured in a CUDA graph (adamw and fused_adamw can)")),
+    ("adamw", "graph", ("graph", None)),
+])
+def test_which_mode_a_cuda_run_trains_in(dense, mode, expected, data, tmp_path):
+    config = _config(data, tmp_path, dense_optimizer=dense, compile=mode, device="cuda")
+    assert loop._training_mode(config, torch.device("cuda")) == expected
+
+
+def test_an_explicit_capture_that_cannot_be_is_refused(data, tmp_path):
+    config = _config(data, tmp_path, dense_optimizer="muon", compile="captured", device="cuda")
+    with pytest.raises(loop.TrainError, match="--captured: --dense-optimizer muon cannot be captured"):
+        loop._training_mode(config, torch.device("cuda"))
+
+
+def _captured_on_the_cpu(monkeypatch, fail=False):
+    """The trainer's captured path on the CPU: the mode forced, the graph replaced by a stand-in that runs
+    the step on the captured batch at every replay (smoke_tests/test_model_captured.py)."""
+    from pcvr_lib.models import captured
+    from smoke_tests.test_model_captured import _ReplayByRunning
+
+    monkeypatch.setattr(loop, "_training_mode", lambda config, device: ("captured", None))
+    monkeypatch.setattr(captured, "StepGraph", type("Graph", (_ReplayByRunning,), {"fail_at_warmup": fail}))
+
+
+def test_the_captured_trainer_trains_as_the_eager_one_and_skips_a_non_finite_step_on_the_device(
+        data, tmp_path, monkeypatch):
+    eager = train(_config(data, tmp_path / "eager", dense_optimizer="fused_adamw", steps=5))
+    real = loop.F.binary_cross_entropy_with_logits
+    calls = {"n": 0}
+
+    def poisoned(logits, target, *a, **k):  # a call after the warm-ups and the capture: a replay or eager step
+        calls["n"] += 1
+        loss = real(logits, target, *a, **k)
+        return loss * float("nan") if calls["n"] == 7 else loss
+
+    _captured_on_the_cpu(monkeypatch)
+    captured = train(_config(data, tmp_path / "captured", steps=5))
+    meta = captured["telemetry"]["metadata"]
+    assert meta["compile_mode"] == "captured" and meta["dense_optimizer"] == "fused_adamw", meta
+    # this data's row groups end in 13-row batches: those run eagerly, the 32-row ones replay the graph
+    assert 0 <= meta["captured_eager_steps"] < 5
+    assert captured["losses"] == pytest.approx(eager["losses"], rel=1e-5)
+    monkeypatch.setattr(loop.F, "binary_cross_entropy_with_logits", poisoned)
+    skipping = train(_config(data, tmp_path / "nan", steps=5))
+    losses = skipping["losses"]
+    assert skipping["skipped_steps"] == 1 and losses.count(None) == 1, losses
+    skipped = losses.index(None)
+    assert 0 < skipped < 4 and losses[:skipped] == pytest.approx(eager["losses"][:skipped], rel=1e-5)
+    # the skip changed nothing: the steps after it are finite and train on
+    assert all(math.isfinite(x) for x in losses[skipped + 1:] + skipping["grad_norms"][skipped + 1:])
+
+
+def test_a_failed_capture_trains_eagerly_with_a_warning(data, tmp_path, monkeypatch, capsys):
+    eager = train(_config(data, tmp_path / "eager", dense_optimizer="fused_adamw", steps=2))
+    _captured_on_the_cpu(monkeypatch, fail=True)
+    summary = train(_config(data, tmp_path / "fallback", steps=2))
+    meta = summary["telemetry"]["metadata"]
+    assert meta["compile_active"] is False and "stream is capturing" in meta["compile_fallback_reason"]
+    assert "--captured: the CUDA graph capture failed on the first step" in capsys.readouterr().err
+    # the warm-up's steps were undone: the eager steps start from the same weights
+    assert summary["losses"] == pytest.approx(eager["losses"], rel=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="mode captured: no CUDA device")
+@pytest.mark.parametrize("backend", ["torch", "triton"])
+def test_on_cuda_the_default_mode_captures_and_trains_as_eager(data, tmp_path, backend):
+    switches = {} if backend == "torch" else {"rms_norm_backend": backend, "embedding_backend": backend,
+                                              "attention_backend": backend}
+    model_config = {"vocab_cap": 64, **switches}
+    eager = train(_config(data, tmp_path / "eager", device="cuda", compile="eager", dense_optimizer="fused_adamw",
+                          model_config=model_config, steps=4))
+    captured = train(_config(data, tmp_path / "auto", device="cuda", model_config=model_config, steps=4))
+    meta = captured["telemetry"]["metadata"]
+    assert meta["compile_mode"] == "captured" and meta["compile_active"] is True, meta
+    assert "compile_fallback_reason" not in meta
+    assert captured["losses"][0] == pytest.approx(eager["losses"][0], rel=1e-5)
+    assert captured["losses"] == pytest.approx(eager["losses"], rel=1e-3)
+    assert captured["validation_metrics"]["auc"] == pytest.approx(eager["validation_metrics"]["auc"], abs=0.02)

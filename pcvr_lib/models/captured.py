@@ -23,6 +23,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from pcvr_lib.data.batch import Batch
 from pcvr_lib.optim import OptimizerSet, SparseAdagrad
 
 WARMUP_RUNS = 3  # torch's advice for a capture: a few eager runs on a side stream first
@@ -71,7 +72,9 @@ class StepGraph:
 def capture_training(model: nn.Module, optimizers: OptimizerSet, run: Callable[[], object]) -> StepGraph:
     """`run` (one training step of `model` with `optimizers`) as a StepGraph whose first replay takes the
     step from the model's and the optimizers' present state: the warm-up's updates are undone (the weights
-    and buffers copied back, the optimizer state reset in place) and the random state is restored."""
+    and buffers copied back, the optimizer state reset in place) and the random state is restored. Where
+    the warm-up or the capture fails, the model and the optimizers are put back the same way before the
+    error propagates, so the caller can go on eagerly from where it was."""
     problem = capture_problem(optimizers)
     if problem:
         raise ValueError(f"capture_training: {problem}")
@@ -85,5 +88,56 @@ def capture_training(model: nn.Module, optimizers: OptimizerSet, run: Callable[[
         optimizers.reset_state_()
 
     device = next(model.parameters()).device
-    with torch.random.fork_rng(devices=[device]):
-        return StepGraph(run, restore)
+    cuda = device.type == "cuda"
+    with torch.random.fork_rng(devices=[device] if cuda else []):
+        try:
+            return StepGraph(run, restore)
+        except BaseException:
+            if cuda:
+                torch.cuda.synchronize(device)  # the side stream's warm-up may still be writing
+            restore()
+            optimizers.zero_grad(set_to_none=True)
+            raise
+
+
+def same_layout(a: Batch, b: Batch) -> bool:
+    """Whether two batches have tensors of the same shapes and dtypes (what a captured graph needs)."""
+    ta, tb = a.tensors(), b.tensors()
+    return len(ta) == len(tb) and all((x.shape, x.dtype) == (y.shape, y.dtype) for x, y in zip(ta, tb, strict=True))
+
+
+def copy_batch_(static: Batch, new: Batch) -> None:
+    """`new` copied into the memory of `static` (same layout: `same_layout`)."""
+    for a, b in zip(static.tensors(), new.tensors(), strict=True):
+        a.copy_(b, non_blocking=True)
+
+
+class CapturedTraining:
+    """Training steps of `model` with `optimizers` as one CUDA graph: `step(batch)` runs one eager step on
+    `batch` and returns what it returns (device tensors, read nothing back). The first batch of `rows` rows
+    (any, when None) captures it on a copy of itself (`capture_training`); every later batch of that layout
+    is copied into that copy and the graph replayed; a batch of another layout (a short last batch of a row
+    group) runs eagerly on the same weights and optimizer state. Replay results are the graph's own tensors:
+    read them before the next call."""
+
+    def __init__(self, model: nn.Module, optimizers: OptimizerSet, step: Callable[[Batch], dict],
+                 rows: int | None = None):
+        self.model, self.optimizers, self.step, self.rows = model, optimizers, step, rows
+        self.graph: StepGraph | None = None
+        self.static: Batch | None = None
+        self.eager_steps = 0  # batches of another layout than the captured one
+
+    def __call__(self, batch: Batch) -> dict:
+        if self.graph is None:
+            if self.rows is not None and batch.batch_size != self.rows:
+                self.eager_steps += 1
+                return self.step(batch)
+            static = batch.map(torch.clone)
+            self.graph = capture_training(self.model, self.optimizers, lambda: self.step(static))
+            self.static = static
+        elif not same_layout(self.static, batch):
+            self.eager_steps += 1
+            return self.step(batch)
+        else:
+            copy_batch_(self.static, batch)
+        return self.graph.replay()

@@ -15,7 +15,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from pcvr_lib import kernels
-from pcvr_lib.kernels.attention import role_mask as kernel_role_mask
+from pcvr_lib.kernels.attention import RoleMask
+from pcvr_lib.kernels.attention.masks import INVALID_KEY
 from pcvr_lib.models.sequences import masked_mean
 from pcvr_lib.models.tables import bag_mean_of_table
 
@@ -176,20 +177,30 @@ def attention_mask(
 
 
 def role_attention_masks(roles: torch.Tensor, visibility: torch.Tensor, pairs: torch.Tensor, key_valid: torch.Tensor,
-                         backend: str, dtype: torch.dtype) -> dict[str, Any]:
+                         backend: str, dtype: torch.dtype, words: torch.Tensor) -> dict[str, Any]:
     """The `attention()` mask arguments of a role rule, built once per forward for every layer: query role r
     sees key role s where visibility[r, s], and only valid keys; every token sees itself.
 
-    roles [T] (role id per token), visibility [R, R] bool, pairs [T, T] = visibility[roles][:, roles] (the
-    model keeps it), key_valid [B, T]. torch: {"mask": additive [B, 1, T, T]} (faster SDPA on CPU);
-    kernels: {"role_mask": kernels.attention.role_mask(...)}: role ids + visibility + key validity, no
-    (B, T, T) tensor.
+    roles [T] (role id per token), visibility [R, R] bool, pairs [T, T] = visibility[roles][:, roles] and
+    words = `static_role_words(roles, visibility)` (the model keeps both), key_valid [B, T]. torch: {"mask":
+    additive [B, 1, T, T]} (faster SDPA on CPU); kernels: {"role_mask": RoleMask}: role codes + visibility
+    words + key validity, no (B, T, T) tensor. The layout was checked and packed once by `static_role_words`,
+    so per batch only the key validity is added: no host read and no host-to-device copy (a step that can be
+    captured in a CUDA graph).
     """
     if backend == "torch":
         eye = torch.eye(pairs.shape[0], dtype=torch.bool, device=key_valid.device)
         allowed = ((pairs[None] & key_valid[:, None, :]) | eye[None])[:, None]
         return {"mask": additive_mask(allowed, dtype)}
-    return {"role_mask": kernel_role_mask(roles.expand(key_valid.shape[0], -1), visibility, key_valid)}
+    batch_roles = roles.expand(key_valid.shape[0], -1)
+    codes = roles.to(torch.int32) | (~key_valid).to(torch.int32) * INVALID_KEY  # RoleMask.codes' packing
+    return {"role_mask": RoleMask(codes.contiguous(), words, batch_roles, visibility, key_valid)}
+
+
+def static_role_words(roles: torch.Tensor, visibility: torch.Tensor) -> torch.Tensor:
+    """The kernels' visibility words of a model's fixed role layout (roles [T], visibility [R, R] bool),
+    checked and packed by `kernels.attention.role_mask`; built once, with the model."""
+    return kernels.attention.role_mask(roles[None], visibility).words
 
 
 # -------------------------------------------------------------------------------------- embedding bags

@@ -9,7 +9,7 @@ import torch
 import torch.nn.functional as F
 
 from pcvr_lib.data.batch import Batch
-from pcvr_lib.models.captured import StepGraph, capture_training
+from pcvr_lib.models.captured import StepGraph, capture_training, copy_batch_, same_layout
 from pcvr_lib.models.common import BACKEND_OPTIONS
 from pcvr_lib.models.compiled import CompiledModel, mode_problem
 from pcvr_lib.models.registry import build_model
@@ -59,16 +59,12 @@ class ModelStep:
         if not self._graphs:
             self._batch = batch
             return
-        static, new = self._batch.tensors(), batch.tensors()
-        same = len(static) == len(new) and all((a.shape, a.dtype) == (b.shape, b.dtype)
-                                               for a, b in zip(static, new, strict=True))
-        if not same:
+        if not same_layout(self._batch, batch):
             raise ValueError("ModelStep: in mode captured every batch must have the shapes and dtypes of the one "
                              f"captured on (batch size {self._batch.batch_size}, the same sequence lengths); got "
                              f"batch size {batch.batch_size} or other lengths: drop the last partial batch, or "
                              "build a ModelStep per batch shape")
-        for a, b in zip(static, new, strict=True):
-            a.copy_(b, non_blocking=True)
+        copy_batch_(self._batch, batch)
 
     def loss(self) -> torch.Tensor:
         logits = self.forward(self.batch)

@@ -37,7 +37,7 @@ from torch import nn
 
 from pcvr_lib.data.batch import Batch, SequenceBlock
 from pcvr_lib.models.common import FeatureEncoder, ModelConfig, PCVRModel, PerTokenLinear, SwiGLU
-from pcvr_lib.models.kernel_ops import RMSNorm, attention, role_attention_masks
+from pcvr_lib.models.kernel_ops import RMSNorm, attention, role_attention_masks, static_role_words
 from pcvr_lib.models.registry import register
 from pcvr_lib.models.sequences import masked_mean, sequence_stats, sinusoidal_positions, time_buckets
 
@@ -190,6 +190,7 @@ class Symbiosis(PCVRModel):
         sees[EVENT, USER] = sees[EVENT, DENSE] = False
         self.register_buffer("role_visibility", sees, persistent=False)  # the kernels' form of the rule
         self.register_buffer("role_pairs", sees[self.roles][:, self.roles], persistent=False)  # [T, T]
+        self.register_buffer("role_words", static_role_words(self.roles, sees), persistent=False)  # the kernels' form
         self.blocks = nn.ModuleList(
             nn.ModuleDict({
                 "norm1": RMSNorm(d, backend=c.rms_norm_backend), "qkv": nn.Linear(d, 3 * d),
@@ -259,7 +260,7 @@ class Symbiosis(PCVRModel):
             valid = valid & ~dropped
         x = x + self.role_emb[self.roles] + self.domain_emb[self.domain_ids] + self.risk_emb[self.risk.long()]
         masks = role_attention_masks(self.roles, self.role_visibility, self.role_pairs, valid, c.attention_backend,
-                                     x.dtype)  # built once for all blocks
+                                     x.dtype, self.role_words)  # built once for all blocks
         keep = valid[..., None].to(x.dtype)
         heads, hd = c.num_heads, c.d_model // c.num_heads
         for blk in self.blocks:

@@ -10,6 +10,9 @@ leaves the other rows and their state untouched. A dense gradient gets the same 
 table's gradient is dense where its pieces outnumber its rows: models.tables); its untouched rows have
 G[r] = 0 and keep their weights and state.
 
+`skip`: set by `OptimizerSet.step(skip=...)` to a 0-d device bool for one step; where true the step changes
+nothing (the gradient counts as 0), decided on the device (a captured step skipping a non-finite one).
+
 The merge is embedding_bag.merge_rows: fixed-size (a slot per piece of the gradient), so the step never
 waits for the number of distinct rows; the slots past it add zeros, spread over distinct rows.
 """
@@ -41,6 +44,7 @@ class SparseAdagrad(torch.optim.Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        skip = getattr(self, "skip", None)
         for group in self.param_groups:
             lr, eps = group["lr"], group["eps"]
             for p in group["params"]:
@@ -65,11 +69,15 @@ class SparseAdagrad(torch.optim.Optimizer):
                     # duplicate rows are summed before anything is squared
                     rows, sums = merge_rows(g._indices()[0], g._values(), spread=p.shape[0])
                     values = sums.to(p.dtype)
+                    if skip is not None:
+                        values = torch.where(skip, 0, values)
                     acc.index_add_(0, rows, values * values)
                     # a padding slot (value 0) may land on a row whose state is 0: with eps 0 that would be 0 / 0
                     denom = acc.index_select(0, rows).sqrt_().add_(eps).clamp_min_(torch.finfo(acc.dtype).tiny)
                     p.index_add_(0, rows, values / denom, alpha=-lr)
                 else:
+                    if skip is not None:
+                        g = torch.where(skip, 0, g)
                     acc.addcmul_(g, g)
                     # an untouched row (G 0) whose state is still 0: with eps 0 that would be 0 / 0
                     denom = acc.sqrt().add_(eps).clamp_min_(torch.finfo(acc.dtype).tiny)

@@ -47,11 +47,39 @@ class OptimizerSet:
             for group in opt.param_groups:
                 group["lr"] = group["base_lr"] * multiplier
 
-    def step(self) -> None:
-        if self.dense is not None:
-            self.dense.step()
-        if self.sparse is not None:
-            self.sparse.step()
+    def step(self, skip: torch.Tensor | None = None) -> None:
+        """Every optimizer's step. `skip` (a 0-d device tensor, true/1 to skip) decides on the device whether
+        the step happens, so a captured step can skip a non-finite one without a host read: fused AdamW reads
+        it as its `found_inf` (torch's GradScaler hook: no update, step count unchanged), SparseAdagrad as its
+        `skip`. Other optimizers have no such switch and are an error."""
+        if skip is not None:
+            problem = self.device_skip_problem()
+            if problem:
+                raise OptimizerError(f"OptimizerSet.step(skip=...): {problem}")
+        for opt in self.optimizers:
+            if skip is None:
+                opt.step()
+                continue
+            flag = skip.to(torch.float32 if opt is self.dense else torch.bool)
+            attribute = "found_inf" if opt is self.dense else "skip"
+            setattr(opt, attribute, flag)
+            try:
+                opt.step()
+            finally:
+                delattr(opt, attribute)
+
+    def device_skip_problem(self) -> str | None:
+        """Why `step(skip=...)` cannot gate these optimizers on the device (None when it can)."""
+        from .sparse_adagrad import SparseAdagrad
+
+        dense = self.dense
+        if dense is not None and not (isinstance(dense, torch.optim.AdamW)
+                                      and all(g.get("fused") for g in dense.param_groups)):
+            return (f"the dense optimizer {type(dense).__name__} cannot skip a step on the device: use "
+                    "fused_adamw (its found_inf switch)")
+        if self.sparse is not None and not isinstance(self.sparse, SparseAdagrad):
+            return f"the sparse optimizer {type(self.sparse).__name__} cannot skip a step on the device"
+        return None
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         for opt in self.optimizers:
@@ -155,16 +183,19 @@ def train_step(
     Order: loss.backward() -> `after_backward()` when given (a compiled model's captured table gradients
     become the tables' gradients there: models.compiled) -> clip the global grad norm over dense and sparse
     gradients (skipped when max_grad_norm is None) -> dense step (orthogonal_adamw transforms its gradients
-    first) -> sparse step. With skip_nonfinite, a non-finite loss or grad norm skips both steps (this costs
-    one host sync before the step). Returns loss, grad_norm (before clipping), clip_coef, lr_multiplier and
-    skipped, as floats; with read=False (which needs skip_nonfinite=False) loss, grad_norm and clip_coef stay
-    0-d device tensors, so the step never waits for the device.
+    first) -> sparse step. With skip_nonfinite, a non-finite loss or grad norm skips both steps. Returns loss,
+    grad_norm (before clipping), clip_coef, lr_multiplier and skipped, as floats (skip_nonfinite then costs one
+    host sync before the optimizers); with read=False loss, grad_norm, clip_coef and skipped stay 0-d device
+    tensors and the skip is decided on the device (`OptimizerSet.step(skip=...)`: fused AdamW and sparse
+    Adagrad), so the step never waits for the device and can be captured in a CUDA graph.
     """
     if loss.dim() != 0 and loss.numel() != 1:
         raise OptimizerError(f"train_step needs a scalar loss, got shape {tuple(loss.shape)}")
     if skip_nonfinite and not read:
-        raise OptimizerError("train_step: skip_nonfinite reads the loss and the grad norm; read=False needs "
-                             "skip_nonfinite=False")
+        problem = optimizers.device_skip_problem()
+        if problem:
+            raise OptimizerError(f"train_step: skip_nonfinite without a host read (read=False): {problem}; or "
+                                 "pass skip_nonfinite=False")
     loss.backward()
     if after_backward is not None:
         after_backward()
@@ -177,16 +208,20 @@ def train_step(
     if lr_multiplier is not None:
         optimizers.set_lr_multiplier(lr_multiplier)
     skipped = False
-    if skip_nonfinite:
-        values = torch.stack([loss.detach().float().reshape(()), norm, coef]).tolist()
+    values = [loss.detach().float().reshape(()), norm, coef]
+    if skip_nonfinite and read:
+        values = torch.stack(values).tolist()
         skipped = not all(map(_finite, values[:2]))
-    if not skipped:
+        if not skipped:
+            optimizers.step()
+    elif skip_nonfinite:
+        skipped = ~(torch.isfinite(values[0]) & torch.isfinite(norm))
+        optimizers.step(skip=skipped)
+    else:
         optimizers.step()
-    optimizers.zero_grad(set_to_none=True)
-    if not skip_nonfinite:
-        values = [loss.detach().float().reshape(()), norm, coef]
         if read:
             values = torch.stack(values).tolist()
+    optimizers.zero_grad(set_to_none=True)
     return {"loss": values[0], "grad_norm": values[1], "clip_coef": values[2],
             "lr_multiplier": 1.0 if lr_multiplier is None else lr_multiplier, "skipped": skipped}
 

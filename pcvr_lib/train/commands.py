@@ -137,7 +137,14 @@ def add_train_arguments(parser: argparse.ArgumentParser) -> None:
              "CPU one thread is often several times faster)")
     add("--amp", action="store_true", help="bf16 autocast")
     modes = parser.add_mutually_exclusive_group()
-    modes.add_argument("--compile", dest="compile", action="store_const", const="compile", default="eager",
+    modes.add_argument("--captured", dest="compile", action="store_const", const="captured", default="auto",
+                       help="the whole step (forward, backward, clipping, optimizers) as one CUDA graph, replayed "
+                            "per batch (CUDA only; dense optimizer adamw, run as torch's fused AdamW). The "
+                            "default on a CUDA device where the step can be captured; a capture that fails on "
+                            "the first step falls back to eager, with a warning")
+    modes.add_argument("--eager", dest="compile", action="store_const", const="eager",
+                       help="plain eager PyTorch (the default on the CPU)")
+    modes.add_argument("--compile", dest="compile", action="store_const", const="compile",
                        help="run the model under torch.compile (one graph for forward and backward; the first "
                             "steps compile, about a minute a model on a CPU); falls back to eager, with a "
                             "warning, where it fails")

@@ -24,6 +24,8 @@ QUICK_THREADS = 1
 # which checkpoints a run keeps: the best holdout AUC and the last (the one --resume continues), or all
 KEEP_CHECKPOINTS = ("best-and-last", "all")
 
+TRAIN_MODES = ("auto", *MODES)  # auto: captured on a CUDA device where the step can be captured, else eager
+
 
 class TrainError(ValueError):
     """A bad path or option for train / val / infer; the message names it."""
@@ -61,7 +63,9 @@ class TrainConfig:
     device: str = "cpu"
     threads: int | None = None  # torch intra-op threads while training (None: torch's default, one per core)
     amp: bool = False  # bf16 autocast
-    compile: str = "eager"  # models.compiled.MODES: eager, compile (torch.compile) or graph (+ CUDA graphs)
+    # TRAIN_MODES: auto (captured on CUDA where it works, else eager), or one of models.compiled.MODES: eager,
+    # compile (torch.compile), graph (+ inductor's CUDA graphs), captured (the whole step as one CUDA graph)
+    compile: str = "auto"
     num_workers: int = 0
     log_every: int = 0  # 0: silent
     list_order: str = "auto"  # sequence list order: auto (told per row from the event times) or given
@@ -95,8 +99,8 @@ def check_names(config: TrainConfig) -> None:
         raise TrainError(f"unknown --split {config.split!r}; one of {', '.join(SPLIT_METHODS)}")
     if config.loader_preset not in PRESETS:
         raise TrainError(f"unknown --loader-preset {config.loader_preset!r}; one of {', '.join(PRESETS)}")
-    if config.compile not in MODES:
-        raise TrainError(f"unknown compile mode {config.compile!r}; one of {', '.join(MODES)}")
+    if config.compile not in TRAIN_MODES:
+        raise TrainError(f"unknown compile mode {config.compile!r}; one of {', '.join(TRAIN_MODES)}")
     if config.keep_checkpoints not in KEEP_CHECKPOINTS:
         raise TrainError(f"unknown --keep-checkpoints {config.keep_checkpoints!r}; one of "
                          f"{', '.join(KEEP_CHECKPOINTS)}")
@@ -138,8 +142,9 @@ def torch_threads(count: int | None):
         torch.set_num_threads(before)
 
 
-def autocast(device: torch.device, amp: bool):
-    """bf16 autocast on `device` when `amp`, else a context that does nothing."""
+def autocast(device: torch.device, amp: bool, cache: bool = True):
+    """bf16 autocast on `device` when `amp`, else a context that does nothing. `cache=False` inside a CUDA
+    graph capture (autocast's cache of cast weights would be freed after the capture, torch's rule)."""
     if not amp:
         return contextlib.nullcontext()
-    return torch.autocast(device_type=device.type, dtype=torch.bfloat16)
+    return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=cache)

@@ -5,7 +5,11 @@ training_summary.json and training_telemetry.json into the run dir.
   `pcvr_lib.optim` (AdamW lr 1e-4 betas (0.9, 0.98) for dense parameters, sparse Adagrad lr 0.05 for the
   embedding tables), global grad-norm clipping at 1.0 over dense and sparse gradients; a step with a
   non-finite loss (or gradient norm) is skipped and counted. Optional bf16 autocast (`amp`) and
-  torch.compile (`compile`: models.compiled's modes, with an eager fallback that is recorded). Batches
+  a mode (`compile`): auto (the default: captured on a CUDA device where the step can be captured, else
+  eager), eager, compile / graph (torch.compile: models.compiled) or captured (the whole step, optimizers
+  included, one CUDA graph: models.captured; AdamW runs fused and capturable there, a non-finite step is
+  skipped on the device); a compile or capture that fails on the first step falls back to eager, recorded.
+  Batches
   come from `pcvr_lib.data.loader` (`steps` mode: seeded draws of batch keys on the training side of the
   split).
 - Validation after the last step (and every `eval_every` steps) on the holdout side; each writes a
@@ -37,7 +41,9 @@ from pcvr_lib.data.convert import labels_from_label_type
 from pcvr_lib.errors import Interrupted, check_writable, warn
 from pcvr_lib.metrics import auc_text, classification_metrics, undefined_auc_reason
 from pcvr_lib.models import build_model
+from pcvr_lib.models.captured import CapturedTraining
 from pcvr_lib.models.compiled import CompiledModel, mode_problem
+from pcvr_lib.models.sequences import at_static_lengths
 from pcvr_lib.optim import build_optimizer_set, train_step
 from pcvr_lib.progress import StepProgress
 from pcvr_lib.train.checkpoint import (
@@ -119,9 +125,10 @@ def train(config: TrainConfig, progress=None, *, overwrite: bool = False, resume
         raise TrainError("--overwrite and --resume exclude each other: replace the run or continue it")
     check_names(config)
     device = resolve_device(config.device)
-    problem = mode_problem(config.compile, device)
+    problem = mode_problem(config.compile, device) if config.compile != "auto" else None
     if problem:
         raise TrainError(f"--{config.compile}: {problem} (--device {config.device})")
+    _training_mode(config, device)  # an explicit --captured that cannot be captured fails here
     data = data_path(config.data).resolve()  # stored absolute: val and infer find it from any folder
     config = dataclasses.replace(config, data=str(data))
     schema_file = schema_path(data, config.schema)
@@ -182,15 +189,45 @@ def _prepare_run_dir(run_dir: Path, config: TrainConfig, *, overwrite: bool, res
     return folder
 
 
-def _runner(model, mode: str, meta: dict):
-    """What the training steps call for logits: the model, or the model compiled in `mode`."""
+# dense optimizers a captured step can run: AdamW, as torch's fused kernel with its step count on the device
+CAPTURABLE_DENSE = ("adamw", "fused_adamw")
+
+
+def _training_mode(config: TrainConfig, device: torch.device) -> tuple[str, str | None]:
+    """(the mode the run trains in, why mode auto does not capture, or None). `auto` is captured on a CUDA
+    device with a capturable dense optimizer, else eager; an explicit `captured` that cannot be is an error."""
+    if config.compile not in ("auto", "captured"):
+        return config.compile, None
+    why = None
+    if device.type != "cuda":
+        why = f"the step is captured only on a CUDA device (--device {config.device})"
+    elif config.dense_optimizer not in CAPTURABLE_DENSE:
+        why = (f"--dense-optimizer {config.dense_optimizer} cannot be captured in a CUDA graph "
+               f"({' and '.join(CAPTURABLE_DENSE)} can)")
+    if why and config.compile == "captured":
+        raise TrainError(f"--captured: {why}; train without --captured (eagerly) or change that option")
+    return ("eager", why) if why else ("captured", None)
+
+
+def _runner(model, optimizers, mode: str, config: TrainConfig, device, meta: dict):
+    """What a training step calls: the model (eager), the model compiled in `mode`, or in mode captured the
+    whole step as a CUDA graph (`CapturedTraining`)."""
     meta["compile_mode"] = mode
     meta["compile_active"] = mode != "eager"
+    if mode == "captured":
+        return CapturedTraining(model, optimizers, lambda batch: _device_step(model, batch, optimizers, config, device),
+                                rows=config.batch_size)  # captured at a full batch; short ones run eagerly
     return model if mode == "eager" else CompiledModel(model, mode)
 
 
 def _step(runner, batch, optimizers, config: TrainConfig, device) -> dict:
-    """One training step: forward (under autocast), loss, backward and the optimizers."""
+    """One training step: forward (under autocast), loss, backward and the optimizers; the step's numbers
+    as floats (one host read)."""
+    if isinstance(runner, CapturedTraining):
+        info = runner(batch)
+        loss, norm, coef, skipped = torch.stack([info["loss"], info["grad_norm"], info["clip_coef"],
+                                                 info["skipped"].float()]).tolist()
+        return dict(info, loss=loss, grad_norm=norm, clip_coef=coef, skipped=bool(skipped))
     with autocast(device, config.amp):
         logits = runner(batch)
     loss = F.binary_cross_entropy_with_logits(logits.float().squeeze(-1), batch.label.float())
@@ -198,11 +235,21 @@ def _step(runner, batch, optimizers, config: TrainConfig, device) -> dict:
                       after_backward=getattr(runner, "after_backward", None))
 
 
+def _device_step(model, batch, optimizers, config: TrainConfig, device) -> dict:
+    """The eager step with nothing read back (what mode captured captures): sequences at their static
+    lengths, the non-finite skip decided on the device, the numbers left as device tensors."""
+    with at_static_lengths(), autocast(device, config.amp, cache=False):
+        logits = model(batch)
+    loss = F.binary_cross_entropy_with_logits(logits.float().squeeze(-1), batch.label.float())
+    return train_step(loss, optimizers, max_grad_norm=config.max_grad_norm, skip_nonfinite=True, read=False)
+
+
 def _first_step(runner, model, batch, optimizers, config: TrainConfig, device, meta: dict):
     """The first training step, which compiles a compiled model's forward and (at its backward) its backward
-    graph. A failure in either falls back to eager: the half-done step's gradients are dropped (no optimizer
-    has stepped yet: they step after the backward) and the step runs again eagerly, with a warning line and
-    the reason in the telemetry. Returns the runner for the next steps and the step's info."""
+    graph, or captures the step. A failure falls back to eager: the half-done step's gradients are dropped
+    (no optimizer has stepped yet: they step after the backward; a failed capture puts back what its warm-up
+    runs changed) and the step runs again eagerly, with a warning line and the reason in the telemetry.
+    Returns the runner for the next steps and the step's info."""
     if runner is model:
         return runner, _step(model, batch, optimizers, config, device)
     t0 = time.perf_counter()
@@ -214,7 +261,8 @@ def _first_step(runner, model, batch, optimizers, config: TrainConfig, device, m
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
         cause = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]  # "backend='x' raised:" + the cause
         meta["compile_fallback_reason"] = f"{type(exc).__name__}: {cause}"[:300]
-        warn(f"--{meta['compile_mode']}: torch.compile failed on the first step ({meta['compile_fallback_reason']});"
+        what = "the CUDA graph capture" if isinstance(runner, CapturedTraining) else "torch.compile"
+        warn(f"--{meta['compile_mode']}: {what} failed on the first step ({meta['compile_fallback_reason']});"
              " training continues eagerly")
         return model, _step(model, batch, optimizers, config, device)
     meta["first_step_sec_with_compile"] = round(time.perf_counter() - t0, 3)
@@ -225,13 +273,14 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, r
            data_warnings: list[str]):
     model = build_model(config.model, schema, config.model_config).to(device)
     meta: dict[str, Any] = {"model": config.model, "seed": config.seed, "amp": config.amp}
-    optimizers = build_optimizer_set(
-        model.dense_parameters(),
-        model.sparse_parameters(),
-        dense=config.dense_optimizer,
-        dense_options={"lr": config.dense_lr, "betas": tuple(config.betas), "weight_decay": config.weight_decay},
-        sparse_options={"lr": config.sparse_lr},
-    )
+    mode, not_captured = _training_mode(config, device)
+    dense_options = {"lr": config.dense_lr, "betas": tuple(config.betas), "weight_decay": config.weight_decay}
+    dense = config.dense_optimizer
+    if mode == "captured":  # torch's fused AdamW, its step count on the device: the one a graph can hold
+        dense, dense_options = "fused_adamw", dict(dense_options, capturable=True)
+    meta["dense_optimizer"] = dense
+    optimizers = build_optimizer_set(model.dense_parameters(), model.sparse_parameters(), dense=dense,
+                                     dense_options=dense_options, sparse_options={"lr": config.sparse_lr})
     train_loader = make_loader(
         data, schema, config, for_training=True, batch_size=config.batch_size, mode="steps", steps=config.steps,
         seed=config.seed,
@@ -255,7 +304,9 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, r
     elif config.init_output_prior:
         meta["train_positive_rate"] = _positive_rate(data, split.train_mask)
         raw_model(model).set_output_prior(meta["train_positive_rate"])
-    runner = _runner(model, config.compile, meta)
+    runner = _runner(model, optimizers, mode, config, device, meta)
+    if not_captured and device.type == "cuda" and config.log_every:
+        print(f"train: mode auto trains eagerly: {not_captured}", file=sys.stderr, flush=True)
     val_result = None
     telemetry = Telemetry("train", device)
     eval_seconds = 0.0
@@ -307,6 +358,8 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, r
                           + ("; continue with the same command plus --resume" if good else "")) from None
     finally:
         bar.close()
+    if isinstance(runner, CapturedTraining):
+        meta["captured_eager_steps"] = runner.eager_steps  # batches of another shape than the captured one
     train_meta = dict(meta, skipped_steps=history["skipped"], clipped_steps=history["clipped"],
                       holdout_eval_sec=eval_seconds, loader=train_loader.stats())
     train_telemetry = telemetry.to_dict(model, train_meta)
