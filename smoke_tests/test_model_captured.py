@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from pcvr_lib.kernels.tolerance import Tolerance, assert_close
+from pcvr_lib.models import model_names
 from pcvr_lib.models.captured import capture_problem
 from pcvr_lib.models.sequences import at_static_lengths
 from pcvr_lib.models.step import ModelStep
@@ -15,6 +16,7 @@ from pcvr_lib.optim import build_optimizer_set
 from pcvr_lib.workloads.models import demo_schema, random_batch
 
 TINY = {"vocab_cap": 64, "d_model": 64, "num_heads": 2, "num_blocks": 1, "emb_dim": 16}  # head dim 32: a kernel one
+SIZES = {"dualq": {"d_model": 96, "num_heads": 3}}  # RankMixer's mixing needs d_model divisible by its 6 queries
 STEPS = 3
 # after a few steps only loosely: Adagrad scales a row's step by 1 / |its gradient so far|, so rounding in a
 # near-zero gradient moves that row by up to the learning rate
@@ -46,14 +48,15 @@ def _pair(name: str, backend: str):
     batch = random_batch(schema, batch=64, seed=3)
     switches = {} if backend == "torch" else {"rms_norm_backend": backend, "embedding_backend": backend,
                                               "attention_backend": backend}
-    return [ModelStep(name, schema, batch, "torch", config={**TINY, **switches}, device="cuda", mode=mode)
+    return [ModelStep(name, schema, batch, "torch", config={**TINY, **SIZES.get(name, {}), **switches}, device="cuda",
+                      mode=mode)
             for mode in ("eager", "captured")]
 
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="mode captured: no CUDA device")
 @pytest.mark.parametrize("backend", ["torch", "triton"])
-@pytest.mark.parametrize("name", ["baseline", "tokenformer", "interformer"])
+@pytest.mark.parametrize("name", model_names())
 def test_the_captured_step_trains_and_scores_as_eager(name, backend):
     eager, captured = _pair(name, backend)
     with at_static_lengths():  # the captured step runs at the static lengths: the same dropout shapes
