@@ -142,7 +142,9 @@ for s in "$@"; do
       step host_ab 150 python3 tools/launch_host_ab.py .trees/base . --rounds 2 --json "$OUT/host_ab.json" ;;
     smoke)  # SMOKE_PROFILE=1: under cProfile ($OUT/smoke.prof: where the smoke's wall time goes); SMOKE_S: limit
       step smoke "${SMOKE_S:-150}" python3 ${SMOKE_PROFILE:+-m cProfile -o "$OUT/smoke.prof"} -m pcvr_lib smoke \
-        --models all --seeds 17,42,97 --steps 20 --device cuda --jobs "${SMOKE_JOBS:-1}" --out "$OUT/smoke_h200" ;;
+        --models all --seeds 17,42,97 --steps 20 --device cuda --jobs "${SMOKE_JOBS:-1}" --out "$OUT/smoke_h200"
+      # only the summaries come back (checkpoints, predictions and figures would outgrow the return)
+      find "$OUT/smoke_h200" -type f ! -name '*summary.json' ! -name 'training_telemetry.json' -delete ;;
     norm_sweep)
       step norm_sweep 150 $PYTEST perf_tests/test_norms.py -m "explore or not explore" -k "exploration or copy_rate" --benchmark-only \
         --benchmark-json="$OUT/norm_sweep.json" ;;
