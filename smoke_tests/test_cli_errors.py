@@ -217,6 +217,23 @@ def test_damaged_checkpoint_is_refused(damage, command, run_copy, capsys):
     assert not (run_copy / "predictions.json").exists() and not (run_copy / "evaluation.json").exists()
 
 
+def test_val_checks_the_files_it_reads_and_resume_checks_the_optimizer_state(run_copy, data, capsys):
+    """val and infer read the weights, the schema and the config (each checked against its sha256), not
+    the optimizer state: a damaged state file does not stop them, and --resume, which reads it, refuses it."""
+    last = trainer.complete_checkpoints(run_copy)[-1][1]
+    state = last / trainer.OPTIMIZER_FILE
+    assert state.is_file()
+    raw = bytearray(state.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF
+    state.write_bytes(bytes(raw))
+    assert cli_main(["val", "--run-dir", str(run_copy), "--checkpoint", str(last)]) == 0
+    capsys.readouterr()
+    code = cli_main(["train", *TRAIN, "--data", str(data), "--run-dir", str(run_copy), "--resume",
+                     "--steps", "5", "--eval-every", "2"])
+    assert code == 2
+    one_error_line(capsys, "train", str(state), "is damaged", "sha256")
+
+
 @FAST
 @given(payload=st.binary(max_size=4096))
 def test_random_bytes_as_checkpoint(payload, run, tmp_path, capsys):

@@ -310,8 +310,9 @@ def check_output_run_dir(out_dir: Path, folder: Path, checkpoint_option: str, ou
                          f"leave out {out_option} (the files go to {folder.parent}) or give an empty one")
 
 
-def verify_checkpoint(folder: Path) -> dict:
-    """Check every file against the sha256 recorded when the checkpoint was saved; returns the manifest."""
+def verify_checkpoint(folder: Path, files: tuple[str, ...] | None = None) -> dict:
+    """Check every file (or only `files`, the ones a caller reads) against the sha256 recorded when the
+    checkpoint was saved; returns the manifest."""
     manifest = read_manifest(folder)
     if manifest is None:
         raise TrainError(f"checkpoint {folder} is incomplete (no readable {MANIFEST_FILE})")
@@ -319,6 +320,8 @@ def verify_checkpoint(folder: Path) -> dict:
         if name not in manifest["sha256"]:
             raise TrainError(f"checkpoint {folder}: {MANIFEST_FILE} lists no {name}")
     for name, expected in manifest["sha256"].items():
+        if files is not None and name not in files:
+            continue
         file = folder / str(name)
         if not file.is_file():
             raise TrainError(f"checkpoint {folder} lacks {name}: use another checkpoint or retrain")
@@ -330,10 +333,11 @@ def verify_checkpoint(folder: Path) -> dict:
 
 # ------------------------------------------------------------------------------------------- load
 def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"):
-    """Rebuild (model, schema, TrainConfig, folder) from a checkpoint's files, after checking their
-    sha256 against the manifest."""
+    """Rebuild (model, schema, TrainConfig, folder) from a checkpoint's files, after checking the sha256 of
+    the files it reads (weights, schema, config; not the optimizer state) against the manifest. The model is
+    built on `device` (its random initialisation there, before the weights replace it, is fast on a GPU)."""
     folder = find_checkpoint(path)
-    verify_checkpoint(folder)
+    verify_checkpoint(folder, (MODEL_FILE, SCHEMA_FILE, CONFIG_FILE))
     raw_config = read_json_file(folder / CONFIG_FILE, "train config")
     if not isinstance(raw_config, dict):
         raise TrainError(f"{folder / CONFIG_FILE}: not a JSON object")
@@ -343,7 +347,8 @@ def load_checkpoint(path: str | Path, device: str | torch.device = "cpu"):
         schema = parse_schema(read_json_file(folder / SCHEMA_FILE, "schema"), max_lens=config.max_lens)
     except SchemaError as exc:
         raise TrainError(f"{folder / SCHEMA_FILE}: {exc}") from exc
-    model = build_model(config.model, schema, config.model_config)
+    with torch.device(device):
+        model = build_model(config.model, schema, config.model_config)
     state = _load_safetensors(folder / MODEL_FILE)
     _check_state_fits(folder, state, model, config.model)
     model.load_state_dict(state)

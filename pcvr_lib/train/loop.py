@@ -24,6 +24,7 @@ training_summary.json and training_telemetry.json into the run dir.
 from __future__ import annotations
 
 import dataclasses
+import gc
 import os
 import random
 import shutil
@@ -253,6 +254,9 @@ def _first_step(runner, model, batch, optimizers, config: TrainConfig, device, m
     if runner is model:
         return runner, _step(model, batch, optimizers, config, device)
     t0 = time.perf_counter()
+    captured = isinstance(runner, CapturedTraining)
+    if captured:  # torch.cuda.graph collects garbage before it captures: with the process's objects frozen
+        gc.freeze()  # it scans only the new ones (a smoke process holds many: 0.5 s a capture otherwise)
     try:
         info = _step(runner, batch, optimizers, config, device)
     except Exception as exc:  # noqa: BLE001 - compile problems fall back to eager, recorded
@@ -261,17 +265,21 @@ def _first_step(runner, model, batch, optimizers, config: TrainConfig, device, m
         lines = [line.strip() for line in str(exc).splitlines() if line.strip()] or [""]
         cause = " ".join(lines[:2]) if lines[0].endswith(":") else lines[0]  # "backend='x' raised:" + the cause
         meta["compile_fallback_reason"] = f"{type(exc).__name__}: {cause}"[:300]
-        what = "the CUDA graph capture" if isinstance(runner, CapturedTraining) else "torch.compile"
+        what = "the CUDA graph capture" if captured else "torch.compile"
         warn(f"--{meta['compile_mode']}: {what} failed on the first step ({meta['compile_fallback_reason']});"
              " training continues eagerly")
         return model, _step(model, batch, optimizers, config, device)
+    finally:
+        if captured:
+            gc.unfreeze()
     meta["first_step_sec_with_compile"] = round(time.perf_counter() - t0, 3)
     return runner, info
 
 
 def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, resume_from: Path | None,
            data_warnings: list[str]):
-    model = build_model(config.model, schema, config.model_config).to(device)
+    with torch.device(device):  # initialised where it trains (on a GPU much faster than on one CPU thread)
+        model = build_model(config.model, schema, config.model_config)
     meta: dict[str, Any] = {"model": config.model, "seed": config.seed, "amp": config.amp}
     mode, not_captured = _training_mode(config, device)
     dense_options = {"lr": config.dense_lr, "betas": tuple(config.betas), "weight_decay": config.weight_decay}
@@ -329,7 +337,8 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, r
             for step, batch in enumerate(train_loader, start=start + 1):
                 model.train()
                 batch = batch.to(device, non_blocking=True)
-                if step == start + 1:
+                # the step that compiles, or captures (the first full batch in mode captured), may fall back
+                if step == start + 1 or (isinstance(runner, CapturedTraining) and runner.graph is None):
                     runner, info = _first_step(runner, model, batch, optimizers, config, device, meta)
                 else:
                     info = _step(runner, batch, optimizers, config, device)
