@@ -276,7 +276,7 @@ def model_claims() -> None:
     for b in run(snap)["benchmarks"]:
         fields = dict(part.split("=") for part in b["name"][b["name"].index("[") + 1:-1].split(","))
         times[fields["model"], fields["phase"], fields["backend"], fields["mode"]] = b
-    for model in ("baseline", "interformer", "tokenformer"):
+    for model in ("baseline", "interformer", "tokenformer", "onetrans", "symbiosis", "queryformer", "dualq"):
         for phase in ("train_step", "infer"):
             cells, measured = [], {}
             for backend, mode in MODEL_COLUMNS:
