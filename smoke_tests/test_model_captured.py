@@ -171,3 +171,24 @@ def test_a_failed_capture_leaves_the_model_and_the_optimizers_as_they_were(monke
                 fresh = 0.0
                 assert (value == fresh).all() if torch.is_tensor(value) else value == 0, key
     assert all(p.grad is None for p in step.optimizers.parameters())
+
+
+def test_a_capture_from_a_running_optimizer_continues_its_state(monkeypatch):
+    """Captured after steps were taken (a resumed run, or a first batch too short to capture on), the first
+    replay continues the optimizers' state instead of starting it afresh: it equals the eager step."""
+    step, training, _, schema = _captured_training(monkeypatch)
+    twin, _, _, _ = _captured_training(monkeypatch)
+    twin.model.load_state_dict(step.model.state_dict())
+    first, second = (random_batch(schema, batch=8, seed=s) for s in (1, 2))
+    for run in (step, twin):  # one eager step each: every optimizer now has state
+        with at_static_lengths():
+            run.batch = first
+            run.train_step()
+    eager = twin._train_step.__func__  # the same step, eagerly, on the twin
+    with at_static_lengths():
+        twin.batch = second
+        expected = float(eager(twin)["loss"])
+    got = float(training(second)["loss"])
+    assert got == pytest.approx(expected, rel=1e-6)
+    for (name, a), b in zip(step.model.state_dict().items(), twin.model.state_dict().values(), strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6, msg=name)

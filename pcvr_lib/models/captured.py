@@ -71,8 +71,9 @@ class StepGraph:
 
 def capture_training(model: nn.Module, optimizers: OptimizerSet, run: Callable[[], object]) -> StepGraph:
     """`run` (one training step of `model` with `optimizers`) as a StepGraph whose first replay takes the
-    step from the model's and the optimizers' present state: the warm-up's updates are undone (the weights
-    and buffers copied back, the optimizer state reset in place) and the random state is restored. Where
+    step from the model's and the optimizers' present state: the warm-up's updates are undone in place (the
+    weights and buffers copied back; optimizer state that existed before copied back, state the warm-up
+    created reset to a fresh optimizer's) and the random state is restored. Where
     the warm-up or the capture fails, the model and the optimizers are put back the same way before the
     error propagates, so the caller can go on eagerly from where it was."""
     problem = capture_problem(optimizers)
@@ -80,12 +81,21 @@ def capture_training(model: nn.Module, optimizers: OptimizerSet, run: Callable[[
         raise ValueError(f"capture_training: {problem}")
     state = model.state_dict()  # detached tensors sharing the parameters' and buffers' memory
     saved = {name: tensor.clone() for name, tensor in state.items()}
+    # the optimizers' state as it is now (empty for a fresh optimizer; a resumed or running one has some)
+    saved_optim = [(per_param, {k: v.clone() if torch.is_tensor(v) else v for k, v in per_param.items()})
+                   for opt in optimizers.optimizers for per_param in opt.state.values()]
 
     def restore():
         with torch.no_grad():
             for name, tensor in state.items():
                 tensor.copy_(saved[name])
-        optimizers.reset_state_()
+            optimizers.reset_state_()  # what the warm-up created: a fresh optimizer's values
+            for per_param, values in saved_optim:
+                for key, value in values.items():
+                    if torch.is_tensor(value):
+                        per_param[key].copy_(value)
+                    else:
+                        per_param[key] = value
 
     device = next(model.parameters()).device
     cuda = device.type == "cuda"
