@@ -83,23 +83,20 @@ def test_a_backward_that_fails_to_compile_trains_eagerly_with_a_warning(data, tm
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a CUDA device")
-def test_graph_mode_needs_a_cuda_device(data, tmp_path, capsys):
+@pytest.mark.parametrize("mode", ["graph", "captured"])
+def test_cuda_graph_modes_need_a_cuda_device(mode, data, tmp_path, capsys):
     code = cli_main(["train", "--model", "baseline", "--data", str(data), "--run-dir", str(tmp_path / "g"),
-                     "--graph", "--steps", "1"])
+                     f"--{mode}", "--steps", "1"])
     err = capsys.readouterr().err
-    assert code == 2 and "--graph: mode 'graph' replays CUDA graphs and needs a CUDA device" in err, err
+    assert code == 2 and f"--{mode}: mode '{mode}' replays CUDA graphs and needs a CUDA device" in err, err
     assert not (tmp_path / "g").exists() or not any((tmp_path / "g").iterdir())
 
 
 # ------------------------------------------------------------------ mode captured (the default on CUDA)
 
 
-@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal without a CUDA device")
-def test_captured_mode_needs_a_cuda_device_and_auto_trains_eagerly_on_the_cpu(data, tmp_path, capsys):
-    code = cli_main(["train", "--model", "baseline", "--data", str(data), "--run-dir", str(tmp_path / "c"),
-                     "--captured", "--steps", "1"])
-    err = capsys.readouterr().err
-    assert code == 2 and "--captured: mode 'captured' replays CUDA graphs and needs a CUDA device" in err, err
+@pytest.mark.skipif(torch.cuda.is_available(), reason="on the CPU")
+def test_the_default_mode_trains_eagerly_on_the_cpu(data, tmp_path):
     summary = train(_config(data, tmp_path / "auto", steps=1))
     assert summary["train_config"]["compile"] == "auto"
     assert summary["telemetry"]["metadata"]["compile_mode"] == "eager"
