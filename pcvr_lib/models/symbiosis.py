@@ -184,13 +184,16 @@ class Symbiosis(PCVRModel):
         self.role_emb = nn.Parameter(torch.randn(8, d) * 0.02)
         self.domain_emb = nn.Parameter(torch.randn(n_dom + 1, d) * 0.02)
         self.risk_emb = nn.Parameter(torch.randn(2, d) * 0.02)
-        sees = torch.ones(8, 8, dtype=torch.bool)  # [query role, key role]
+        # the rule [query role, key role], built on the CPU: the kernels' words are packed from it here (a host
+        # read, which a meta or CUDA build could not do cheaply); each buffer goes where the module is built
+        sees = torch.ones(8, 8, dtype=torch.bool, device="cpu")
         for field in (USER, ITEM, DENSE, MISSING):
             sees[field, EVENT] = False
         sees[EVENT, USER] = sees[EVENT, DENSE] = False
-        self.register_buffer("role_visibility", sees, persistent=False)  # the kernels' form of the rule
-        self.register_buffer("role_pairs", sees[self.roles][:, self.roles], persistent=False)  # [T, T]
-        self.register_buffer("role_words", static_role_words(self.roles, sees), persistent=False)  # the kernels' form
+        layout, here = torch.tensor(roles, device="cpu"), self.roles.device
+        self.register_buffer("role_visibility", sees.to(here), persistent=False)
+        self.register_buffer("role_pairs", sees[layout][:, layout].to(here), persistent=False)  # [T, T]
+        self.register_buffer("role_words", static_role_words(layout, sees).to(here), persistent=False)
         self.blocks = nn.ModuleList(
             nn.ModuleDict({
                 "norm1": RMSNorm(d, backend=c.rms_norm_backend), "qkv": nn.Linear(d, 3 * d),
