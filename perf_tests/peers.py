@@ -10,6 +10,7 @@ torch-eager peer of every op.
 
 from __future__ import annotations
 
+import importlib.util
 from dataclasses import dataclass
 
 import torch
@@ -38,11 +39,15 @@ PEERS: dict[str, Peer] = {peer.name: peer for peer in (
          what="torch eager: F.rms_norm / F.layer_norm, F.embedding_bag on in-range ids, SDPA's default dispatch"),
     Peer("torch_compile", NORMS, needs_cuda=False, gated=False, what="torch.compile of the torch eager norm"),
     Peer("liger", NORMS, package="liger_kernel", what="Liger-Kernel's RMSNorm / LayerNorm Functions"),
+    Peer("quack", NORMS, package="quack", what="quack-kernels' CuTe-DSL RMSNorm (quack.rmsnorm.rmsnorm) and LayerNorm "
+         "(its layernorm_fwd / layernorm_bwd kernels, fp32 weight and bias)"),
     Peer("sdpa", ATTENTION, what="SDPA's default dispatch with the boolean mask built once, as a model calls it"),
     Peer("sdpa_flash", ATTENTION, what="SDPA forced to its flash kernel (no mask)"),
     Peer("sdpa_efficient", ATTENTION, what="SDPA forced to its memory-efficient kernel"),
     Peer("sdpa_cudnn", ATTENTION, what="SDPA forced to cuDNN attention"),
     Peer("flex", ATTENTION, gated=False, what="torch.compile'd flex_attention with the block mask of the case"),
+    Peer("fa4", ATTENTION, package="flash_attn.cute", what="FlashAttention 4 (flash-attn-4, CuTe-DSL): "
+         "flash_attn_func, key lengths as seqused_k of flash_attn_varlen_func; no mask, key lengths, causal"),
 )}
 SDPA_FORCED = ("sdpa_flash", "sdpa_efficient", "sdpa_cudnn")
 
@@ -65,7 +70,9 @@ def status(name: str, device=None) -> tuple[bool, str]:
     """(ok, reason) of a peer on `device` (default: cuda if present)."""
     peer = PEERS[name]
     if peer.package is not None:
-        problem = dispatch.package_problem(peer.package)
+        top = peer.package.split(".")[0]  # find_spec of a submodule raises when its parent is missing
+        problem = ("package not installed" if importlib.util.find_spec(top) is None
+                   else dispatch.package_problem(peer.package))
         if problem:
             return False, f"{name}: {problem}"
     dev = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
@@ -97,7 +104,46 @@ def norm_peer(op: str, name: str, eps: float):
         from liger_kernel.ops.layer_norm import LigerLayerNormFunction
 
         return lambda x, w, b: LigerLayerNormFunction.apply(x, w, b, eps)
+    if name == "quack":
+        if op == "rms_norm":
+            from quack.rmsnorm import rmsnorm
+
+            return lambda x, w: rmsnorm(x, w, eps=eps)
+        return lambda x, w, b: _QuackLayerNorm.apply(x, w, b, eps)
     raise ValueError(f"{op}: no peer {name!r}; peers: {', '.join(for_op(op))}")
+
+
+class _QuackLayerNorm(torch.autograd.Function):
+    """quack's LayerNorm kernels (its RMSNorm kernel with is_layernorm, as quack.rmsnorm.layernorm_fwd and
+    layernorm_bwd call them) on the case's weight and bias dtype. quack's public layernorm_fwd asserts fp32
+    parameters, which would add two cast kernels to every call that ours does not pay; the kernel itself
+    takes fp16 / bf16 parameters, as its RMSNorm does. quack has no LayerNorm autograd Function."""
+
+    @staticmethod
+    def forward(ctx, x, weight, bias, eps):
+        from quack.rmsnorm import _rmsnorm_fwd
+
+        rows = x.shape[0]
+        out = torch.empty_like(x)
+        rstd = torch.empty(rows, device=x.device, dtype=torch.float32)
+        mean = torch.empty(rows, device=x.device, dtype=torch.float32)
+        _rmsnorm_fwd(x, weight, out, bias, rstd, mean, None, None, eps, True)
+        ctx.save_for_backward(x, weight, rstd, mean)
+        return out
+
+    @staticmethod
+    def backward(ctx, dy):
+        from quack.rmsnorm import _rmsnorm_bwd, get_sm_count
+
+        x, weight, rstd, mean = ctx.saved_tensors
+        width = x.shape[-1]
+        sm_count = get_sm_count(width, x.device)
+        dx = torch.empty_like(x)
+        dw_partial = torch.empty(sm_count, width, device=x.device, dtype=torch.float32)
+        db_partial = torch.empty(sm_count, width, device=x.device, dtype=torch.float32)
+        _rmsnorm_bwd(x, weight, dy.contiguous(), rstd, dx, dw_partial, db_partial, None, None, sm_count,
+                     mean=mean, is_layernorm=True)
+        return dx, dw_partial.sum(0).to(weight.dtype), db_partial.sum(0).to(weight.dtype), None
 
 
 # ------------------------------------------------------------------ attention
@@ -167,3 +213,33 @@ def flex_peer(kw: dict, B: int, H: int, S: int, device, compile: bool = True):
         torch._dynamo.reset()  # a fresh compile per case
         attend = torch.compile(flex_attention, dynamic=False)
     return lambda q, k, v: attend(q, k, v, block_mask=block_mask)
+
+
+class PeerUnavailable(Exception):
+    """A peer that does not compute this case (a mask it has no form for): the case skips with the reason."""
+
+
+def fa4_peer(kw: dict):
+    """FlashAttention 4 with flash_attention's mask keyword arguments `kw`: a callable (q, k, v) -> out on our
+    (B, H, S, D) layout. FA4 takes (B, S, H, D): q, k, v and out pass as transposed views (no copy; their last
+    dimension stays contiguous). Key lengths are FA4's seqused_k; windows, role masks and causal_valid have no
+    form here (FA4's mask_mod would compile one kernel per mask function) and raise PeerUnavailable."""
+    other = sorted(k for k, v in kw.items() if k not in ("key_lengths", "causal") and v not in (None, False, 0))
+    if other:
+        raise PeerUnavailable(f"fa4: no mask of {', '.join(other)} in this peer (no mask, key lengths, causal only)")
+    from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
+
+    lengths, causal = kw.get("key_lengths"), bool(kw.get("causal"))
+    if lengths is not None:
+        lengths = lengths.to(torch.int32)
+
+    def attend(q, k, v):
+        qt, kt, vt = (t.transpose(1, 2) for t in (q, k, v))
+        if lengths is None:
+            out = flash_attn_func(qt, kt, vt, causal=causal)
+        else:
+            out = flash_attn_varlen_func(qt, kt, vt, seqused_k=lengths, causal=causal)
+        out = out[0] if isinstance(out, tuple) else out
+        return out.transpose(1, 2)
+
+    return attend

@@ -1,8 +1,9 @@
 """Benchmarks of flash_attention: backend x shape x mask x dtype x direction, against SDPA's backends.
 
 Backends: SDPA forced to one implementation (`sdpa_flash`, `sdpa_efficient`, `sdpa_cudnn`: the global
-switches are set for the case, so the timed call is a plain `F.scaled_dot_product_attention`), our `torch`
-backend (SDPA's own choice), `triton` and `tilelang`. Masked cases give SDPA the equivalent boolean mask
+switches are set for the case, so the timed call is a plain `F.scaled_dot_product_attention`), FlashAttention 4
+(`fa4`, CuTe-DSL; no mask, key lengths and causal), our `torch` backend (SDPA's own choice), `triton` and
+`tilelang`. Masked cases give SDPA the equivalent boolean mask
 (built once, outside the timed call); SDPA's flash kernel takes no mask and is skipped there.
 `speedup_vs_torch` is against the best SDPA backend measured for the same case in this run.
 
@@ -28,6 +29,7 @@ The table of a saved run (every backend, flex included, and the speedups): pcvr 
 from __future__ import annotations
 
 import contextlib
+import functools
 import os
 
 import pytest
@@ -50,13 +52,14 @@ CUDA = torch.cuda.is_available()
 DTYPES = {name: kb.DTYPES[name] for name in ("fp16", "bf16")}
 SDPA = SDPA_FORCED
 # baselines first (the speedups need their times); without a GPU only the torch backend's case code runs
-BACKENDS = (*SDPA, "triton", "tilelang") if CUDA else ("torch",)
+BACKENDS = (*SDPA, "fa4", "triton", "tilelang") if CUDA else ("torch",)
 MODE_ARGS = workload.MODES  # mask -> (key lengths, causal, causal_valid)
 GPU_SHAPES = workload.PERF_SHAPES
 TILELANG_SKIP = workload.PERF_TILELANG_SKIP
 SHAPES = GPU_SHAPES if CUDA else workload.CPU_PERF_SHAPES
 # the models' shapes: the peers a model would call (SDPA with its boolean mask, flex_attention), then ours
-MODEL_BACKENDS = ("sdpa", "sdpa_efficient", "sdpa_cudnn", "flex", "triton", "tilelang") if CUDA else ("sdpa", "flex")
+MODEL_BACKENDS = (("sdpa", "sdpa_efficient", "sdpa_cudnn", "fa4", "flex", "triton", "tilelang") if CUDA
+                  else ("sdpa", "flex"))
 
 
 def cases():
@@ -151,6 +154,8 @@ def make_call(backend, q, k, v, do, kw, attn_mask, direction):
     if backend in SDPA or backend == "sdpa":
         def attend():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
+    elif backend == "fa4":
+        attend = functools.partial(peers.fa4_peer(kw), q, k, v)
     elif backend == "flex":
         B, H, S, _ = q.shape
         flex = flex_peer(kw, B, H, S, q.device)
@@ -196,6 +201,8 @@ def test_attention_perf(benchmark, backend, shape, mask, dtype, direction):
         try:
             call = make_call(backend, q, k, v, do, kw, attn_mask, direction)
             first, first_s = kb.timed_first_call(call)
+        except peers.PeerUnavailable as exc:  # a mask the peer has no form for
+            pytest.skip(str(exc))
         except Exception as exc:  # SDPA: "No available kernel" for this input; flex: a compile failure
             if backend in SDPA or backend == "flex":
                 pytest.skip(f"{backend}: not available for this case ({str(exc).splitlines()[0][:120]})")

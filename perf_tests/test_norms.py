@@ -2,7 +2,7 @@
 
 Each case is checked against the fp64 reference first (outputs poisoned; a mismatch fails the case and
 nothing is timed), then timed with `pcvr_lib.timing.bench_gpu` (per-call statistics; device and host
-times in extra_info). Order: for every case key torch eager runs first, then torch.compile and Liger,
+times in extra_info). Order: for every case key torch eager runs first, then torch.compile, Liger and quack,
 then ours, so `speedup_vs_torch` and `speedup_vs_best_peer` come from the same run.
 
     pytest perf_tests/test_norms.py --benchmark-only --benchmark-json=out.json
@@ -28,7 +28,7 @@ from perf_tests import peers
 
 SHAPES = workload.PERF_SHAPES
 DTYPES = [torch.float16, torch.bfloat16]
-BACKENDS = ["torch", "torch_compile", "liger", "triton", "tilelang"]
+BACKENDS = ["torch", "torch_compile", "liger", "quack", "triton", "tilelang"]
 EPS = workload.EPS
 ROUNDS = 20
 

@@ -59,8 +59,14 @@
 #   seconds then share the GPU and the CPUs with the other runs: compare costs only between smokes with one value.
 # NOISE_K narrows the noise repetitions to a subset (e.g. NOISE_K=bf16) when the whole suite does not fit.
 # host_ab: tools/launch_host_ab.py between the tree in .trees/base (carry it) and this one.
+# frontier: the kernel cases of FRONTIER_TESTS (default the norm and attention benchmarks) selected by FRONTIER_K
+#   (-k) with the frontier peers of .gpu-peers/ (tools/make_peer_site.sh: quack, FlashAttention 4), into
+#   $OUT/${FRONTIER_JSON:-frontier}.json; FRONTIER_S is its limit (300 s). .gpu-peers travels in parts, one per call
+#   on one warm machine (tools/make_peer_site.sh says how): a call whose part completes the set can run it.
+#   .gpu-site (TileLang) does not fit beside a part: its cases skip there, their figures come from the snapshots.
 set -u
-. .gpu-site/activate.sh
+[ -f .gpu-site/activate.sh ] && . .gpu-site/activate.sh
+[ -f .gpu-peers/activate.sh ] && . .gpu-peers/activate.sh
 export PYTHONUNBUFFERED=1 TILELANG_CACHE_DIR=$PWD/.cache/tilelang PYTHONHASHSEED=${PYTHONHASHSEED:-0}
 KEEP=results/h200_session  # runs kept on the machine between calls of one lease (aa1 -> aa2)
 mkdir -p "$KEEP"
@@ -245,6 +251,10 @@ for s in "$@"; do
       step "$s" 330 python3 -m pcvr_lib smoke --models all --seeds 17,42,97 --steps 20 --device cuda \
         --jobs "${SMOKE_JOBS:-1}" --attention-backend "$b" --rms-norm-backend "$b" --embedding-backend "$b" \
         --out "$OUT/$s" ;;
+    frontier)
+      read -r -a tests <<< "${FRONTIER_TESTS:-perf_tests/test_norms.py perf_tests/test_attention.py}"
+      PCVR_ATTENTION_PRECOMPILED=1 step frontier "${FRONTIER_S:-300}" $PYTEST "${tests[@]}" \
+        ${FRONTIER_K:+-k "$FRONTIER_K"} --benchmark-only --benchmark-json="$OUT/${FRONTIER_JSON:-frontier}.json" ;;
     pcvr_ab)
       step pcvr_ab 150 python3 tools/attention_pcvr_ab.py --seconds "${AB_SECONDS:-60}" --out "$OUT" ;;
     profile_host)
@@ -274,6 +284,8 @@ for f in "$OUT"/aa_diff_12.log "$OUT"/aa_diff_21.log "$OUT"/aa_cross_12.log "$OU
 [ -f "$OUT/planted_tile256.json" ] && [ -f "$OUT/noise_rep1.json" ] && python3 -m pcvr_lib diff \
   "$OUT/noise_rep1.json" "$OUT/planted_tile256.json" --noise "$OUT/noise_h200.json" --all 2>&1 | grep -v MISSING | tail -25
 [ -f "$OUT/attention.json" ] && python3 -m pcvr_lib report "$OUT/attention.json" --view cases | cut -c1-160 | head -40
+for f in "$OUT"/frontier*.json; do [ -f "$f" ] && python3 -m pcvr_lib report "$f" --view cases | cut -c1-200 | head -60; done
+[ -f "$OUT/frontier.log" ] && grep -E "FAILED|ERROR|Error" "$OUT/frontier.log" | cut -c1-300 | head -20
 [ -f "$OUT/host_ab.log" ] && tail -9 "$OUT/host_ab.log"
 [ -f "$OUT/smoke.log" ] && tail -14 "$OUT/smoke.log"
 for b in triton tilelang; do [ -f "$OUT/smoke_$b.log" ] && tail -14 "$OUT/smoke_$b.log"

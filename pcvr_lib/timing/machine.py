@@ -4,6 +4,7 @@ probe and (when measured) the ceilings."""
 from __future__ import annotations
 
 import importlib
+import importlib.metadata
 import os
 import subprocess
 
@@ -16,6 +17,18 @@ def _version(module: str) -> str | None:
         return getattr(importlib.import_module(module), "__version__", "unknown")
     except Exception:  # noqa: BLE001 - a broken optional package is reported, not fatal
         return None
+
+
+def _distribution_version(name: str) -> str | None:
+    """An installed distribution's version without importing it (the CuTe-DSL peers take seconds to import)."""
+    try:
+        return importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        return None
+
+
+# the frontier peers of the kernel suite (perf_tests/peers.py), by distribution name
+PEER_DISTRIBUTIONS = ("quack-kernels", "flash-attn-4", "nvidia-cutlass-dsl")
 
 
 def _nvidia_smi(fields: str) -> list[str] | None:
@@ -38,6 +51,7 @@ def update_machine_info(machine_info: dict) -> None:
         name: _version(name)
         for name in ("torch", "triton", "tilelang", "liger_kernel", "pyarrow", "numpy")
     }
+    machine_info["libraries"].update({name: _distribution_version(name) for name in PEER_DISTRIBUTIONS})
     if torch.cuda.is_available():
         props = torch.cuda.get_device_properties(0)
         gpu = {
