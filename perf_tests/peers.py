@@ -219,14 +219,20 @@ class PeerUnavailable(Exception):
     """A peer that does not compute this case (a mask it has no form for): the case skips with the reason."""
 
 
-def fa4_peer(kw: dict):
+def fa4_peer(kw: dict, grad: bool = False):
     """FlashAttention 4 with flash_attention's mask keyword arguments `kw`: a callable (q, k, v) -> out on our
     (B, H, S, D) layout. FA4 takes (B, S, H, D): q, k, v and out pass as transposed views (no copy; their last
-    dimension stays contiguous). Key lengths are FA4's seqused_k; windows, role masks and causal_valid have no
-    form here (FA4's mask_mod would compile one kernel per mask function) and raise PeerUnavailable."""
+    dimension stays contiguous). Key lengths are FA4's seqused_k, forward only (`grad`: the call is
+    differentiated): on the H200, flash-attn-4 4.0.0b40's backward with seqused_k left dk and dv past the key
+    length unwritten (NaN through our poisoned outputs) and gave dq errors of 2.5 at head dim 16, so it does
+    not compute our gradient. Windows, role masks and causal_valid have no form here (FA4's mask_mod would
+    compile one kernel per mask function). What it cannot compute raises PeerUnavailable."""
     other = sorted(k for k, v in kw.items() if k not in ("key_lengths", "causal") and v not in (None, False, 0))
     if other:
         raise PeerUnavailable(f"fa4: no mask of {', '.join(other)} in this peer (no mask, key lengths, causal only)")
+    if grad and kw.get("key_lengths") is not None:
+        raise PeerUnavailable("fa4: its backward with key lengths (seqused_k) does not compute our gradient "
+                              "(dk, dv past the length unwritten; dq wrong at head dim 16), forward only")
     from flash_attn.cute import flash_attn_func, flash_attn_varlen_func
 
     lengths, causal = kw.get("key_lengths"), bool(kw.get("causal"))

@@ -155,7 +155,7 @@ def make_call(backend, q, k, v, do, kw, attn_mask, direction):
         def attend():
             return F.scaled_dot_product_attention(q, k, v, attn_mask=attn_mask)
     elif backend == "fa4":
-        attend = functools.partial(peers.fa4_peer(kw), q, k, v)
+        attend = functools.partial(peers.fa4_peer(kw, grad=direction != "fwd"), q, k, v)
     elif backend == "flex":
         B, H, S, _ = q.shape
         flex = flex_peer(kw, B, H, S, q.device)

@@ -43,6 +43,11 @@ def test_fa4_refuses_the_masks_it_has_no_form_for(kw):
         peers.fa4_peer(kw)
 
 
+def test_fa4_key_lengths_are_forward_only():
+    with pytest.raises(peers.PeerUnavailable, match="backward with key lengths"):
+        peers.fa4_peer({"key_lengths": torch.tensor([3]), "causal": False}, grad=True)
+
+
 def _fake_module(monkeypatch, name: str, **attrs) -> None:
     parts = name.split(".")
     for i in range(1, len(parts) + 1):

@@ -181,6 +181,49 @@ def kernel_claims() -> None:
                   direction="fwd+bwd")
 
 
+FRONTIER_NORMS = "h200/frontier_norms_models.json"
+FRONTIER_ATTENTION = "h200/frontier_attention.json"
+
+
+def frontier_norm_row(label, op, shape, dtype="fp16", direction="fwd") -> None:
+    """Our Triton norm against quack and torch eager, device time, one run (frontier_norms_models.json)."""
+    device = {backend: kernel(FRONTIER_NORMS, op=op, backend=backend, shape=shape, dtype=dtype, dir=direction)[1]
+              for backend in ("triton", "quack", "torch")}
+    say(f"| {label} | {device['triton']:.1f} | {device['quack']:.1f} | {device['torch']:.1f} "
+        f"| {device['quack'] / device['triton']:.2f}x |")
+
+
+def frontier_attention_row(label, snapshot, shape, dtype, direction, target) -> None:
+    """Our Triton attention against cuDNN (SDPA) and FlashAttention 4, device time, one run: the better peer
+    over ours, against issue 24's target."""
+    def device(backend):
+        return kernel(snapshot, op="flash_attention", backend=backend, shape=shape, dtype=dtype, dir=direction)
+
+    _, ours, extra = device("triton")
+    cudnn, fa4 = device("sdpa_cudnn")[1], device("fa4")[1]
+    ratio = min(cudnn, fa4) / ours
+    say(f"| {label} | {ours:.1f} ({extra['device_tflops']:.0f} TFLOP/s) | {cudnn:.1f} | {fa4:.1f} | {ratio:.2f}x "
+        f"| >= {target:.2f}x: {'met' if ratio >= target else 'missed'} |")
+
+
+def frontier_claims() -> None:
+    frontier_norm_row("RMSNorm fwd 65536x1024 fp16", "rms_norm", "65536x1024")
+    frontier_norm_row("RMSNorm fwd 16384x4096 fp16", "rms_norm", "16384x4096")
+    frontier_norm_row("RMSNorm fwd 262144x128 fp16", "rms_norm", "262144x128")
+    frontier_norm_row("LayerNorm fwd 65536x1024 fp16", "layer_norm", "65536x1024")
+    frontier_norm_row("LayerNorm fwd 16384x4096 fp16", "layer_norm", "16384x4096")
+    frontier_norm_row("LayerNorm fwd 262144x128 fp16", "layer_norm", "262144x128")
+    frontier_norm_row("RMSNorm fwd+bwd 65536x1024 fp16", "rms_norm", "65536x1024", direction="fwd+bwd")
+    frontier_norm_row("RMSNorm fwd+bwd 16384x4096 fp16", "rms_norm", "16384x4096", direction="fwd+bwd")
+    frontier_norm_row("LayerNorm fwd+bwd 65536x1024 fp16", "layer_norm", "65536x1024", direction="fwd+bwd")
+    frontier_norm_row("LayerNorm fwd+bwd 16384x4096 fp16", "layer_norm", "16384x4096", direction="fwd+bwd")
+    for dtype in ("bf16", "fp16"):
+        for direction, target in (("fwd", 1.05), ("fwd+bwd", 1.0)):
+            for shape, label in (("B16xH8xS1024xD64", "B16 H8 S1024 D64"), ("B4xH16xS4096xD128", "B4 H16 S4096 D128")):
+                frontier_attention_row(f"{direction} {label} {dtype}", FRONTIER_ATTENTION, f"{shape},mask=none", dtype,
+                                       direction, target)
+
+
 def optim_claims() -> None:
     def step(name, variant, workload):
         b = named(name, f"test_optimizer_step[optimizer={variant},device=cuda,workload={workload}]")
@@ -304,7 +347,7 @@ def model_claims() -> None:
         f"model's seed SD {worst['seed_noise']:.4f}")
 
 
-for figures in (kernel_claims, optim_claims, data_claims, attention_model_claims, model_claims):
+for figures in (kernel_claims, frontier_claims, optim_claims, data_claims, attention_model_claims, model_claims):
     figures()
 ALL_CLAIMS = tuple(CLAIMS)
 
