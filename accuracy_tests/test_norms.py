@@ -140,6 +140,20 @@ def test_backward(op, backend, dtype, shape, device_for):
     check_backward(op, backend, shape, dtype, device_for(backend))
 
 
+@pytest.mark.parametrize("prefetch", [True, False], ids=lambda p: f"prefetch={int(p)}")
+@pytest.mark.parametrize("shape", [(600, 96), (70, 385)], ids=_id)
+@pytest.mark.parametrize("op", OPS)
+def test_triton_backward_walks_several_row_blocks(op, shape, prefetch, device_for, monkeypatch):
+    """Triton's persistent backward over more row blocks than programs (here and on a GPU alike: 16 programs
+    of the interpreter's 4 SMs, or the GPU's), with and without loading the next block ahead, and a last block
+    cut short: every program's later iterations and the prefetch past the last row."""
+    from pcvr_lib.kernels.norms import config
+
+    monkeypatch.setattr(config, "BWD_PREFETCH", prefetch)
+    rows = shape[0] if not CUDA else shape[0] * 200  # a GPU has 132 SMs: more rows for several blocks each
+    check_backward(op, "triton", (rows, shape[1]), torch.float32, device_for("triton"))
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("shape", GPU_SHAPES, ids=_id)
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=_id)

@@ -216,10 +216,12 @@ def test_copy_rate_at_norm_sizes(benchmark, shape):
 # ------------------------------------------------------------------ Triton tile-size exploration
 
 EXPLORE_SHAPES = [(65536, 1024), (262144, 128), (16384, 4096)]
-# forward: elements per program; backward: (elements per program, persistent programs per SM). Defaults first.
+# forward: elements per program; backward: (elements per program, warps per SM of the persistent grid, the next
+# row block loaded before this one is computed). Defaults first.
 # (A persistent forward grid lost to this one at 5 of 6 cases: notes/kernels.md.)
 EXPLORE_FWD = [2048, 4096, 8192]
-EXPLORE_BWD = [(2048, 4), (4096, 4), (1024, 4), (2048, 2), (2048, 8)]
+EXPLORE_BWD = [(2048, 16, True), (2048, 16, False), (4096, 16, True), (1024, 16, True), (2048, 8, True),
+               (2048, 32, True)]
 
 
 def _explore_cases():
@@ -228,21 +230,23 @@ def _explore_cases():
         for shape in EXPLORE_SHAPES:
             sid = f"{shape[0]}x{shape[1]}"
             for tile in EXPLORE_FWD:
-                cases.append(pytest.param(op, shape, "fwd", tile, None,
+                cases.append(pytest.param(op, shape, "fwd", tile, None, None,
                                           id=f"op={op},shape={sid},kernel=fwd,tile={tile}"))
-            for tile, per_sm in EXPLORE_BWD:
-                cases.append(pytest.param(op, shape, "bwd", tile, per_sm,
-                                          id=f"op={op},shape={sid},kernel=bwd,tile={tile},per_sm={per_sm}"))
+            for tile, warps_per_sm, prefetch in EXPLORE_BWD:
+                cases.append(pytest.param(op, shape, "bwd", tile, warps_per_sm, prefetch,
+                                          id=f"op={op},shape={sid},kernel=bwd,tile={tile},warps_per_sm={warps_per_sm},"
+                                             f"prefetch={int(prefetch)}"))
     return cases
 
 
 @pytest.mark.gpu
 @pytest.mark.explore
-@pytest.mark.parametrize(("op", "shape", "kernel", "tile", "per_sm"), _explore_cases())
-def test_triton_tile_exploration(benchmark, monkeypatch, op, shape, kernel, tile, per_sm):
+@pytest.mark.parametrize(("op", "shape", "kernel", "tile", "warps_per_sm", "prefetch"), _explore_cases())
+def test_triton_tile_exploration(benchmark, monkeypatch, op, shape, kernel, tile, warps_per_sm, prefetch):
     """The Triton norm kernels alone (fp16) at other tiles than the defaults: device time decides.
 
-    TILE_ELEMENTS (elements per program) and, for the backward, its persistent grid's programs per SM.
+    TILE_ELEMENTS (elements per program) and, for the backward, its persistent grid's warps per SM
+    (BWD_WARPS_PER_SM) and whether it loads the next row block ahead (BWD_PREFETCH).
     Each variant is checked against the fp64 reference (poisoned outputs) first.
     """
     from pcvr_lib.kernels.norms import triton_impl
@@ -253,7 +257,8 @@ def test_triton_tile_exploration(benchmark, monkeypatch, op, shape, kernel, tile
     forward, backward = getattr(triton_impl, f"{prefix}_forward"), getattr(triton_impl, f"{prefix}_backward")
     monkeypatch.setattr(config, "TILE_ELEMENTS", tile)
     if kernel == "bwd":
-        monkeypatch.setattr(config, "BWD_PROGRAMS_PER_SM", per_sm)
+        monkeypatch.setattr(config, "BWD_WARPS_PER_SM", warps_per_sm)
+        monkeypatch.setattr(config, "BWD_PREFETCH", prefetch)
     blocks = config.block_config(shape[1])
     tensors, dy = _inputs(op, shape, dtype, grad=kernel == "bwd")
     x, *params = (t.detach() for t in tensors)
@@ -282,10 +287,11 @@ def test_triton_tile_exploration(benchmark, monkeypatch, op, shape, kernel, tile
             worst = tuple(max(a, b) for a, b in zip(worst, max_errors(g, want), strict=True))
         return worst
 
-    label = f"{op}[{kernel},tile={tile}" + (f",per_sm={per_sm}]" if per_sm else "]")
+    label = f"{op}[{kernel},tile={tile}" + (f",warps_per_sm={warps_per_sm},prefetch={int(prefetch)}]"
+                                            if warps_per_sm else "]")
     key = kb.CaseKey(label, f"{shape[0]}x{shape[1]}", "fp16", kernel)
-    benchmark.extra_info.update({"block_config": list(blocks), "tile": tile, "programs_per_sm": per_sm,
-                                 "kernel": kernel})
+    benchmark.extra_info.update({"block_config": list(blocks), "tile": tile, "warps_per_sm": warps_per_sm,
+                                 "prefetch": prefetch, "kernel": kernel})
     passes = 2 if kernel == "fwd" else 3  # bwd kernel: reads x and dy, writes dx (stats and partials small)
     returns = "y (the forward kernel alone)" if kernel == "fwd" else "dx and the parameter gradients (backward kernel)"
     kb.run_case(benchmark, key=key, backend="triton", call=call, check=check,

@@ -13,6 +13,7 @@ import torch
 import triton.language as tl
 
 from pcvr_lib.kernels._triton import Launcher, align_key, cdiv, helper, kernel, next_pow2
+from pcvr_lib.kernels.norms import config
 from pcvr_lib.kernels.norms.config import backward_launch, block_config, paired_rows
 
 
@@ -54,9 +55,11 @@ def norm_forward(X, W, B, Y, MEAN, RSTD, M, N, eps, BLOCK_M: tl.constexpr, BLOCK
 
 @helper
 def norm_backward(DY, X, W, MEAN, RSTD, DX, DWP, DBP, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                  CENTERED: tl.constexpr):
+                  CENTERED: tl.constexpr, PREFETCH: tl.constexpr):
     """A persistent program of a norm backward: dx of its row blocks and its partial dw (and db when
-    CENTERED) sums, which the caller adds over programs."""
+    CENTERED) sums, which the caller adds over programs. PREFETCH: the next row block's x and dy are loaded
+    before this one is computed (two blocks in flight per program instead of one: the loop is bound by how
+    many bytes each SM has in flight)."""
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK_M
     cols = tl.arange(0, BLOCK_N)
@@ -67,11 +70,22 @@ def norm_backward(DY, X, W, MEAN, RSTD, DX, DWP, DBP, M, N, BLOCK_M: tl.constexp
     dw = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if CENTERED:
         db = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
+    if PREFETCH:
+        _, _, _, _, mask, offs = row_tile(pid * BLOCK_M, M, N, BLOCK_M, BLOCK_N)
+        x_next = tl.load(X + offs, mask=mask, other=0.0)
+        dy_next = tl.load(DY + offs, mask=mask, other=0.0)
     for start in range(pid * BLOCK_M, M, step):
         # (its columns repeat those above; the compiler merges the two)
         rows, rmask, _, _, mask, offs = row_tile(start, M, N, BLOCK_M, BLOCK_N)
-        x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-        dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+        if PREFETCH:
+            x = x_next.to(tl.float32)
+            dy = dy_next.to(tl.float32)
+            _, _, _, _, mask_next, offs_next = row_tile(start + step, M, N, BLOCK_M, BLOCK_N)
+            x_next = tl.load(X + offs_next, mask=mask_next, other=0.0)
+            dy_next = tl.load(DY + offs_next, mask=mask_next, other=0.0)
+        else:
+            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
+            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
         if CENTERED:
             mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
             rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
@@ -103,8 +117,9 @@ def _rms_fwd(X, W, Y, RSTD, M, N, eps, BLOCK_M: tl.constexpr, BLOCK_N: tl.conste
 
 
 @kernel(do_not_specialize=["M"])
-def _rms_bwd(DY, X, W, RSTD, DX, DWP, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    norm_backward(DY, X, W, RSTD, RSTD, DX, DWP, DWP, M, N, BLOCK_M, BLOCK_N, False)
+def _rms_bwd(DY, X, W, RSTD, DX, DWP, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+             PREFETCH: tl.constexpr):
+    norm_backward(DY, X, W, RSTD, RSTD, DX, DWP, DWP, M, N, BLOCK_M, BLOCK_N, False, PREFETCH)
 
 
 @kernel(do_not_specialize=["M"])
@@ -114,8 +129,9 @@ def _ln_fwd(X, W, B, Y, MEAN, RSTD, M, N, eps, BLOCK_M: tl.constexpr, BLOCK_N: t
 
 
 @kernel(do_not_specialize=["M"])
-def _ln_bwd(DY, X, W, MEAN, RSTD, DX, DWP, DBP, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
-    norm_backward(DY, X, W, MEAN, RSTD, DX, DWP, DBP, M, N, BLOCK_M, BLOCK_N, True)
+def _ln_bwd(DY, X, W, MEAN, RSTD, DX, DWP, DBP, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+            PREFETCH: tl.constexpr):
+    norm_backward(DY, X, W, MEAN, RSTD, DX, DWP, DBP, M, N, BLOCK_M, BLOCK_N, True, PREFETCH)
 
 
 _launch_rms_fwd = Launcher(_rms_fwd, "rms_norm.fwd")
@@ -136,10 +152,12 @@ def rms_forward(x2: torch.Tensor, weight: torch.Tensor, eps: float, save_rstd: b
 
 def rms_backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, rstd: torch.Tensor):
     """Returns (dx, dw) for the (M, N) forward input x2."""
-    m, n, block_m, num_warps, programs, dx = backward_launch(x2)
+    m, n, block_m, num_warps, programs, dx = backward_launch(x2, config.BWD_WARPS_PER_SM)
     partial = torch.empty((programs, n), dtype=torch.float32, device=x2.device)
-    args = (dy, x2, weight, rstd, dx, partial, m, n, block_m, next_pow2(n))
-    key = (x2.get_device(), next_pow2(n), block_m, num_warps, align_key(dy, x2, weight, rstd, dx, partial, n))
+    prefetch = config.BWD_PREFETCH
+    args = (dy, x2, weight, rstd, dx, partial, m, n, block_m, next_pow2(n), prefetch)
+    key = (x2.get_device(), next_pow2(n), block_m, num_warps, align_key(dy, x2, weight, rstd, dx, partial, n),
+           prefetch)
     _launch_rms_bwd(key, (programs, 1, 1), args, num_warps)
     return dx, partial.sum(0).to(weight.dtype)
 
@@ -167,10 +185,11 @@ def ln_forward(x2: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor, eps: 
 
 def ln_backward(dy: torch.Tensor, x2: torch.Tensor, weight: torch.Tensor, mean: torch.Tensor, rstd: torch.Tensor):
     """Returns (dx, dw, db) for the (M, N) forward input x2."""
-    m, n, block_m, num_warps, programs, dx = backward_launch(x2)
+    m, n, block_m, num_warps, programs, dx = backward_launch(x2, config.BWD_WARPS_PER_SM)
     partial = paired_rows(programs * n, x2.device).view(2, programs, n)
-    args = (dy, x2, weight, mean, rstd, dx, partial[0], partial[1], m, n, block_m, next_pow2(n))
-    key = (x2.get_device(), next_pow2(n), block_m, num_warps, align_key(*args[:8], n))
+    prefetch = config.BWD_PREFETCH
+    args = (dy, x2, weight, mean, rstd, dx, partial[0], partial[1], m, n, block_m, next_pow2(n), prefetch)
+    key = (x2.get_device(), next_pow2(n), block_m, num_warps, align_key(*args[:8], n), prefetch)
     _launch_ln_bwd(key, (programs, 1, 1), args, num_warps)
     sums = partial.sum(1).to(weight.dtype)
     return dx, sums[0], sums[1]
@@ -187,7 +206,8 @@ def compile_for(arch: int, name: str, width: int, dtype: str = "fp16", flag: boo
 
     fn = {"rms_fwd": _rms_fwd, "rms_bwd": _rms_bwd, "ln_fwd": _ln_fwd, "ln_bwd": _ln_bwd}[name].compiled
     block_m, num_warps = block_config(width)
-    constexprs = {"BLOCK_M": block_m, "BLOCK_N": next_pow2(width), "SAVE_RSTD": flag, "SAVE_STATS": flag}
+    constexprs = {"BLOCK_M": block_m, "BLOCK_N": next_pow2(width), "SAVE_RSTD": flag, "SAVE_STATS": flag,
+                  "PREFETCH": config.BWD_PREFETCH}
     constexprs = {k: v for k, v in constexprs.items() if k in fn.arg_names}
     signature = {}
     for arg in fn.arg_names:
