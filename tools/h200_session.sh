@@ -202,9 +202,10 @@ for s in "$@"; do
     host)
       step host_parts 60 $PYTEST perf_tests/test_norms.py -m explore -k host_part --benchmark-only \
         --benchmark-json="$OUT/host_parts.json" ;;
-    perf_norms)
+    perf_norms)  # then `pcvr diff` of the committed norms snapshot against it ($OUT/norms_diff.json, .log)
       step perf_norms 240 $PYTEST perf_tests/test_norms.py --benchmark-only \
-        --benchmark-json="$OUT/kernels_norms.json" ;;
+        --benchmark-json="$OUT/kernels_norms.json"
+      diff_step norms_diff .benchmarks/h200/kernels_norms.json "$OUT/kernels_norms.json" ;;
     perf_embedding)
       step perf_embedding 150 $PYTEST perf_tests/test_embedding_bag.py --benchmark-only \
         --benchmark-json="$OUT/kernels_embedding.json" ;;
@@ -277,7 +278,7 @@ for f in "$OUT"/attention_tune_window.log "$OUT"/attention_tune_key_lengths.log;
 [ -f "$OUT/kernels_norms.json" ] && python3 -m pcvr_lib report "$OUT/kernels_norms.json" --view cases | cut -c1-160 | head -80
 [ -f "$OUT/noise.log" ] && cat "$OUT/noise.log"
 [ -f "$OUT/optim.json" ] && python3 -m pcvr_lib report "$OUT/optim.json" --view optim
-for f in "$OUT"/aa_diff_12.log "$OUT"/aa_diff_21.log "$OUT"/aa_cross_12.log "$OUT"/aa_cross_21.log "$OUT"/gate_diff.log; do
+for f in "$OUT"/norms_diff.log "$OUT"/aa_diff_12.log "$OUT"/aa_diff_21.log "$OUT"/aa_cross_12.log "$OUT"/aa_cross_21.log "$OUT"/gate_diff.log; do
   [ -f "$f" ] && { echo "$(basename "$f" .log):"; grep -E "REGRESSED|MISSING|CHANGED| shift " "$f" | head -30; tail -2 "$f"; }; done
 [ -f "$OUT/planted_host_diff.log" ] && { echo "planted_host_diff (expected: the 16 Triton cases, python_calls):"
   grep -E "REGRESSED|MISSING|CHANGED" "$OUT/planted_host_diff.log" | cut -c1-160 | head -40; tail -2 "$OUT/planted_host_diff.log"; }

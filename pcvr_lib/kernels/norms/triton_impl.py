@@ -54,12 +54,26 @@ def norm_forward(X, W, B, Y, MEAN, RSTD, M, N, eps, BLOCK_M: tl.constexpr, BLOCK
 
 
 @helper
+def backward_rows(X, DY, MEAN, RSTD, start, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                  CENTERED: tl.constexpr):
+    """The loads of one backward row block: x and dy in their dtype, the rows' 1/std and (when CENTERED) mean;
+    RMSNorm's mean slot repeats its 1/std (never read)."""
+    rows, rmask, _, _, mask, offs = row_tile(start, M, N, BLOCK_M, BLOCK_N)
+    x = tl.load(X + offs, mask=mask, other=0.0)
+    dy = tl.load(DY + offs, mask=mask, other=0.0)
+    rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
+    mean = tl.load(MEAN + rows, mask=rmask, other=0.0) if CENTERED else rstd
+    return x, dy, mean, rstd
+
+
+@helper
 def norm_backward(DY, X, W, MEAN, RSTD, DX, DWP, DBP, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                   CENTERED: tl.constexpr, PREFETCH: tl.constexpr):
     """A persistent program of a norm backward: dx of its row blocks and its partial dw (and db when
-    CENTERED) sums, which the caller adds over programs. PREFETCH: the next row block's x and dy are loaded
-    before this one is computed (two blocks in flight per program instead of one: the loop is bound by how
-    many bytes each SM has in flight)."""
+    CENTERED) sums, which the caller adds over programs. PREFETCH: the next row block's loads (x, dy and the
+    rows' statistics) are issued before this one is computed: two blocks in flight per program instead of
+    one, and no dependent load at the top of an iteration (the loop is bound by the bytes each SM has in
+    flight)."""
     pid = tl.program_id(0)
     step = tl.num_programs(0) * BLOCK_M
     cols = tl.arange(0, BLOCK_N)
@@ -71,27 +85,22 @@ def norm_backward(DY, X, W, MEAN, RSTD, DX, DWP, DBP, M, N, BLOCK_M: tl.constexp
     if CENTERED:
         db = tl.zeros([BLOCK_M, BLOCK_N], dtype=tl.float32)
     if PREFETCH:
-        _, _, _, _, mask, offs = row_tile(pid * BLOCK_M, M, N, BLOCK_M, BLOCK_N)
-        x_next = tl.load(X + offs, mask=mask, other=0.0)
-        dy_next = tl.load(DY + offs, mask=mask, other=0.0)
+        x_next, dy_next, mean_next, rstd_next = backward_rows(X, DY, MEAN, RSTD, pid * BLOCK_M, M, N, BLOCK_M,
+                                                              BLOCK_N, CENTERED)
     for start in range(pid * BLOCK_M, M, step):
         # (its columns repeat those above; the compiler merges the two)
-        rows, rmask, _, _, mask, offs = row_tile(start, M, N, BLOCK_M, BLOCK_N)
+        _, _, _, _, mask, offs = row_tile(start, M, N, BLOCK_M, BLOCK_N)
         if PREFETCH:
-            x = x_next.to(tl.float32)
-            dy = dy_next.to(tl.float32)
-            _, _, _, _, mask_next, offs_next = row_tile(start + step, M, N, BLOCK_M, BLOCK_N)
-            x_next = tl.load(X + offs_next, mask=mask_next, other=0.0)
-            dy_next = tl.load(DY + offs_next, mask=mask_next, other=0.0)
+            x, dy, mean, rstd = x_next, dy_next, mean_next, rstd_next
+            x_next, dy_next, mean_next, rstd_next = backward_rows(X, DY, MEAN, RSTD, start + step, M, N, BLOCK_M,
+                                                                  BLOCK_N, CENTERED)
         else:
-            x = tl.load(X + offs, mask=mask, other=0.0).to(tl.float32)
-            dy = tl.load(DY + offs, mask=mask, other=0.0).to(tl.float32)
+            x, dy, mean, rstd = backward_rows(X, DY, MEAN, RSTD, start, M, N, BLOCK_M, BLOCK_N, CENTERED)
+        x = x.to(tl.float32)
+        dy = dy.to(tl.float32)
         if CENTERED:
-            mean = tl.load(MEAN + rows, mask=rmask, other=0.0)
-            rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
             xhat = tl.where(mask, (x - mean[:, None]) * rstd[:, None], 0.0)
         else:
-            rstd = tl.load(RSTD + rows, mask=rmask, other=0.0)
             xhat = x * rstd[:, None]
         gw = dy * w[None, :]
         c1 = tl.sum(gw * xhat, axis=1) / N
