@@ -181,7 +181,7 @@ def kernel_claims() -> None:
                   direction="fwd+bwd")
 
 
-FRONTIER_NORMS = "h200/frontier_norms_models.json"
+FRONTIER_NORMS = "h200/frontier_norms.json"
 FRONTIER_ATTENTION = "h200/frontier_attention.json"
 
 
