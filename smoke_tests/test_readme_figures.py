@@ -195,7 +195,7 @@ def frontier_norm_row(label, op, shape, dtype="fp16", direction="fwd") -> None:
 
 def frontier_attention_row(label, snapshot, shape, dtype, direction, target) -> None:
     """Our Triton attention against cuDNN (SDPA) and FlashAttention 4, device time, one run: the better peer
-    over ours, against issue 24's target."""
+    over ours, against the target the row names."""
     def device(backend):
         return kernel(snapshot, op="flash_attention", backend=backend, shape=shape, dtype=dtype, dir=direction)
 
