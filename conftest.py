@@ -4,6 +4,7 @@ The GPU host runs `python3 -m pytest` from a bare copy of the checkout, so `pcvr
 from here rather than from site-packages.
 """
 
+import importlib.util
 import os
 import sys
 from pathlib import Path
@@ -13,6 +14,14 @@ import pytest
 ROOT = Path(__file__).resolve().parent
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+# triton decides when it is imported, for each @triton.jit function of its own library (triton.language.standard),
+# whether that function is interpreted (TRITON_INTERPRET set) or compiled. The CPU tests set TRITON_INTERPRET per
+# test; if one of them imported triton first, its library would stay interpreted for the whole process and every
+# later compile (the sm_90 compile tests, precompile's compile_for) would fail. So triton is imported here, before
+# any test sets the variable, unless the whole run asked for the interpreter.
+if "TRITON_INTERPRET" not in os.environ and importlib.util.find_spec("triton") is not None:
+    import triton.language  # noqa: F401
 
 
 def pytest_addoption(parser):
