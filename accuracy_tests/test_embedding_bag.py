@@ -197,6 +197,32 @@ def test_sparse_grad_merges_without_a_sync(backend, device_for):
     assert torch.equal(merged.to_dense(), grad.to_dense())
 
 
+@pytest.mark.parametrize("case", ["one_row_over_many_chunks", "few_rows", "all_distinct", "ragged_end"])
+@pytest.mark.parametrize("backend", ["triton", "tilelang"])
+def test_sparse_grad_rows_across_merge_chunks(backend, case, device_for):
+    """Rows whose entries span many of the Triton merge's chunks (and more than one walk of its edge kernel:
+    over 4,900 of 8,400 entries on one row are over 76 chunks of 64, walked 64 at a time), a few hot rows, every
+    entry its own row, and a last chunk cut short: every touched row once, the sums vs fp64."""
+    device = device_for(backend)
+    batch, bag, dim = {"ragged_end": (523, 7, 8), "one_row_over_many_chunks": (1200, 7, 8)}.get(case, (600, 7, 8))
+    generator = torch.Generator().manual_seed(5)
+    if case == "all_distinct":
+        num_rows = batch * bag + 1
+        ids = torch.randperm(num_rows - 1, generator=generator)[:batch * bag].add(1).view(batch, bag)
+    else:
+        num_rows = 4 if case == "one_row_over_many_chunks" else 9
+        ids = torch.randint(0, num_rows + 2, (batch, bag), generator=generator)
+        if case == "one_row_over_many_chunks":
+            ids[:700] = 2
+    ids = ids.to(device)
+    weight = make_weight(num_rows, dim, torch.float32, 6, device).requires_grad_()
+    grad_out = make_weight(batch, dim, torch.float32, 7, device)
+    with poisoned_outputs(device):
+        (grad,) = torch.autograd.grad(eb.embedding_bag_mean(weight, ids, backend=backend, sparse_grad=True),
+                                      weight, grad_out)
+    check_sparse_grad(grad, ids, grad_out, num_rows, torch.float32, backend)
+
+
 @pytest.mark.parametrize("sparse", [True, False], ids=["sparse", "dense"])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=["fp16", "bf16"])
 @pytest.mark.parametrize("backend", ["triton", "tilelang"])
@@ -338,6 +364,19 @@ def test_cuembed_source_compiles_for_sm90(tmp_path):
     seconds = cuembed.compile_for_sm90(tmp_path)
     assert (tmp_path / "cuembed.o").stat().st_size > 0
     assert seconds < 30
+
+
+@pytest.mark.parametrize("name", ["keys", "merge", "merge_edges"])
+def test_triton_sparse_backward_compiles_for_sm90(name):
+    """The compiled (not interpreted) sparse-backward kernels build for sm_90 without a GPU (the merge's
+    segmented scan and the edge kernel's loop included), at widths 16, 128 and 127."""
+    problem = dispatch.package_problem("triton")
+    if problem:
+        pytest.skip(f"triton: {problem}")
+    from pcvr_lib.kernels.embedding_bag import triton_impl
+
+    for dim in (16, 128, 127):
+        assert len(triton_impl.compile_for(90, name, dim, "bf16").asm["cubin"]) > 0
 
 
 TILELANG_KERNELS = {

@@ -142,6 +142,8 @@ for s in "$@"; do
       step precompile 180 python3 -m pcvr_lib.precompile --workers 16 --run-triton ;;
     warm_norms)
       step precompile 90 python3 -m pcvr_lib.precompile rms_norm layer_norm --workers 16 ;;
+    warm_embedding)
+      step precompile 90 python3 -m pcvr_lib.precompile embedding_bag_mean --workers 16 ;;
     gpu_timer)
       step gpu_timer 60 $PYTEST accuracy_tests/test_timing.py ;;
     host_ab)
@@ -206,9 +208,10 @@ for s in "$@"; do
       step perf_norms 240 $PYTEST perf_tests/test_norms.py --benchmark-only \
         --benchmark-json="$OUT/kernels_norms.json"
       diff_step norms_diff .benchmarks/h200/kernels_norms.json "$OUT/kernels_norms.json" ;;
-    perf_embedding)
+    perf_embedding)  # then `pcvr diff` of the committed embedding snapshot against it ($OUT/embedding_diff.json, .log)
       step perf_embedding 150 $PYTEST perf_tests/test_embedding_bag.py --benchmark-only \
-        --benchmark-json="$OUT/kernels_embedding.json" ;;
+        --benchmark-json="$OUT/kernels_embedding.json"
+      diff_step embedding_diff .benchmarks/h200/kernels_embedding.json "$OUT/kernels_embedding.json" ;;
     noise)
       for i in $(seq "${REP_FROM:-1}" $(( ${REP_FROM:-1} + ${REPS:-3} - 1 ))); do
         step "noise_rep$i" 240 $PYTEST "${KERNEL_SUITE[@]}" -k "$GATED${NOISE_K:+ and $NOISE_K}" --benchmark-only \

@@ -9,12 +9,13 @@ Sparse gradient, with no device-to-host sync: a COO tensor (V, D) of B*L slots i
 appears once, ascending, with the fp32 sum of its bags' grad_out[b] / count[b] rounded once to the weight
 dtype (terms rounded to a 16-bit dtype before the sum would cost up to one ulp per duplicate, which matters
 where terms cancel); the remaining slots are row 0 with zeros. It is not flagged coalesced (row 0 may
-repeat); `coalesce()` gives the exact merged form. The kernel writes B*L fixed-size fp32 pieces (entry
-b*L + l: (id, grad_out[b] / count[b]) for a valid id, else (anchor[b], zeros), anchor[b] a valid id of the same
-bag; row 0 only for a bag with no valid id); `merge_rows` sums them (a sort, a cumulative sum and an
-`index_add_`, all of fixed size: the number of distinct rows never reaches the host). The sparse optimizer
-(optim.sparse_adagrad) and the global grad-norm clip merge such gradients the same way, so a training step
-has no sync on its embedding path.
+repeat); `coalesce()` gives the exact merged form. Entry b*L + l of the gradient is (id, grad_out[b] /
+count[b]) for a valid id, else (anchor[b], zeros), anchor[b] a valid id of the same bag; row 0 only for a bag
+with no valid id. Triton merges the entries itself (`backward_merged`: the rows sorted, then one pass that
+gathers and sums each row's entries in sorted order). TileLang's kernel writes the B*L fixed-size fp32 entries
+and `merge_rows` sums them (a sort, a cumulative sum and an `index_add_`). Both are of fixed size: the number
+of distinct rows never reaches the host. The sparse optimizer (optim.sparse_adagrad) and the global grad-norm
+clip merge such gradients the same way, so a training step has no sync on its embedding path.
 
 Dense gradient: fp32 (V, D) buffer, fp32 atomics, cast to the weight dtype (one extra pass when the
 weight is not fp32).
@@ -148,13 +149,21 @@ def merge_rows(indices: torch.Tensor, values: torch.Tensor, spread: int | None =
     return rows, sums
 
 
-def merged_gradient(indices: torch.Tensor, values: torch.Tensor, num_rows: int, dtype: torch.dtype) -> torch.Tensor:
-    """COO (num_rows, D) of N fixed slots from fp32 row pieces (merge_rows: every touched row once, summed in fp32
-    and rounded once to `dtype`; the other slots row 0 with zeros). Not flagged coalesced (row 0 may repeat);
-    `coalesce()` gives the exact merged form, at the price of a sync."""
-    rows, sums = merge_rows(indices, values)
-    return torch.sparse_coo_tensor(rows.unsqueeze(0), sums.to(dtype), (num_rows, values.shape[1]),
-                                   check_invariants=False)
+def sparse_slots(impl, ids: torch.Tensor, counts: torch.Tensor, grad_out: torch.Tensor, num_rows: int,
+                 dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sparse weight gradient's B*L slots: (rows int64 (B*L,), values (B*L, D) in `dtype`): every touched
+    row once, ascending, summed in fp32 and rounded once; the other slots row 0 with zeros (module docstring)."""
+    merged = getattr(impl, "backward_merged", None)
+    if merged is not None:
+        return merged(ids, counts, grad_out, num_rows, dtype)
+    rows, sums = merge_rows(*impl.backward_sparse(ids, counts, grad_out, num_rows, dtype))
+    return rows, sums.to(dtype)
+
+
+def slots_gradient(rows: torch.Tensor, values: torch.Tensor, num_rows: int) -> torch.Tensor:
+    """COO (num_rows, D) of the slots. Not flagged coalesced (row 0 may repeat); `coalesce()` gives the exact
+    merged form, at the price of a sync."""
+    return torch.sparse_coo_tensor(rows.unsqueeze(0), values, (num_rows, values.shape[1]), check_invariants=False)
 
 
 class EmbeddingBagMeanFunction(torch.autograd.Function):
@@ -175,8 +184,7 @@ class EmbeddingBagMeanFunction(torch.autograd.Function):
         num_rows = ctx.num_rows
         ids, counts = ctx.saved_tensors
         if ctx.sparse_grad:
-            indices, values = impl.backward_sparse(ids, counts, grad_out, num_rows, ctx.weight_dtype)
-            grad = merged_gradient(indices, values, num_rows, ctx.weight_dtype)
+            grad = slots_gradient(*sparse_slots(impl, ids, counts, grad_out, num_rows, ctx.weight_dtype), num_rows)
         else:
             grad = impl.backward_dense(ids, counts, grad_out, num_rows, ctx.weight_dtype)
         return grad, None, None, None
@@ -185,7 +193,7 @@ class EmbeddingBagMeanFunction(torch.autograd.Function):
 # ------------------------------------------------------------------ torch.library ops (what torch.compile traces)
 # Under torch.compile embedding_bag_mean calls this op (not for cuembed, which is forward-only) instead of the
 # autograd Function. Its backward returns the weight gradient as the Function does: dense, or the merged sparse
-# gradient of B*L slots (merged_gradient), built from the backward op's fixed-size pieces.
+# gradient of B*L slots (sparse_slots), built inside the backward op.
 
 
 @torch.library.custom_op("pcvr::embedding_bag_mean", mutates_args=())
@@ -203,18 +211,17 @@ def _(weight, ids, training, sparse_grad, backend):
     return weight.new_empty((ids.shape[0], weight.shape[1])), counts
 
 
-@torch.library.custom_op("pcvr::embedding_bag_mean_sparse_pieces", mutates_args=())
-def _sparse_pieces_op(ids: torch.Tensor, counts: torch.Tensor, grad_out: torch.Tensor, num_rows: int,
-                      dtype: torch.dtype, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
-    """The backward kernel's B*L (row, fp32 value) pieces of the sparse weight gradient."""
-    impl = dispatch.implementation(OP, backend, ids.device)
-    return impl.backward_sparse(ids, counts, grad_out, num_rows, dtype)
+@torch.library.custom_op("pcvr::embedding_bag_mean_sparse_grad", mutates_args=())
+def _sparse_grad_op(ids: torch.Tensor, counts: torch.Tensor, grad_out: torch.Tensor, num_rows: int,
+                    dtype: torch.dtype, backend: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The sparse weight gradient's B*L (row, value) slots (sparse_slots)."""
+    return sparse_slots(dispatch.implementation(OP, backend, ids.device), ids, counts, grad_out, num_rows, dtype)
 
 
-@_sparse_pieces_op.register_fake
+@_sparse_grad_op.register_fake
 def _(ids, counts, grad_out, num_rows, dtype, backend):
     n = ids.numel()
-    return ids.new_empty((n,), dtype=torch.int64), grad_out.new_empty((n, grad_out.shape[1]), dtype=torch.float32)
+    return ids.new_empty((n,), dtype=torch.int64), grad_out.new_empty((n, grad_out.shape[1]), dtype=dtype)
 
 
 @torch.library.custom_op("pcvr::embedding_bag_mean_dense_grad", mutates_args=())
@@ -240,8 +247,7 @@ def _embedding_bag_backward(ctx, grad_out, _dcounts):
     num_rows, dtype, sparse_grad, backend = ctx.args
     grad_out = grad_out.contiguous()
     if sparse_grad:
-        indices, values = _sparse_pieces_op(ids, counts, grad_out, num_rows, dtype, backend)
-        grad = merged_gradient(indices, values, num_rows, dtype)
+        grad = slots_gradient(*_sparse_grad_op(ids, counts, grad_out, num_rows, dtype, backend), num_rows)
     else:
         grad = _dense_grad_op(ids, counts, grad_out, num_rows, dtype, backend)
     return grad, None, None, None, None
