@@ -293,6 +293,17 @@ def merge_chunk(dim: int) -> int:
     return max(16, min(64, 4096 // next_pow2(dim)))
 
 
+_MERGE_PLANS: dict[tuple, tuple] = {}
+
+
+def _merge_plan(bag: int, dim: int) -> tuple:
+    """(keys kernel's launch config, merge chunk, BLOCK_D), memoised: a backward pays one dict lookup for them."""
+    plan = _MERGE_PLANS.get((bag, dim))
+    if plan is None:
+        plan = _MERGE_PLANS[(bag, dim)] = (launch_config(1, bag, dim, 4), merge_chunk(dim), next_pow2(dim))
+    return plan
+
+
 def backward_merged(ids, counts, grad_out, num_rows: int, weight_dtype):
     """The sparse weight gradient merged, without a device-to-host sync: (rows int64 [B*L], values [B*L, D] in
     `weight_dtype`), layout in __init__. The entries' rows are sorted (torch.sort of int32 keys); a cumulative
@@ -302,30 +313,26 @@ def backward_merged(ids, counts, grad_out, num_rows: int, weight_dtype):
     dim = grad_out.shape[1]
     n = batch * bag
     device = ids.device
-    keys = torch.empty((n,), dtype=torch.int32 if num_rows <= 2**31 - 1 else torch.int64, device=device)
-    cfg = _config(batch, bag, dim, 4)
-    _launch_bwd_keys((ids.dtype, keys.dtype, cfg.block_b, cfg.block_l, _align_key(ids, keys)),
-                     (-(-batch // cfg.block_b), 1, 1), (ids, keys, batch, bag, num_rows, cfg.block_b, cfg.block_l),
-                     cfg.num_warps)
+    cfg, chunk, block_d = _merge_plan(bag, dim)
+    # (fresh allocations are 16-byte aligned; the inputs' alignment is part of every launch key)
+    inputs = (ids.dtype, grad_out.dtype, weight_dtype, dim, ids.get_device(), ids.data_ptr() % 16 == 0,
+              grad_out.data_ptr() % 16 == 0, counts.data_ptr() % 16 == 0, num_rows <= 2**31 - 1, n <= 2**31 - 1)
+    keys = torch.empty((n,), dtype=torch.int32 if inputs[-2] else torch.int64, device=device)
+    _launch_bwd_keys((inputs, cfg), (-(-batch // cfg.block_b), 1, 1),
+                     (ids, keys, batch, bag, num_rows, cfg.block_b, cfg.block_l), cfg.num_warps)
     keys, order = torch.sort(keys)
-    slot_dtype = torch.int32 if n <= 2**31 - 1 else torch.int64
-    slot = torch.empty((n,), dtype=slot_dtype, device=device)
+    slot = torch.empty((n,), dtype=torch.int32 if inputs[-1] else torch.int64, device=device)
     slot[:1] = 0
-    torch.cumsum(keys[1:] != keys[:-1], 0, dtype=slot_dtype, out=slot[1:])
+    torch.cumsum(keys[1:] != keys[:-1], 0, dtype=slot.dtype, out=slot[1:])
     rows = torch.empty((n,), dtype=torch.int64, device=device)
     values = torch.empty((n, dim), dtype=weight_dtype, device=device)
-    chunk = merge_chunk(dim)
     chunks = -(-n // chunk)
     head = torch.empty((chunks, dim), dtype=torch.float32, device=device)
     tail = torch.empty((chunks, dim), dtype=torch.float32, device=device)
-    block_d = next_pow2(dim)
-    grid = (chunks, 1, 1)
-    _launch_merge((keys.dtype, slot_dtype, ids.dtype, grad_out.dtype, weight_dtype, dim, chunk,
-                   _align_key(ids, grad_out), counts.data_ptr() % 16 == 0),
-                  grid, (keys, order, slot, ids, counts, grad_out, rows, values, head, tail, n, bag, num_rows,
-                         dim, chunk, block_d), 4)
-    _launch_merge_edges((keys.dtype, slot_dtype, weight_dtype, dim, chunk, device.index),
-                        grid, (keys, slot, rows, values, head, tail, n, dim, chunk, chunk, block_d), 4)
+    _launch_merge(inputs, (chunks, 1, 1), (keys, order, slot, ids, counts, grad_out, rows, values, head, tail, n,
+                                           bag, num_rows, dim, chunk, block_d), 4)
+    _launch_merge_edges(inputs, (chunks, 1, 1), (keys, slot, rows, values, head, tail, n, dim, chunk, chunk, block_d),
+                        4)
     return rows, values
 
 
