@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from pcvr_lib.kernels.testing import count_host_reads
+from pcvr_lib.kernels.tolerance import assert_close
 from pcvr_lib.optim import (
     CUBIC,
     QUINTIC,
@@ -25,6 +26,7 @@ from pcvr_lib.optim import (
     foreach_adamw_,
     global_grad_norm,
     lr_multiplier,
+    merge_sparse_gradients_,
     orthogonal_transform,
     orthogonality_error,
     orthogonalize,
@@ -437,6 +439,32 @@ def test_the_sparse_step_reads_nothing_back_from_the_device():
         assert reads == [], reads
         torch.testing.assert_close(table.grad.coalesce().to_dense(), expected.to_dense() * min(
             1.0, 0.5 / float(expected.values().norm() + 1e-6)), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_merged_sparse_gradients_in_either_form_are_the_summed_rows(dtype):
+    """merge_sparse_gradients_: fixed-size slots (no host read, what a GPU step uses) or, on the CPU, only the
+    distinct rows (coalesced); both the fp32 sum of the pieces rounded once, and both stepped alike."""
+    rows = torch.tensor([[3, 7, 3, 0, 11, 3, 7]])
+    pieces = torch.randn(7, 3, generator=_gen(5), dtype=torch.float64)
+    expected = torch.zeros(12, 3, dtype=torch.float64).index_add_(0, rows[0], pieces.to(dtype).double())
+    stepped = []
+    for fixed_size in (True, False):
+        table = nn.Parameter(torch.ones(12, 3, dtype=dtype))
+        table.grad = torch.sparse_coo_tensor(rows, pieces.to(dtype), (12, 3), check_invariants=True)
+        with count_host_reads() as reads:
+            merge_sparse_gradients_([table], fixed_size=fixed_size)
+        grad = table.grad
+        assert grad.dtype == dtype
+        if fixed_size:
+            assert reads == [] and grad._nnz() == 7 and not grad.is_coalesced(), (reads, grad._nnz())
+        else:
+            assert grad.is_coalesced() and grad._indices()[0].tolist() == [0, 3, 7, 11]
+        assert_close(grad.to_dense(), expected, dtype, what=f"merged gradient, fixed_size={fixed_size}")
+        opt = OptimizerSet(dense=None, sparse=SparseAdagrad([table], lr=0.1))
+        opt.step(rows_merged=True)
+        stepped.append(table.detach().double())
+    assert_close(stepped[1], stepped[0], dtype, what="Adagrad step of the coalesced vs the fixed-size gradient")
 
 
 # ---------------------------------------------------------------- clipping and the training step

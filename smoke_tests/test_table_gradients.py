@@ -4,6 +4,8 @@ from a RowCapture. CPU; the Triton bag mean runs in Triton's interpreter."""
 
 from __future__ import annotations
 
+import contextlib
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -12,7 +14,10 @@ from hypothesis import strategies as st
 
 from pcvr_lib.kernels.embedding_bag import reference_weight_grad
 from pcvr_lib.kernels.tolerance import assert_close
+from pcvr_lib.kernels.testing import count_host_reads
+from pcvr_lib.models.sequences import at_static_lengths
 from pcvr_lib.models.tables import RowCapture, SparseTable, bag_mean_of_table, dense_gradient_pays, table_gradient
+from pcvr_lib.optim import build_optimizer_set, train_step
 
 
 def _dense(grad: torch.Tensor) -> torch.Tensor:
@@ -51,6 +56,44 @@ def test_a_torch_lookup_gradient_is_dense_exactly_when_it_pays(reads, dense):
     assert grad.is_sparse != dense, grad.layout
     assert_close(_dense(grad), reference.weight.grad, torch.float32, what=f"lookup gradient, reads {reads}")
     assert torch.count_nonzero(_dense(grad)[0]) == 0, "the padding row got a gradient"
+
+
+def test_an_eager_cpu_lookup_drops_its_padding_pieces_except_at_static_lengths():
+    """On the CPU the eager lookup's COO gradient leaves out the padding positions (a boolean mask, which waits
+    for nothing there); at static lengths (the shapes a compiled or captured step sees) it keeps a zero piece
+    per padding position and reads nothing back. Both are the same gradient."""
+    torch.manual_seed(7)
+    rows = torch.tensor([[4, 0, 9, 0], [0, 4, 0, 0]])  # 3 real reads of a 20-row table
+    weights = torch.randn(2, 4, 5, dtype=torch.float64)
+    reference = torch.zeros(20, 5, dtype=torch.float64)
+    reference.index_add_(0, rows.reshape(-1), (weights * (rows != 0).unsqueeze(-1)).reshape(-1, 5))
+    for static, pieces in ((False, 3), (True, 8)):
+        table = SparseTable(20, 5)
+        with at_static_lengths() if static else contextlib.nullcontext(), count_host_reads() as reads:
+            (table(rows).double() * weights).sum().backward()
+        grad = table.weight.grad
+        assert grad.is_sparse and grad._nnz() == pieces, (static, grad._nnz())
+        assert (reads == []) == static, reads
+        assert_close(grad.to_dense(), reference, torch.float32, what=f"lookup gradient, static lengths {static}")
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_train_step_steps_alike_with_compact_or_fixed_size_table_gradients(seed):
+    """A CPU step that may read the host (read=True: padding dropped, duplicate rows coalesced) and one that
+    may not (read=False at static lengths: a slot per position) update the table and the dense layer alike."""
+    after = []
+    for compact in (True, False):
+        torch.manual_seed(seed)
+        table, head = SparseTable(64, 6), torch.nn.Linear(6, 1)
+        optimizers = build_optimizer_set(head.parameters(), table.parameters(), dense="adamw")
+        for step in range(2):
+            rows = torch.randint(0, 12, (5, 7), generator=torch.Generator().manual_seed(seed * 10 + step))
+            with contextlib.nullcontext() if compact else at_static_lengths():
+                loss = head(table(rows)).square().mean()
+                train_step(loss, optimizers, max_grad_norm=0.05, skip_nonfinite=compact, read=compact)
+        after.append([p.detach().clone() for p in (table.weight, *head.parameters())])
+    for compact, fixed in zip(*after, strict=True):
+        assert_close(compact.double(), fixed.double(), torch.float32, what="parameters after two steps")
 
 
 @pytest.mark.parametrize("bags, dense", [((2, 3), False), ((4, 4), True), ((5, 4), True)])  # of 16 rows

@@ -25,7 +25,8 @@ _STATIC_LENGTHS = False
 def static_lengths() -> bool:
     """True where sequences keep their full padded length instead of the batch's longest row: under
     torch.compile (no host read, one graph for every batch) and inside `at_static_lengths()` (an eager pass
-    that must see the compiled graph's shapes, e.g. planning its table lookups)."""
+    that must see the compiled graph's shapes, e.g. planning its table lookups). The tables' eager gradients
+    keep their fixed size there too (models.tables)."""
     return _STATIC_LENGTHS or torch.compiler.is_compiling()
 
 

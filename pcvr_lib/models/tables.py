@@ -28,6 +28,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pcvr_lib import kernels
+from pcvr_lib.models.sequences import static_lengths
 
 
 class SparseTable(nn.Embedding):
@@ -55,19 +56,29 @@ def _real(rows: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
 class _RowLookup(torch.autograd.Function):
     """weight[rows] whose backward gives the table a COO gradient of one piece per position read (0 at the
     padding row): fixed size, where nn.Embedding's sparse backward drops the padding positions by a boolean
-    mask (a device-to-host sync on CUDA)."""
+    mask (a device-to-host sync on CUDA). On the CPU the padding positions are dropped instead (half the
+    pieces of a sequence lookup, which the autograd sums, the clip and the optimizer all carry): that mask
+    waits for nothing there, and the eager forward already reads the host to trim the sequences. Not at
+    `sequences.static_lengths()`, the shapes a compiled or captured step sees, which CPU tests count host
+    reads in."""
 
     @staticmethod
     def forward(ctx, weight, rows):
         ctx.save_for_backward(rows)
         ctx.table_shape = weight.shape
+        ctx.drop_padding = (rows.device.type == "cpu" and not static_lengths()
+                            and not dense_gradient_pays(rows.numel(), weight.shape[0]))
         return F.embedding(rows, weight)
 
     @staticmethod
     def backward(ctx, grad):
         (rows,) = ctx.saved_tensors
         flat = rows.reshape(-1)
-        pieces = grad.reshape(flat.numel(), -1) * _real(flat, grad.dtype)
+        pieces = grad.reshape(flat.numel(), -1)
+        if ctx.drop_padding:
+            real = flat != 0
+            return table_gradient(flat[real].long(), pieces[real], ctx.table_shape), None
+        pieces = pieces.masked_fill((flat == 0).unsqueeze(-1), 0)
         return table_gradient(flat.long(), pieces, ctx.table_shape), None
 
 

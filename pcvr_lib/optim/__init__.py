@@ -19,11 +19,11 @@ from .orthogonal import OrthogonalAdamW, orthogonal_transform
 from .registry import DENSE_OPTIMIZERS, OPTIMIZERS, build_optimizer, build_optimizer_set
 from .schedule import lr_multiplier
 from .sparse_adagrad import SparseAdagrad
-from .step import OptimizerSet, clip_global_grad_norm, global_grad_norm, train_step
+from .step import OptimizerSet, clip_global_grad_norm, global_grad_norm, merge_sparse_gradients_, train_step
 
 __all__ = [
     "CUBIC", "DENSE_OPTIMIZERS", "OPTIMIZERS", "QUINTIC", "Muon", "OptimizerError", "OptimizerSet",
     "OrthogonalAdamW", "SparseAdagrad", "UnsupportedOptimizer", "build_optimizer", "build_optimizer_set",
-    "check_fused_supported", "clip_global_grad_norm", "foreach_adamw_", "global_grad_norm",
-    "lr_multiplier", "orthogonal_transform", "orthogonality_error", "orthogonalize", "train_step",
+    "check_fused_supported", "clip_global_grad_norm", "foreach_adamw_", "global_grad_norm", "lr_multiplier",
+    "merge_sparse_gradients_", "orthogonal_transform", "orthogonality_error", "orthogonalize", "train_step",
 ]

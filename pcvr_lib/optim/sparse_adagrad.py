@@ -12,6 +12,8 @@ G[r] = 0 and keep their weights and state.
 
 `skip`: set by `OptimizerSet.step(skip=...)` to a 0-d device bool for one step; where true the step changes
 nothing (the gradient counts as 0), decided on the device (a captured step skipping a non-finite one).
+`rows_merged`: set by `OptimizerSet.step(rows_merged=True)` when the sparse gradients are merged slots already
+(optim.step.merge_sparse_gradients_), which the step then takes as they are.
 
 The merge is embedding_bag.merge_rows: fixed-size (a slot per piece of the gradient), so the step never
 waits for the number of distinct rows; the slots past it add zeros, spread over distinct rows.
@@ -45,6 +47,7 @@ class SparseAdagrad(torch.optim.Optimizer):
             with torch.enable_grad():
                 loss = closure()
         skip = getattr(self, "skip", None)
+        rows_merged = getattr(self, "rows_merged", False)
         for group in self.param_groups:
             lr, eps = group["lr"], group["eps"]
             for p in group["params"]:
@@ -67,8 +70,11 @@ class SparseAdagrad(torch.optim.Optimizer):
                     if g._nnz() == 0:
                         continue
                     # duplicate rows are summed before anything is squared
-                    rows, sums = merge_rows(g._indices()[0], g._values(), spread=p.shape[0])
-                    values = sums.to(p.dtype)
+                    if rows_merged or g.is_coalesced():
+                        rows, values = g._indices()[0], g._values().to(p.dtype)
+                    else:
+                        rows, sums = merge_rows(g._indices()[0], g._values(), spread=p.shape[0])
+                        values = sums.to(p.dtype)
                     if skip is not None:
                         values = torch.where(skip, 0, values)
                     acc.index_add_(0, rows, values * values)

@@ -47,26 +47,38 @@ class OptimizerSet:
             for group in opt.param_groups:
                 group["lr"] = group["base_lr"] * multiplier
 
-    def step(self, skip: torch.Tensor | None = None) -> None:
+    def step(self, skip: torch.Tensor | None = None, rows_merged: bool = False) -> None:
         """Every optimizer's step. `skip` (a 0-d device tensor, true/1 to skip) decides on the device whether
         the step happens, so a captured step can skip a non-finite one without a host read: fused AdamW reads
         it as its `found_inf` (torch's GradScaler hook: no update, step count unchanged), SparseAdagrad as its
-        `skip`. Other optimizers have no such switch and are an error."""
+        `skip`. Other optimizers have no such switch and are an error. `rows_merged`: the sparse gradients are
+        already `merge_sparse_gradients_`'s slots, so SparseAdagrad does not merge them again."""
         if skip is not None:
             problem = self.device_skip_problem()
             if problem:
                 raise OptimizerError(f"OptimizerSet.step(skip=...): {problem}")
         for opt in self.optimizers:
-            if skip is None:
-                opt.step()
-                continue
-            flag = skip.to(torch.float32 if opt is self.dense else torch.bool)
-            attribute = "found_inf" if opt is self.dense else "skip"
-            setattr(opt, attribute, flag)
+            switches = {}
+            if skip is not None:
+                dense = opt is self.dense
+                switches["found_inf" if dense else "skip"] = skip.to(torch.float32 if dense else torch.bool)
+            if rows_merged and opt is self.sparse:
+                switches["rows_merged"] = True
+            for attribute, value in switches.items():
+                setattr(opt, attribute, value)
             try:
                 opt.step()
             finally:
-                delattr(opt, attribute)
+                for attribute in switches:
+                    delattr(opt, attribute)
+
+    @property
+    def takes_merged_rows(self) -> bool:
+        """Whether the sparse optimizer takes `merge_sparse_gradients_`'s slots as they are: SparseAdagrad,
+        for which a zero slot changes nothing (another optimizer may count a zero-valued row as touched)."""
+        from .sparse_adagrad import SparseAdagrad
+
+        return self.sparse is None or isinstance(self.sparse, SparseAdagrad)
 
     def device_skip_problem(self) -> str | None:
         """Why `step(skip=...)` cannot gate these optimizers on the device (None when it can)."""
@@ -121,11 +133,34 @@ class OptimizerSet:
 
 
 @torch.no_grad()
-def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
+def merge_sparse_gradients_(params: Iterable[torch.Tensor], fixed_size: bool = True) -> None:
+    """Each sparse gradient replaced by its duplicate rows summed in fp32 and rounded once to its dtype, so that
+    the grad-norm clip and the sparse optimizer take it as it is (`rows_merged=True`) instead of each merging
+    the pieces again. fixed_size (or off the CPU): embedding_bag.merge_rows's slots, one per piece (every
+    touched row once, the other slots zeros spread over the rows; no device-to-host sync). Otherwise a CPU
+    gradient keeps only its distinct rows (coalesced: the step then touches each row once instead of once per
+    piece; the count is read, which on the CPU waits for nothing). A coalesced gradient is left as it is."""
+    for p in params:
+        g = p.grad
+        if g is None or not g.is_sparse or g.is_coalesced() or g.sparse_dim() != 1:
+            continue
+        indices, values = g._indices(), g._values()
+        if not fixed_size and g.device.type == "cpu":
+            summed = torch.sparse_coo_tensor(indices, values.float(), g.shape, check_invariants=False).coalesce()
+            p.grad = torch.sparse_coo_tensor(summed._indices(), summed._values().to(g.dtype), g.shape,
+                                             is_coalesced=True, check_invariants=False)
+            continue
+        rows, sums = merge_rows(indices[0], values, spread=p.shape[0])
+        p.grad = torch.sparse_coo_tensor(rows.unsqueeze(0), sums.to(g.dtype), g.shape, check_invariants=False)
+
+
+@torch.no_grad()
+def global_grad_norm(params: Iterable[torch.Tensor], rows_merged: bool = False) -> torch.Tensor:
     """The L2 norm over all gradients, dense and sparse, as a 0-d fp32 tensor (no host sync).
 
     Duplicate rows of a sparse gradient are summed before squaring (embedding_bag.merge_rows: fixed-size, no
-    sync), exactly as the optimizer sees them; the gradient itself is left as it is.
+    sync), exactly as the optimizer sees them; the gradient itself is left as it is. `rows_merged`: the sparse
+    gradients are `merge_sparse_gradients_`'s slots already (their zero slots add nothing to the norm).
     """
     by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
     parts: list[torch.Tensor] = []
@@ -136,7 +171,8 @@ def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
             continue
         device = device or g.device
         if g.is_sparse:
-            values = g._values() if g.is_coalesced() else merge_rows(g._indices()[0], g._values())[1]
+            merged = rows_merged or g.is_coalesced()
+            values = g._values() if merged else merge_rows(g._indices()[0], g._values())[1]
             parts.append(torch.linalg.vector_norm(values, dtype=torch.float32).reshape(1))
         else:
             by_dtype.setdefault(g.dtype, []).append(g)
@@ -149,16 +185,18 @@ def global_grad_norm(params: Iterable[torch.Tensor]) -> torch.Tensor:
 
 
 @torch.no_grad()
-def clip_global_grad_norm(params: Iterable[torch.Tensor], max_norm: float) -> tuple[torch.Tensor, torch.Tensor]:
+def clip_global_grad_norm(params: Iterable[torch.Tensor], max_norm: float, rows_merged: bool = False
+                          ) -> tuple[torch.Tensor, torch.Tensor]:
     """Scale all gradients (dense and sparse) so that their global norm is at most max_norm.
 
     Returns (norm before clipping, the factor applied), both 0-d device tensors; no host sync. A
     non-finite norm makes the factor NaN, so a step that is not skipped shows it instead of hiding it.
+    `rows_merged` as in `global_grad_norm`.
     """
     if not max_norm > 0:
         raise OptimizerError(f"max_grad_norm must be > 0 (or None for no clipping), got {max_norm!r}")
     params = [p for p in params if p.grad is not None]
-    norm = global_grad_norm(params)
+    norm = global_grad_norm(params, rows_merged)
     coef = torch.clamp(max_norm / (norm + CLIP_EPS), max=1.0)
     dense = [p.grad for p in params if not p.grad.is_sparse]
     if dense:
@@ -181,7 +219,9 @@ def train_step(
     """One optimisation step from a scalar loss; gradients are set to None afterwards.
 
     Order: loss.backward() -> `after_backward()` when given (a compiled model's captured table gradients
-    become the tables' gradients there: models.compiled) -> clip the global grad norm over dense and sparse
+    become the tables' gradients there: models.compiled) -> each sparse gradient's duplicate rows merged once
+    (`merge_sparse_gradients_`, for the clip and the sparse step alike, where the sparse optimizer takes merged
+    slots: `OptimizerSet.takes_merged_rows`) -> clip the global grad norm over dense and sparse
     gradients (skipped when max_grad_norm is None) -> dense step (orthogonal_adamw transforms its gradients
     first) -> sparse step. With skip_nonfinite, a non-finite loss or grad norm skips both steps. Returns loss,
     grad_norm (before clipping), clip_coef, lr_multiplier and skipped, as floats (skip_nonfinite then costs one
@@ -200,11 +240,14 @@ def train_step(
     if after_backward is not None:
         after_backward()
     params = optimizers.parameters()
+    merged = optimizers.takes_merged_rows
+    if merged:  # with read=False nothing waits for the device, so the merged gradient keeps its fixed size
+        merge_sparse_gradients_(params, fixed_size=not read)
     if max_grad_norm is None:
-        norm = global_grad_norm(params)
+        norm = global_grad_norm(params, rows_merged=merged)
         coef = torch.ones_like(norm)
     else:
-        norm, coef = clip_global_grad_norm(params, max_grad_norm)
+        norm, coef = clip_global_grad_norm(params, max_grad_norm, rows_merged=merged)
     if lr_multiplier is not None:
         optimizers.set_lr_multiplier(lr_multiplier)
     skipped = False
@@ -213,12 +256,12 @@ def train_step(
         values = torch.stack(values).tolist()
         skipped = not all(map(_finite, values[:2]))
         if not skipped:
-            optimizers.step()
+            optimizers.step(rows_merged=merged)
     elif skip_nonfinite:
         skipped = ~(torch.isfinite(values[0]) & torch.isfinite(norm))
-        optimizers.step(skip=skipped)
+        optimizers.step(skip=skipped, rows_merged=merged)
     else:
-        optimizers.step()
+        optimizers.step(rows_merged=merged)
         if read:
             values = torch.stack(values).tolist()
     optimizers.zero_grad(set_to_none=True)
