@@ -13,8 +13,8 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pcvr_lib.kernels.embedding_bag import reference_weight_grad
-from pcvr_lib.kernels.tolerance import assert_close
 from pcvr_lib.kernels.testing import count_host_reads
+from pcvr_lib.kernels.tolerance import assert_close
 from pcvr_lib.models.sequences import at_static_lengths
 from pcvr_lib.models.tables import RowCapture, SparseTable, bag_mean_of_table, dense_gradient_pays, table_gradient
 from pcvr_lib.optim import build_optimizer_set, train_step
