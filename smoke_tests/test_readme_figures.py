@@ -400,6 +400,16 @@ def freshness_problems(figure: Claim, readme: str, source_files=recorded_files) 
     return problems
 
 
+NOT_FROM_A_SNAPSHOT = ("largest paired difference",)  # figures computed from other files (the smoke comparisons)
+
+
+@pytest.mark.parametrize("figure", ALL_CLAIMS, ids=lambda c: c.text[:60])
+def test_readme_figure_names_the_cases_it_comes_from(figure):
+    """A figure computed from a snapshot must have read its cases, or its freshness goes unchecked (a figure
+    whose cases were all taken by the previous claim passes every freshness test)."""
+    assert figure.cases or figure.text.startswith(NOT_FROM_A_SNAPSHOT), f"no snapshot case behind: {figure.text}"
+
+
 @pytest.mark.parametrize("figure", ALL_CLAIMS, ids=lambda c: c.text[:60])
 def test_readme_figure_matches_the_snapshot(figure):
     assert figure.text in README, f"README.md does not say (from the committed snapshot):\n{figure.text}"
