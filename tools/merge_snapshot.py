@@ -1,0 +1,98 @@
+"""Merge a new benchmark run into a committed snapshot whose cases come from several device calls.
+
+    python3 tools/merge_snapshot.py .benchmarks/h200/models.json $OUT/models.json \
+        --tree 25cda2e --command "MODELS_IDS=... bash tools/h200_session.sh perf_models"
+
+The new run's cases replace the snapshot's cases of the same name; the snapshot's other cases stay as they
+are (each keeps its own `extra_info.measured_tree` and source digest, so `pcvr report` still marks it stale
+where its code changed). A case the new run timed leaves the snapshot's `failed` list; a case that failed in
+the new run replaces an older timing of it (the code it describes no longer passes its check). The run is
+appended to `merged_runs` (command, tree, how many cases it finished and failed). Both files must come from
+the same kind of machine (GPU and CPU as `machine_info` names them); a cut run gives its finished
+cases, a file without cases is refused.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+
+class MergeError(Exception):
+    pass
+
+
+def _machine(run: dict) -> tuple:
+    info = run.get("machine_info") or {}
+    gpu = (info.get("gpu") or {}).get("name") if isinstance(info.get("gpu"), dict) else info.get("gpu")
+    return gpu, info.get("cpu", {}).get("brand_raw") if isinstance(info.get("cpu"), dict) else info.get("cpu")
+
+
+def _load(path: Path, what: str) -> dict:
+    try:
+        run = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise MergeError(f"{what} {path}: not a readable benchmark JSON ({exc})") from exc
+    if not isinstance(run, dict) or not isinstance(run.get("benchmarks"), list):
+        raise MergeError(f"{what} {path}: no 'benchmarks' list (a pytest-benchmark JSON is expected)")
+    return run
+
+
+def merge(base: dict, new: dict, *, tree: str, command: str) -> dict:
+    """The snapshot `base` with `new`'s cases in (see the module docstring); `base` is not modified."""
+    if _machine(base) != _machine(new):
+        raise MergeError(f"the runs come from different machines ({_machine(base)} vs {_machine(new)}): "
+                         "merge only runs of one machine kind")
+    if not new["benchmarks"] and not new.get("failed"):
+        raise MergeError("the new run has no case, timed or failed: nothing to merge")
+    out = json.loads(json.dumps(base))
+    timed = {b["name"]: b for b in new["benchmarks"]}
+    failed_now = dict(new.get("failed") or {})
+    failed_names = {name.rsplit("::", 1)[-1] for name in failed_now}
+    for b in timed.values():
+        b.setdefault("extra_info", {})["measured_tree"] = tree
+    kept = [b for b in out["benchmarks"] if b["name"] not in timed and b["name"] not in failed_names]
+    out["benchmarks"] = kept + list(timed.values())
+    failed = {name: why for name, why in (out.get("failed") or {}).items() if name.rsplit("::", 1)[-1] not in timed}
+    failed.update(failed_now)
+    out["failed"] = failed
+    out["source_files"] = {**(out.get("source_files") or {}), **(new.get("source_files") or {})}
+    runs = list(out.get("merged_runs") or [])
+    runs.append({"command": command, "tree": tree, "finished": len(timed), "failed": len(failed_now),
+                 "kept": "all", "datetime": new.get("datetime")})
+    out["merged_runs"] = runs
+    trees = sorted({b.get("extra_info", {}).get("measured_tree", "?") for b in out["benchmarks"]})
+    out.setdefault("commit_info", {})["measured_tree"] = (
+        f"per case in extra_info.measured_tree: {', '.join(trees)}; the newest merge {tree}")
+    out["datetime"] = new.get("datetime", out.get("datetime"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("snapshot", type=Path, help="the committed snapshot (rewritten unless --out)")
+    parser.add_argument("run", type=Path, help="the new run's benchmark JSON")
+    parser.add_argument("--tree", required=True, help="the tree the new run measured (a commit)")
+    parser.add_argument("--command", required=True, help="the command that made the new run")
+    parser.add_argument("--out", type=Path, help="where to write the merged snapshot (default: over snapshot)")
+    args = parser.parse_args(argv)
+    try:
+        base, new = _load(args.snapshot, "snapshot"), _load(args.run, "run")
+        if new.get("cut"):
+            print(f"merge_snapshot: note: {args.run} was cut ({new['cut']}); its finished cases are merged",
+                  file=sys.stderr)
+        merged = merge(base, new, tree=args.tree, command=args.command)
+    except MergeError as exc:
+        print(f"merge_snapshot: {exc}", file=sys.stderr)
+        return 2
+    out = args.out or args.snapshot
+    out.write_text(json.dumps(merged, indent=2) + "\n")
+    print(f"{out}: {len(merged['benchmarks'])} cases ({merged['merged_runs'][-1]['finished']} from {args.run}), "
+          f"{len(merged['failed'])} failed")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
