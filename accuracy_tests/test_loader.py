@@ -377,6 +377,14 @@ def test_workers_share_one_cache(policy, mode, batch_size, schema, dataset):
         expected_reads = sum(any(plan.source[p] < 0 for p in run) for run in runs)
         # (every case here has runs made of hits only, so decoding them anyway would fail this)
         assert sum(w["row_groups_read"] for w in loader.stats_per_worker()) == expected_reads < len(runs)
+        # an insertion its own worker converted and only that worker hits later stays in that process; the
+        # shared-memory store gets only what another worker reads (1 worker: nothing written)
+        producer = {p: r % workers for r, run in enumerate(runs) for p in run}
+        own = [p for p, readers in plan.readers.items()
+               if producer[p] == p % workers and all(r % workers == p % workers for r in readers)]
+        assert cache["kept_in_process"] == len(own)
+        assert cache["writes"] == sum(producer[p] == p % workers for p in plan.readers) - len(own)
+        assert workers == 2 or (cache["writes"] == 0 and len(own) > 0)
         if workers == 2:
             assert all(w["row_groups_read"] > 0 for w in loader.stats_per_worker())  # the decoding is split
             # (one-item runs are decoded by the worker holding the item: nothing to convert for others)

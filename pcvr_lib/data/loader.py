@@ -205,7 +205,8 @@ class PcvrLoader(LoaderPlan):
                 # one cache for all workers: its state (items, evictions, ...) is the replay's; the hits
                 # are the ones the workers counted, per worker and overall
                 cache = dict(self.shared_cache_plan().stats, shared_across_workers=True, per_worker=caches)
-                for field in ("hits", "misses", "served_by_other_workers", "writes", "converted_for_other_workers"):
+                for field in ("hits", "misses", "served_by_other_workers", "writes", "kept_in_process",
+                              "converted_for_other_workers"):
                     cache[field] = sum(c[field] for c in caches)
             else:
                 cache = dict(caches[0], shared_across_workers=False)

@@ -93,6 +93,10 @@ class Pipeline:
         self.shared = shared
         self.item_number = 0  # items handed out so far (their plan positions, with `shared`)
         self.shared_hits = self.shared_misses = self.served_by_other_workers = self.shared_writes = 0
+        self.kept_in_process = 0  # insertions whose hits are all this worker's own: kept here, never written
+        # insertion position -> [batch, this worker's hits still to serve]: the store holds only what another
+        # worker reads (writing a ~20 MB batch there costs ~10x its clone)
+        self.own_inserts: dict[int, list] = {}
         self.converted_for_other_workers = self.converted_by_other_workers = 0
         self.file: pq.ParquetFile | None = None
         self.late_file: pq.ParquetFile | None = None
@@ -296,16 +300,26 @@ class Pipeline:
         if source >= 0:
             self.shared_hits += 1
             self.served_by_other_workers += source % s.step != s.first
-            return s.store.get(source, position, key)
+            own = self.own_inserts.get(source)
+            if own is None:
+                return s.store.get(source, position, key)
+            own[1] -= 1
+            if own[1] == 0:
+                del self.own_inserts[source]
+            return own[0]  # a clone nobody writes to: the hand-off copies it into a ring slot
         self.shared_misses += 1
         if s.producer(position) != s.first:  # converted by the worker that decoded this row group
             self.converted_by_other_workers += 1
             return s.store.get(position, position, key)  # the batch, or a SlotBatch lent by that worker
         batch = self._convert(key, data)
-        readers = s.plan.readers.get(position)
-        if readers:
+        readers = s.plan.readers.get(position) or []
+        foreign = [r for r in readers if r % s.step != s.first]
+        if foreign:  # one file serves every hit, this worker's own included
             s.store.put(position, batch, readers)
             self.shared_writes += 1
+        elif readers:
+            self.own_inserts[position] = [batch.clone(), len(readers)]
+            self.kept_in_process += 1
         return batch
 
     def _one_local(self, pass_index: int, key: BatchKey, data, traces: dict[int, list[BatchKey]]) -> Batch:
@@ -332,6 +346,7 @@ class Pipeline:
                 "hit_rate": self.shared_hits / accesses if accesses else 0.0,
                 "served_by_other_workers": self.served_by_other_workers,
                 "writes": self.shared_writes,
+                "kept_in_process": self.kept_in_process,
                 "converted_for_other_workers": self.converted_for_other_workers,
                 "converted_by_other_workers": self.converted_by_other_workers,
             }
