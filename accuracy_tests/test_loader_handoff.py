@@ -148,6 +148,46 @@ def test_a_second_iteration_and_an_early_stop(schema, dataset):
         assert_identical(a, b)
 
 
+def test_close_stops_the_workers_and_frees_their_memory(schema, dataset):
+    """`close()` (or leaving a `with` block) stops the worker processes and removes the shared memory at
+    once, even after an iteration stopped early; the stats stay, and a later iteration starts new workers."""
+    from pathlib import Path
+
+    options = dict(batch_size=BATCH, passes=1, seed=4)
+    local = _snapshot(PcvrLoader(dataset, schema, **options))
+    with PcvrLoader(dataset, schema, num_workers=2, **options) as loader:
+        got = _snapshot(loader)
+        pids = [w.pid for w in loader._dataloader._iterator._workers]
+        store = Path(loader._store_dir)
+        assert all(_alive(pid) for pid in pids) and any(store.rglob("*"))  # persistent between iterations
+    assert not any(_alive(pid) for pid in pids) and not store.exists()
+    assert loader.stats()["rows"] == ROWS
+    for i, _ in enumerate(loader):  # new workers; then closed in the middle of an iteration
+        if i == 1:
+            break
+    loader.close()
+    loader.close()  # twice is harmless
+    again = _snapshot(loader)
+    loader.close()
+    for a, b in zip(local, got, strict=True):
+        assert_identical(a, b)
+    assert len(again) == len(local)
+    for a, b in zip(local, again, strict=True):
+        assert_identical(a, b)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.waitpid(pid, os.WNOHANG)  # reap it if it is our exited child
+    except ChildProcessError:
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
+
+
 def test_a_dead_worker_is_an_error_not_a_hang(schema, dataset, monkeypatch):
     """A worker killed mid-iteration (as by the OOM killer): the iteration raises a LoaderError naming the
     file and saying that a worker died, within the DataLoader's watchdog period, instead of waiting."""

@@ -379,3 +379,4 @@ def test_loader_workers(benchmark, setup, preset, workers, round_line):
         # conversion, e.g. cache hits), pickled when every slot was held; None without workers
         handoff=stats["handoff"],
     )
+    loader.close()  # its worker processes and shared memory go now, not while the next case is timed

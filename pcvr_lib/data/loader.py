@@ -162,6 +162,26 @@ class PcvrLoader(LoaderPlan):
                               "batches are made in this process, where the cause shows") from exc
         self._stats = {"workers": self._worker_stats(self._epochs - 1)}
 
+    def close(self) -> None:
+        """Stop the worker processes and free their shared memory now (the workers persist between
+        iterations; without this they go when the loader is garbage-collected). Stats stay readable; a later
+        iteration starts new workers."""
+        dataloader = self.__dict__.pop("_dataloader", None)
+        if dataloader is None:
+            return
+        iterator = getattr(dataloader, "_iterator", None)
+        if iterator is not None:  # torch's own shutdown of its worker processes (joins them, closes queues)
+            iterator._shutdown_workers()
+        shutil.rmtree(self._store_dir, ignore_errors=True)
+        for name in ("_stats_queue", "_receiver", "_store_dir"):
+            self.__dict__.pop(name, None)
+
+    def __enter__(self) -> PcvrLoader:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
     def _worker_stats(self, epoch: int) -> list[dict]:
         """Each worker's pipeline stats of iteration `epoch`, in worker order; a stopped earlier iteration's
         (sent by a worker that got to its end after the stop) are skipped."""
