@@ -188,6 +188,25 @@ def _alive(pid: int) -> bool:
     return True
 
 
+def test_a_batch_file_maps_back_bit_for_bit_after_its_file_is_gone(schema, dataset, tmp_path):
+    """The shared cache's batch files (batch_ring.write_batch_file / read_batch_file): a converted batch, its
+    tensors views of one buffer in several dtypes, and a non-contiguous one, come back bit for bit, and stay
+    valid after the file is unlinked (as a reader does); an existing file is never written over."""
+    from pcvr_lib.data.batch_ring import read_batch_file, write_batch_file
+
+    batch = next(iter(PcvrLoader(dataset, schema, batch_size=BATCH, passes=1)))
+    batch.label = torch.arange(2 * BATCH, dtype=torch.float32)[::2]  # a strided view
+    path = tmp_path / "one.batch"
+    write_batch_file(path, batch)
+    back = read_batch_file(path)
+    path.unlink()
+    assert_identical(batch, back)
+    back.label.add_(1)  # a private mapping: writable, and nothing else sees it
+    assert torch.equal(back.label, batch.label + 1)
+    with pytest.raises(FileExistsError):
+        write_batch_file(tmp_path / "two.batch", batch) or write_batch_file(tmp_path / "two.batch", batch)
+
+
 def test_a_dead_worker_is_an_error_not_a_hang(schema, dataset, monkeypatch):
     """A worker killed mid-iteration (as by the OOM killer): the iteration raises a LoaderError naming the
     file and saying that a worker died, within the DataLoader's watchdog period, instead of waiting."""

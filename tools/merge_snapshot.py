@@ -1,7 +1,7 @@
 """Merge a new benchmark run into a committed snapshot whose cases come from several device calls.
 
     python3 tools/merge_snapshot.py .benchmarks/h200/models.json $OUT/models.json \
-        --tree 25cda2e --command "MODELS_IDS=... bash tools/h200_session.sh perf_models"
+        --tree COMMIT --command "MODELS_IDS=... bash tools/h200_session.sh perf_models"
 
 The new run's cases replace the snapshot's cases of the same name; the snapshot's other cases stay as they
 are (each keeps its own `extra_info.measured_tree` and source digest, so `pcvr report` still marks it stale

@@ -35,6 +35,8 @@ from __future__ import annotations
 
 import mmap
 import os
+import pickle
+import struct
 import sys
 import weakref
 from dataclasses import dataclass
@@ -294,3 +296,42 @@ class RingReceiver:
         weakref.finalize(memory, _release, ring.states, item.slot)
         return item.skeleton.map(lambda spot: _slot_tensor(memory, spot.offset, getattr(torch, spot.dtype), spot.shape),
                                  leaf=SlotTensor)
+
+
+def write_batch_file(path: str | Path, batch: Batch) -> None:
+    """The batch in one file (on shared memory), laid out as in a ring slot: an 8-byte length, the pickled
+    skeleton (a Batch of SlotTensors), then each tensor's bytes at its offset. One copy per tensor, where
+    torch.save took ~10x longer for a 20 MB batch; `read_batch_file` maps it back without a copy."""
+    offsets, need = [], 0
+    for t in batch.tensors():
+        offsets.append(need)
+        need += _round_up(t.numel() * t.element_size(), _ALIGN)
+    where = dict(zip(map(id, batch.tensors()), offsets, strict=True))
+    skeleton = pickle.dumps(batch.map(lambda t: SlotTensor(where[id(t)], str(t.dtype).removeprefix("torch."),
+                                                           tuple(t.shape))))
+    data = _round_up(8 + len(skeleton), _ALIGN)
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
+    try:
+        os.ftruncate(fd, data + max(need, 1))
+        with mmap.mmap(fd, data + max(need, 1)) as mapped:
+            mapped[:8] = struct.pack("<q", len(skeleton))
+            mapped[8:8 + len(skeleton)] = skeleton
+            memory = np.frombuffer(mapped, dtype=np.uint8, count=max(need, 1), offset=data)
+            for t in batch.tensors():
+                _slot_tensor(memory, where[id(t)], t.dtype, t.shape).copy_(t)
+            del memory  # the mapping cannot close while an array refers to it
+    finally:
+        os.close(fd)
+
+
+def read_batch_file(path: str | Path) -> Batch:
+    """A batch written by `write_batch_file`, its tensors over a private read-only mapping of the file (valid
+    after the file is unlinked; the memory goes with the last tensor)."""
+    with open(path, "rb") as f:
+        mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
+    (length,) = struct.unpack("<q", mapped[:8])
+    skeleton = pickle.loads(mapped[8:8 + length])
+    data = _round_up(8 + length, _ALIGN)
+    memory = np.frombuffer(mapped, dtype=np.uint8, count=len(mapped) - data, offset=data)
+    return skeleton.map(lambda spot: _slot_tensor(memory, spot.offset, getattr(torch, spot.dtype), spot.shape),
+                        leaf=SlotTensor)

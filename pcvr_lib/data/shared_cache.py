@@ -9,13 +9,14 @@ share one cache of the full capacity instead, in two parts:
   plan order (`CachePlan.replay`, the same cache classes with a position token as payload). Every worker
   replays it (keys only, microseconds per access), so the workers agree without talking to each other, and
   the hits are exactly those of the single-process loader on the same plan (tested).
-- The payloads. A converted batch that will be hit later is written once with `torch.save` into a
-  directory on shared memory (/dev/shm where it exists) and read back memory-mapped (`torch.load(mmap=True)`)
-  by whichever worker owns the hit, with no Arrow decoding and no conversion (and copied once more, into
-  that worker's ring slot: pcvr_lib/data/batch_ring.py). The writer publishes one
-  hard link per future hit (`<insert position>-<hit position>.pt`, created after the file is complete, so
-  a reader never sees a partial file), and each reader unlinks its own link after loading: the memory is
-  released when the last hit has been served, which is at or before the policy's eviction.
+- The payloads. A converted batch that another worker will hit later is written once into a file in a
+  directory on shared memory (/dev/shm where it exists), laid out like a ring slot
+  (`batch_ring.write_batch_file`), and mapped back (`read_batch_file`) by whichever worker owns the hit, with
+  no Arrow decoding and no conversion (and copied once more, into that worker's ring slot). One that only its
+  own worker hits stays in that worker's memory (a clone). The writer publishes one hard link per future
+  hit (`<insert position>-<hit position>.batch`, created after the file is complete, so a reader never sees
+  a partial file), and each reader unlinks its own link after loading: the memory is released when the last
+  hit has been served, which is at or before the policy's eviction.
 
 A reader whose link is not there yet waits for it: the insertion is at an earlier plan position, and
 every worker works through its positions in order, so the writer gets there without waiting on the reader.
@@ -34,8 +35,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
+from pcvr_lib.data.batch_ring import read_batch_file, write_batch_file
 from pcvr_lib.data.cache import make_cache
 
 
@@ -101,13 +101,11 @@ class SharedBatchStore:
         shutil.rmtree(self.directory, ignore_errors=True)
 
     def _link(self, position: int, reader: int) -> Path:
-        return self.directory / f"{position}-{reader}.pt"
+        return self.directory / f"{position}-{reader}.batch"
 
     def put(self, position: int, batch, readers: list[int]) -> None:
         tmp = self.directory / f"{position}.tmp"
-        # a clone, as the in-process caches store: the converter's outputs are views of recycled buffers
-        # (several dtypes over one storage), which torch.save refuses and which must not be shared anyway
-        torch.save(batch.clone(), tmp)
+        write_batch_file(tmp, batch)  # a copy: the converter's outputs are views of recycled buffers
         for reader in readers:
             os.link(tmp, self._link(position, reader))
         tmp.unlink()
@@ -143,6 +141,6 @@ class SharedBatchStore:
                 )
             time.sleep(delay)
             delay = min(delay * 2, 0.02)
-        batch = torch.load(path, mmap=True, weights_only=False)
+        batch = read_batch_file(path)
         path.unlink()  # the mapping stays valid; the memory goes when the last reader is done
         return batch  # over the (private) mapping: the worker copies it into a ring slot, then lets it go
