@@ -25,6 +25,8 @@ handed out): the copies and masks are memory-bound, and on a small shared machin
 spinning against pyarrow's decoder threads slows a small copy by orders of magnitude (notes/data-pipeline.md).
 With `num_workers > 0` a torch DataLoader runs the same pipeline in worker processes (batch_size=None,
 persistent workers, prefetch 2); keys are dealt round-robin, so batches still come out in plan order.
+The workers live until `close()` (or the end of a `with PcvrLoader(...) as loader:` block, or garbage
+collection), so that a second pass starts without forking again.
 Each worker hands its batches over through a ring of shared-memory slots (`batch_ring.py`: one copy into
 the slot, a small descriptor through the queue, the consumer's tensors over the slot), a batch staying
 valid for as long as anything refers to it (`stats()["handoff"]`); on CUDA they are copied into pinned
