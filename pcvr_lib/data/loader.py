@@ -62,7 +62,6 @@ from __future__ import annotations
 
 import copy
 import ctypes
-import shutil
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -86,7 +85,7 @@ from pcvr_lib.data.loader_plan import (
     Preset,
     file_list_order,
 )
-from pcvr_lib.data.shared_cache import SharedBatchStore
+from pcvr_lib.data.shared_cache import SharedBatchStore, remove_tree
 
 # the loader's public API (some defined in the modules it is made of)
 __all__ = [
@@ -160,7 +159,7 @@ class PcvrLoader(LoaderPlan):
             )
         if self._epochs:  # what the last iteration left (unread, if it was stopped early) can go; a worker waiting
             # in it for a batch that will not come now gives up, so that the next line's drain can finish
-            shutil.rmtree(Path(self._store_dir) / f"epoch-{self._epochs - 1}", ignore_errors=True)
+            remove_tree(Path(self._store_dir) / f"epoch-{self._epochs - 1}")
         batches = iter(self._dataloader)  # persistent workers: this drains a stopped earlier iteration
         self._receiver.start(Path(self._store_dir) / f"epoch-{self._epochs}")
         self._epochs += 1
@@ -186,7 +185,7 @@ class PcvrLoader(LoaderPlan):
         iterator = getattr(dataloader, "_iterator", None)
         if iterator is not None:  # torch's own shutdown of its worker processes (joins them, closes queues)
             iterator._shutdown_workers()
-        shutil.rmtree(self._store_dir, ignore_errors=True)
+        remove_tree(self._store_dir)
         for name in ("_stats_queue", "_receiver", "_store_dir"):
             self.__dict__.pop(name, None)
 

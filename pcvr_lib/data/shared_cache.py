@@ -79,6 +79,18 @@ class CachePlan:
         return cls(source, readers, cache.stats())
 
 
+def remove_tree(directory: str | Path, attempts: int = 200) -> None:
+    """Remove `directory`, retried while a worker still creates files in it: one rmtree then fails on the
+    directory that is not empty any more, and a worker waiting in it for a batch would wait out its timeout
+    (the signal that an iteration was stopped is the directory's absence)."""
+    directory = Path(directory)
+    for _ in range(attempts):
+        shutil.rmtree(directory, ignore_errors=True)
+        if not directory.exists():
+            return
+        time.sleep(0.005)
+
+
 class IterationAbandoned(RuntimeError):
     """The consumer stopped this iteration (its folder is gone): the batch waited for will not come."""
 
@@ -98,7 +110,7 @@ class SharedBatchStore:
 
     def close(self) -> None:
         """Remove the directory and whatever was never read (an iteration stopped early)."""
-        shutil.rmtree(self.directory, ignore_errors=True)
+        remove_tree(self.directory)
 
     def _link(self, position: int, reader: int) -> Path:
         return self.directory / f"{position}-{reader}.batch"
