@@ -114,6 +114,31 @@ def _slot_tensor(memory: np.ndarray, offset: int, dtype: torch.dtype, shape) -> 
     return torch.from_numpy(memory[offset : offset + nbytes]).view(dtype).view(shape)
 
 
+def _layout(batch: Batch) -> tuple[dict[int, int], int]:
+    """Each tensor's byte offset (keyed by id) when the batch is laid out in one buffer, and the bytes needed."""
+    offsets, need = {}, 0
+    for t in batch.tensors():
+        offsets[id(t)] = need
+        need += _round_up(t.numel() * t.element_size(), _ALIGN)
+    return offsets, need
+
+
+def _copy_into(memory: np.ndarray, batch: Batch, offsets: dict[int, int]) -> None:
+    for t in batch.tensors():
+        _slot_tensor(memory, offsets[id(t)], t.dtype, t.shape).copy_(t)
+
+
+def _skeleton(batch: Batch, offset_of) -> Batch:
+    """The batch with a SlotTensor (offset, dtype, shape) in place of each tensor."""
+    return batch.map(lambda t: SlotTensor(offset_of(t), str(t.dtype).removeprefix("torch."), tuple(t.shape)))
+
+
+def _batch_over(memory: np.ndarray, skeleton: Batch) -> Batch:
+    """The batch a skeleton describes, its tensors over `memory` (no copy)."""
+    return skeleton.map(lambda spot: _slot_tensor(memory, spot.offset, getattr(torch, spot.dtype), spot.shape),
+                        leaf=SlotTensor)
+
+
 class RingSender:
     """A worker's side for one iteration. The converter converts into the ring's free slots (`take`, the
     converter's arena source), so that `send(batch)` usually copies nothing: a batch whose tensors lie in
@@ -216,24 +241,18 @@ class RingSender:
     def _copied(self, batch: Batch) -> SlotBatch | None:
         """The batch copied into a free slot (a new ring with larger slots when it does not fit); None when
         every slot is busy."""
-        layout, need = [], 0
-        for t in batch.tensors():
-            layout.append(need)
-            need += _round_up(t.numel() * t.element_size(), _ALIGN)
+        offsets, need = _layout(batch)
         if (self.ring is None or need > self.ring.slot_bytes) and self.unavailable is None:
             self._new_ring(need, batch.batch_size)
         k = self._free_slot() if self.ring is not None and need <= self.ring.slot_bytes else None
         if k is None:
             return None
-        offsets = dict(zip(map(id, batch.tensors()), layout, strict=True))
-        for t in batch.tensors():
-            _slot_tensor(self.arrays[k], offsets[id(t)], t.dtype, t.shape).copy_(t)
+        _copy_into(self.arrays[k], batch, offsets)
         self.ring.states[k] = _BUSY
         return self._handle(batch, k, lambda t: offsets[id(t)])
 
     def _handle(self, batch: Batch, slot: int, offset_of) -> SlotBatch:
-        skeleton = batch.map(lambda t: SlotTensor(offset_of(t), str(t.dtype).removeprefix("torch."), tuple(t.shape)))
-        return SlotBatch(self.ring.path.name, self.ring.slots, self.ring.slot_bytes, slot, skeleton)
+        return SlotBatch(self.ring.path.name, self.ring.slots, self.ring.slot_bytes, slot, _skeleton(batch, offset_of))
 
     def _place(self, batch: Batch) -> SlotBatch | None:
         handle = self._in_place(batch)
@@ -294,21 +313,15 @@ class RingReceiver:
             ring = self.rings[item.ring] = _Ring(self.directory / item.ring, item.slots, item.slot_bytes, create=False)
         memory = ring.slot_array(item.slot)  # this batch's own array: the slot is busy while it lives
         weakref.finalize(memory, _release, ring.states, item.slot)
-        return item.skeleton.map(lambda spot: _slot_tensor(memory, spot.offset, getattr(torch, spot.dtype), spot.shape),
-                                 leaf=SlotTensor)
+        return _batch_over(memory, item.skeleton)
 
 
 def write_batch_file(path: str | Path, batch: Batch) -> None:
     """The batch in one file (on shared memory), laid out as in a ring slot: an 8-byte length, the pickled
     skeleton (a Batch of SlotTensors), then each tensor's bytes at its offset. One copy per tensor, where
     torch.save took ~10x longer for a 20 MB batch; `read_batch_file` maps it back without a copy."""
-    offsets, need = [], 0
-    for t in batch.tensors():
-        offsets.append(need)
-        need += _round_up(t.numel() * t.element_size(), _ALIGN)
-    where = dict(zip(map(id, batch.tensors()), offsets, strict=True))
-    skeleton = pickle.dumps(batch.map(lambda t: SlotTensor(where[id(t)], str(t.dtype).removeprefix("torch."),
-                                                           tuple(t.shape))))
+    offsets, need = _layout(batch)
+    skeleton = pickle.dumps(_skeleton(batch, lambda t: offsets[id(t)]))
     data = _round_up(8 + len(skeleton), _ALIGN)
     fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)
     try:
@@ -317,21 +330,18 @@ def write_batch_file(path: str | Path, batch: Batch) -> None:
             mapped[:8] = struct.pack("<q", len(skeleton))
             mapped[8:8 + len(skeleton)] = skeleton
             memory = np.frombuffer(mapped, dtype=np.uint8, count=max(need, 1), offset=data)
-            for t in batch.tensors():
-                _slot_tensor(memory, where[id(t)], t.dtype, t.shape).copy_(t)
+            _copy_into(memory, batch, offsets)
             del memory  # the mapping cannot close while an array refers to it
     finally:
         os.close(fd)
 
 
 def read_batch_file(path: str | Path) -> Batch:
-    """A batch written by `write_batch_file`, its tensors over a private read-only mapping of the file (valid
-    after the file is unlinked; the memory goes with the last tensor)."""
+    """A batch written by `write_batch_file`, its tensors over a private copy-on-write mapping of the file
+    (writes stay in this process; valid after the file is unlinked; the memory goes with the last tensor)."""
     with open(path, "rb") as f:
         mapped = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_COPY)
     (length,) = struct.unpack("<q", mapped[:8])
     skeleton = pickle.loads(mapped[8:8 + length])
     data = _round_up(8 + length, _ALIGN)
-    memory = np.frombuffer(mapped, dtype=np.uint8, count=len(mapped) - data, offset=data)
-    return skeleton.map(lambda spot: _slot_tensor(memory, spot.offset, getattr(torch, spot.dtype), spot.shape),
-                        leaf=SlotTensor)
+    return _batch_over(np.frombuffer(mapped, dtype=np.uint8, count=len(mapped) - data, offset=data), skeleton)
