@@ -96,6 +96,17 @@ def test_workers_give_bit_identical_batches(options, schema, dataset):
         # into a slot; the others were converted into one (unless every slot was busy then: timing)
         made_after = count if "augment" in options.get("preset", "") else stats["cache"]["hits"]
         assert handoff["copied"] >= made_after, handoff
+        # each worker decodes with its share of the cores, never fewer than one thread
+        cores = len(os.sched_getaffinity(0))
+        assert stats["arrow_threads"] == [max(1, cores // workers)] * workers
+
+
+def test_worker_arrow_threads_share_the_cores_out(monkeypatch):
+    """W workers get cores // W Arrow decoder threads each, and one each when there are more workers than
+    cores."""
+    for cores, workers, expected in ((2, 2, 1), (4, 2, 2), (16, 3, 5), (2, 4, 1), (1, 1, 1), (8, 1, 8)):
+        monkeypatch.setattr(loader_pipeline.os, "sched_getaffinity", lambda _pid, n=cores: set(range(n)))
+        assert loader_pipeline.worker_arrow_threads(workers) == expected
 
 
 def test_held_batches_are_never_overwritten(schema, dataset):

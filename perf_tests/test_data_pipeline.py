@@ -378,5 +378,6 @@ def test_loader_workers(benchmark, setup, preset, workers, round_line):
         # how batches reached this process: slots of the workers' shared-memory rings (copied: made after
         # conversion, e.g. cache hits), pickled when every slot was held; None without workers
         handoff=stats["handoff"],
+        loader_arrow_threads=stats["arrow_threads"],  # each decoding process's Arrow pool (workers: their share)
     )
     loader.close()  # its worker processes and shared memory go now, not while the next case is timed

@@ -27,6 +27,8 @@ With `num_workers > 0` a torch DataLoader runs the same pipeline in worker proce
 persistent workers, prefetch 2); keys are dealt round-robin, so batches still come out in plan order.
 The workers live until `close()` (or the end of a `with PcvrLoader(...) as loader:` block, or garbage
 collection), so that a second pass starts without forking again.
+Each worker decodes with its share of the cores (`worker_arrow_threads`: cores // workers Arrow threads,
+at least 1; `stats()["arrow_threads"]`), so that the workers' decoder pools do not oversubscribe the machine.
 Each worker hands its batches over through a ring of shared-memory slots (`batch_ring.py`: one copy into
 the slot, a small descriptor through the queue, the consumer's tensors over the slot), a batch staying
 valid for as long as anything refers to it (`stats()["handoff"]`); on CUDA they are copied into pinned
@@ -223,6 +225,7 @@ class PcvrLoader(LoaderPlan):
             "non_monotonic": self.non_monotonic,
             "augmentations": Augmenter(self.augmentations).describe() if self.augment_active else [],
             "num_workers": self.num_workers,
+            "arrow_threads": [w["arrow_threads"] for w in workers],  # per process that decoded (worker order)
             "split": self.split.summary() if self.split is not None else None,
             "side": self.side,
             "rows": sum(w["rows"] for w in workers),

@@ -4,6 +4,7 @@ augmentation, and with worker processes the shared cache's roles (see pcvr_lib.d
 from __future__ import annotations
 
 import bisect
+import os
 import queue
 import threading
 from collections.abc import Sequence
@@ -357,10 +358,20 @@ class Pipeline:
             "batches": self.batch_count,
             "row_groups_read": self.groups_read,
             "late_reads": self.late_reads,
+            "arrow_threads": pa.cpu_count(),  # the decoder pool this process ran with (workers: their share)
             "reused_after_eviction": self.reused_after_eviction,
             "cache": cache,
             "converter": dict(self.converter.stats),
         }
+
+
+def worker_arrow_threads(workers: int) -> int:
+    """Arrow decoder threads for each of `workers` worker processes: the cores this process may run on,
+    shared out (at least 1). Each worker inherits a pool of one thread per core, so W workers would run W
+    pools of that size at once on the same cores; on 2 cores with 2 workers that oversubscription cost
+    10-20% of rows/s against 1 thread each (notes/data-pipeline.md)."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, cores // max(1, workers))
 
 
 class WorkerDataset(torch.utils.data.IterableDataset):
@@ -377,6 +388,8 @@ class WorkerDataset(torch.utils.data.IterableDataset):
     def __iter__(self):
         info = torch.utils.data.get_worker_info()
         worker, workers = (info.id, info.num_workers) if info is not None else (0, 1)
+        if info is not None:  # in a worker process: its share of the cores for Arrow's decoder pool
+            pa.set_cpu_count(worker_arrow_threads(workers))
         # a fresh pipeline (counters, and the shared cache's decisions from the plan's start) per
         # iteration, as in the single-process path: one iteration is the whole plan
         shared = sender = None
