@@ -142,6 +142,51 @@ def attention_row(label, shape, mask, dtype="fp16", direction="fwd") -> None:
         f"| {pd / d:.2f}x |")
 
 
+def embedding_cases(name: str) -> dict:
+    """(shape, dtype, dist, dir) -> backend -> case of an embedding snapshot (read() only where a figure uses it)."""
+    by_key: dict = {}
+    for b in run(name)["benchmarks"]:
+        e = b["extra_info"]
+        by_key.setdefault((e["shape"], e["dtype"], e["dist"], e["dir"]), {})[e["backend"]] = b
+    return by_key
+
+
+def embedding_times(name: str, by: dict) -> dict:
+    out = {}
+    for backend, b in by.items():
+        per_call, device, _ = case_times(read(name, b))
+        out[backend] = (device, per_call, b["extra_info"])
+    return out
+
+
+def embedding_forward(name: str) -> str:
+    """Ours (the fastest by device time) against torch at B65536 V1M D128 bag8 fp16, forward."""
+    fwd = embedding_times(name, embedding_cases(name)["B65536xV1MxD128xbag8", "fp16", "uniform", "fwd"])
+    ours, d, c, e = fastest({k: v for k, v in fwd.items() if k != "torch"})
+    torch_d, torch_c, _ = fwd["torch"]
+    return (f"{d:.1f} [{c:.1f}] ({ours}, {e['fraction_of_copy_ceiling']:.1%} of copy ceiling) | "
+            f"{torch_d:.1f} [{torch_c:.1f}] | torch | {torch_d / d:.2f}x")
+
+
+def embedding_fwd_bwd(name: str) -> tuple[int, str]:
+    """(cases, "min-max (target ...)") of torch / ours (the fastest by device time) over every fwd+bwd case."""
+    ratios = []
+    for key, by in embedding_cases(name).items():
+        if key[3] == "fwd+bwd":
+            both = embedding_times(name, by)
+            _, d, _, _ = fastest({k: v for k, v in both.items() if k != "torch"})
+            ratios.append(both["torch"][0] / d)
+    missed = sum(r < 1.5 for r in ratios)
+    return len(ratios), f"{min(ratios):.2f}x-{max(ratios):.2f}x (target 1.5x: missed at {missed})"
+
+
+def embedding_rows(name: str) -> None:
+    say(f"| embedding bag fwd B65536 V1M D128 bag8 fp16 | {embedding_forward(name)} |")
+    cases, ratios = embedding_fwd_bwd(name)
+    say(f"| embedding bag fwd+bwd, sparse gradient with duplicate rows summed (both sides), {cases} cases "
+        f"| | | torch | {ratios} |")
+
+
 def kernel_claims() -> None:
     norm_row("RMSNorm fwd 65536x1024 fp16", "rms_norm", "65536x1024")
     norm_row("RMSNorm fwd 16384x4096 fp16", "rms_norm", "16384x4096")
@@ -151,34 +196,7 @@ def kernel_claims() -> None:
     norm_row("RMSNorm fwd 8192x128 fp16", "rms_norm", "8192x128")
     norm_row("RMSNorm fwd+bwd 65536x1024 fp16", "rms_norm", "65536x1024", direction="fwd+bwd")
     norm_row("LayerNorm fwd+bwd 65536x1024 bf16", "layer_norm", "65536x1024", "bf16", "fwd+bwd")
-    name = "h200/kernels_embedding.json"
-    by_key: dict = {}  # (shape, dtype, dist, dir) -> backend -> case; read() only where a figure uses it
-    for b in run(name)["benchmarks"]:
-        e = b["extra_info"]
-        by_key.setdefault((e["shape"], e["dtype"], e["dist"], e["dir"]), {})[e["backend"]] = b
-
-    def times(by: dict) -> dict:
-        out = {}
-        for backend, b in by.items():
-            per_call, device, _ = case_times(read(name, b))
-            out[backend] = (device, per_call, b["extra_info"])
-        return out
-
-    fwd = times(by_key["B65536xV1MxD128xbag8", "fp16", "uniform", "fwd"])
-    ours, d, c, e = fastest({k: v for k, v in fwd.items() if k != "torch"})
-    torch_d, torch_c, _ = fwd["torch"]
-    say(f"| embedding bag fwd B65536 V1M D128 bag8 fp16 | {d:.1f} [{c:.1f}] ({ours}, "
-        f"{e['fraction_of_copy_ceiling']:.1%} of copy ceiling) | {torch_d:.1f} [{torch_c:.1f}] | torch | "
-        f"{torch_d / d:.2f}x |")
-    ratios = []
-    for key, by in by_key.items():
-        if key[3] == "fwd+bwd":
-            both = times(by)
-            _, d, _, _ = fastest({k: v for k, v in both.items() if k != "torch"})
-            ratios.append(both["torch"][0] / d)
-    missed = sum(r < 1.5 for r in ratios)
-    say(f"| embedding bag fwd+bwd, sparse gradient with duplicate rows summed (both sides), {len(ratios)} cases "
-        f"| | | torch | {min(ratios):.2f}x-{max(ratios):.2f}x (target 1.5x: missed at {missed}) |")
+    embedding_rows("h200/kernels_embedding.json")
     attention_row("flash attention fwd B64 H8 S256 D64 + key lengths", "B64xH8xS256xD64", "key_lengths")
     attention_row("flash attention fwd B16 H8 S1024 D64", "B16xH8xS1024xD64", "none")
     attention_row("flash attention fwd B4 H16 S4096 D128 bf16", "B4xH16xS4096xD128", "none", "bf16")
@@ -355,7 +373,37 @@ def model_claims() -> None:
         f"model's seed SD {worst['seed_noise']:.4f}")
 
 
-for figures in (kernel_claims, frontier_claims, optim_claims, data_claims, attention_model_claims, model_claims):
+H100_MODEL_COLUMNS = (("torch", "eager"), ("torch", "captured"), ("triton", "eager"), ("triton", "captured"))
+
+
+def h100_claims() -> None:
+    """The current sources on an H100 (`.benchmarks/h100/`, one lease): the embedding rows of the kernel table and
+    per model, per call ms [device ms] of the columns that ran, Triton captured against eager torch per call and
+    Triton captured's per call over its own device time."""
+    embedding_rows("h100/kernels_embedding.json")
+    snap = "h100/models.json"
+    times = {}
+    for b in run(snap)["benchmarks"]:
+        fields = dict(part.split("=") for part in b["name"][b["name"].index("[") + 1:-1].split(","))
+        times[fields["model"], fields["phase"], fields["backend"], fields["mode"]] = b
+    for model in ("baseline", "interformer", "tokenformer", "onetrans", "symbiosis", "queryformer", "dualq"):
+        for phase in ("train_step", "infer"):
+            cells, measured = [], {}
+            for column in H100_MODEL_COLUMNS:
+                b = times.get((model, phase, *column))
+                if b is None:
+                    cells.append("not run")
+                    continue
+                e = read(snap, b)["extra_info"]
+                measured[column] = (e["per_call_us"] / 1e3, e["device_us"] / 1e3)
+                cells.append(f"{measured[column][0]:.1f} [{measured[column][1]:.1f}]")
+            ours_call, ours_device = measured["triton", "captured"]
+            say(f"| {model} | {phase} | {' | '.join(cells)} | {measured['torch', 'eager'][0] / ours_call:.2f}x "
+                f"| {ours_call / ours_device:.2f} |")
+
+
+for figures in (kernel_claims, frontier_claims, optim_claims, data_claims, attention_model_claims, model_claims,
+                h100_claims):
     figures()
 ALL_CLAIMS = tuple(CLAIMS)
 
