@@ -63,7 +63,6 @@ plan, `loader_pipeline` the per-process pipeline and the DataLoader workers' sid
 from __future__ import annotations
 
 import copy
-import ctypes
 import weakref
 from collections.abc import Iterator
 from pathlib import Path
@@ -88,6 +87,7 @@ from pcvr_lib.data.loader_plan import (
     file_list_order,
 )
 from pcvr_lib.data.shared_cache import SharedBatchStore, remove_tree
+from pcvr_lib.heap import release_free_heap
 
 # the loader's public API (some defined in the modules it is made of)
 __all__ = [
@@ -100,13 +100,6 @@ __all__ = [
     "Preset",
     "file_list_order",
 ]
-
-
-def _release_free_heap() -> None:
-    """Return the C heap's free pages to the OS where the C library can (glibc); elsewhere nothing."""
-    libc = ctypes.CDLL(None)
-    if hasattr(libc, "malloc_trim"):
-        libc.malloc_trim(0)
 
 
 class PcvrLoader(LoaderPlan):
@@ -149,7 +142,7 @@ class PcvrLoader(LoaderPlan):
             # iteration, say): glibc's malloc_trim hands them back too (opt preset, 1 worker, after the
             # benchmark's other cases in one process: 5,029 -> 7,727 rows/s on 2 cores).
             pa.default_memory_pool().release_unused()
-            _release_free_heap()
+            release_free_heap()
             self._dataloader = torch.utils.data.DataLoader(
                 # a copy without the DataLoader itself: a worker must not own (and finalise) its parent's loader
                 WorkerDataset(copy.copy(self), self._stats_queue, self._store_dir),

@@ -16,6 +16,9 @@ training_summary.json and training_telemetry.json into the run dir.
   checkpoint (`pcvr_lib.train.checkpoint`). The run keeps the best of them by holdout AUC (the one
   `val` and `infer` use) and the last (the one `--resume` continues, the only one with optimizer state),
   or every one with `keep_checkpoints="all"`.
+- On a CPU device the process's C heap keeps freed memory for reuse (`pcvr_lib.heap.keep_freed_heap`,
+  process-wide, `cpu_heap_kept` in the telemetry): a step's 50-120 MB temporaries were otherwise faulted in fresh
+  on every step, as much system time as compute.
 - `threads`: torch's intra-op threads while training (restored afterwards). On a small CPU shared with
   other work one thread is often several times faster than one per core: OpenMP workers spin while a
   core they wait for runs something else (`--quick` uses one).
@@ -40,6 +43,7 @@ import torch.nn.functional as F
 
 from pcvr_lib.data.convert import labels_from_label_type
 from pcvr_lib.errors import Interrupted, check_writable, warn
+from pcvr_lib.heap import keep_freed_heap
 from pcvr_lib.metrics import auc_text, classification_metrics, undefined_auc_reason
 from pcvr_lib.models import build_model
 from pcvr_lib.models.captured import CapturedTraining
@@ -281,6 +285,8 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, r
     with torch.device(device):  # initialised where it trains (on a GPU much faster than on one CPU thread)
         model = build_model(config.model, schema, config.model_config)
     meta: dict[str, Any] = {"model": config.model, "seed": config.seed, "amp": config.amp}
+    # on a CPU the step's large temporaries would be mapped fresh (and zeroed by the kernel) on every step
+    meta["cpu_heap_kept"] = device.type == "cpu" and keep_freed_heap()
     mode, not_captured = _training_mode(config, device)
     dense_options = {"lr": config.dense_lr, "betas": tuple(config.betas), "weight_decay": config.weight_decay}
     dense = config.dense_optimizer
