@@ -38,6 +38,14 @@ CASES = textwrap.dedent("""
 """)
 
 
+def _signals_as_in_a_foreground_job() -> None:
+    """The child's SIGINT and SIGTERM at their defaults, as a terminal's foreground job has them: this test
+    may itself run in a background job of a non-interactive shell, which starts with SIGINT ignored, and the
+    plugin leaves an ignored signal ignored."""
+    for signum in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(signum, signal.SIG_DFL)
+
+
 def run_tiny_suite(tmp_path: Path, cut: signal.Signals | None) -> tuple[int, str, dict]:
     (tmp_path / "conftest.py").write_text('pytest_plugins = ["perf_tests.bench_plugin"]\n')
     (tmp_path / "test_cut_cases.py").write_text(CASES)
@@ -46,7 +54,7 @@ def run_tiny_suite(tmp_path: Path, cut: signal.Signals | None) -> tuple[int, str
     env.pop("PYTEST_ADDOPTS", None)
     proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_cut_cases.py",
                              "--benchmark-json=out.json"], cwd=tmp_path, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
+                            stderr=subprocess.STDOUT, text=True, preexec_fn=_signals_as_in_a_foreground_job)
     try:
         if cut is not None:
             deadline = time.monotonic() + 180  # a loaded 2-core CI machine starts pytest slowly
