@@ -42,5 +42,5 @@ def test_a_repeated_step_reuses_its_pages(repo_root):
     assert kept <= max(64, default // 10), (default, kept)
 
 
-def test_release_and_keep_say_whether_they_applied():
+def test_release_says_whether_it_applied():
     assert heap.release_free_heap() is (heap._glibc() is not None)

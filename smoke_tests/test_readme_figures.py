@@ -336,15 +336,21 @@ MODEL_COLUMNS = tuple((backend, mode) for backend in ("torch", "triton")
                       for mode in ("eager", "compile", "graph", "captured"))
 
 
+def model_cases(snap: str) -> dict:
+    """(model, phase, backend, mode) -> case of a model snapshot (read() only where a figure uses it)."""
+    times = {}
+    for b in run(snap)["benchmarks"]:
+        fields = dict(part.split("=") for part in b["name"][b["name"].index("[") + 1:-1].split(","))
+        times[fields["model"], fields["phase"], fields["backend"], fields["mode"]] = b
+    return times
+
+
 def model_claims() -> None:
     """The model table (models.json: per call and device ms per backend x mode, the faster of ours per call
     against eager torch and against torch.compile of torch, the faster of its modes compile and graph) and
     the smoke's worst paired AUC difference (smoke_s6/compare_*.json, every verdict `same`)."""
-    times = {}
     snap = "h200/models.json"
-    for b in run(snap)["benchmarks"]:
-        fields = dict(part.split("=") for part in b["name"][b["name"].index("[") + 1:-1].split(","))
-        times[fields["model"], fields["phase"], fields["backend"], fields["mode"]] = b
+    times = model_cases(snap)
     for model in ("baseline", "interformer", "tokenformer", "onetrans", "symbiosis", "queryformer", "dualq"):
         for phase in ("train_step", "infer"):
             cells, measured = [], {}
@@ -382,10 +388,7 @@ def h100_claims() -> None:
     Triton captured's per call over its own device time."""
     embedding_rows("h100/kernels_embedding.json")
     snap = "h100/models.json"
-    times = {}
-    for b in run(snap)["benchmarks"]:
-        fields = dict(part.split("=") for part in b["name"][b["name"].index("[") + 1:-1].split(","))
-        times[fields["model"], fields["phase"], fields["backend"], fields["mode"]] = b
+    times = model_cases(snap)
     for model in ("baseline", "interformer", "tokenformer", "onetrans", "symbiosis", "queryformer", "dualq"):
         for phase in ("train_step", "infer"):
             cells, measured = [], {}
