@@ -379,34 +379,7 @@ def model_claims() -> None:
         f"model's seed SD {worst['seed_noise']:.4f}")
 
 
-H100_MODEL_COLUMNS = (("torch", "eager"), ("torch", "captured"), ("triton", "eager"), ("triton", "captured"))
-
-
-def h100_claims() -> None:
-    """The current sources on an H100 (`.benchmarks/h100/`, one lease): the embedding rows of the kernel table and
-    per model, per call ms [device ms] of the columns that ran, Triton captured against eager torch per call and
-    Triton captured's per call over its own device time."""
-    embedding_rows("h100/kernels_embedding.json")
-    snap = "h100/models.json"
-    times = model_cases(snap)
-    for model in ("baseline", "interformer", "tokenformer", "onetrans", "symbiosis", "queryformer", "dualq"):
-        for phase in ("train_step", "infer"):
-            cells, measured = [], {}
-            for column in H100_MODEL_COLUMNS:
-                b = times.get((model, phase, *column))
-                if b is None:
-                    cells.append("not run")
-                    continue
-                e = read(snap, b)["extra_info"]
-                measured[column] = (e["per_call_us"] / 1e3, e["device_us"] / 1e3)
-                cells.append(f"{measured[column][0]:.1f} [{measured[column][1]:.1f}]")
-            ours_call, ours_device = measured["triton", "captured"]
-            say(f"| {model} | {phase} | {' | '.join(cells)} | {measured['torch', 'eager'][0] / ours_call:.2f}x "
-                f"| {ours_call / ours_device:.2f} |")
-
-
-for figures in (kernel_claims, frontier_claims, optim_claims, data_claims, attention_model_claims, model_claims,
-                h100_claims):
+for figures in (kernel_claims, frontier_claims, optim_claims, data_claims, attention_model_claims, model_claims):
     figures()
 ALL_CLAIMS = tuple(CLAIMS)
 
