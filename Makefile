@@ -7,6 +7,8 @@ VENV_FLAGS ?=
 TORCH_SPEC ?= torch==2.13.0
 PYTHON := $(VENV)/bin/python
 PYTEST := $(PYTHON) -m pytest
+# make test's parallel pytest-xdist workers (each a torch process of up to ~2.5 GB)
+TEST_WORKERS ?= 2
 RESULTS ?= results
 BENCH_JSON ?= $(RESULTS)/bench.json
 # make compare: the base run (a JSON path, a stored run number, or latest = the newest autosaved run) and
@@ -49,9 +51,12 @@ $(VENV)/.installed: pyproject.toml
 	@echo "setup done: $(VENV)"
 	touch $@
 
-# All tests: accuracy, model smoke tests and every benchmark case run once as a test (no timing).
+# All tests: accuracy, model smoke tests and every benchmark case run once as a test (no timing), in
+# TEST_WORKERS pytest-xdist processes; then the tests that time a GPU, which need it to themselves, one by one.
 test: setup
-	$(PYTEST) accuracy_tests smoke_tests perf_tests --benchmark-disable -q
+	$(PYTEST) accuracy_tests smoke_tests perf_tests --benchmark-disable -q -n $(TEST_WORKERS) --dist worksteal \
+		-m "not explore and not exclusive"
+	$(PYTEST) accuracy_tests smoke_tests perf_tests --benchmark-disable -q -m "exclusive and not explore"
 
 # The benchmark suite: pytest-benchmark JSON in $(BENCH_JSON), a copy stored under .benchmarks/, a summary.
 # DATA_SCALE=300 runs the data cases on the seed's 300x data (300,000 rows; --data-scale full); ci/default too.

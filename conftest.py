@@ -24,6 +24,15 @@ if "TRITON_INTERPRET" not in os.environ and importlib.util.find_spec("triton") i
     import triton.language  # noqa: F401
 
 
+@pytest.fixture(autouse=True)
+def _child_runs_are_their_own(monkeypatch):
+    """`make test` runs the tests in pytest-xdist workers, whose environment says so (PYTEST_XDIST_WORKER, ...).
+    A pytest or `pcvr compare` that a test starts is a run of its own: pytest-benchmark would read the
+    inherited variable and disable its timing, so the tests' children do not inherit it."""
+    for name in [n for n in os.environ if n.startswith("PYTEST_XDIST_")]:
+        monkeypatch.delenv(name)
+
+
 def pytest_addoption(parser):
     group = parser.getgroup("pcvr")
     group.addoption(
