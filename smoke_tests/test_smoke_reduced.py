@@ -7,7 +7,7 @@ import json
 
 from pcvr_lib.diagnostics import FIGURES
 from pcvr_lib.models import model_names
-from pcvr_lib.smoke import smoke
+from pcvr_lib.smoke import SMOKE_LOADER_PRESET, smoke
 
 
 def test_reduced_smoke(tmp_path):
@@ -36,6 +36,11 @@ def test_reduced_smoke(tmp_path):
     assert set(diag["groups"]) == set(model_names())
     saved = json.loads((out / "smoke_summary.json").read_text())
     assert saved["steps"] == 2 and len(saved["runs"]) == len(model_names())
+    # training batches through the OPT cache (the same batches, each converted once), recorded as such
+    assert saved["loader_preset"] == SMOKE_LOADER_PRESET == "opt"
+    for r in summary["runs"]:
+        telemetry = json.loads((out / f"{r['model']}_seed17" / "training_telemetry.json").read_text())
+        assert telemetry["metadata"]["loader"]["preset"] == "opt"
     assert "1/" in text and "AUC at step 0" in text and "smoke finished" in text
     assert all(0.0 <= r["init_auc"] <= 1.0 for r in summary["runs"])
 
