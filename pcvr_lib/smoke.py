@@ -39,8 +39,8 @@ from pcvr_lib.train.config import QUICK_MAX_LEN, QUICK_TABLE_CAP
 ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_SCHEMA = ROOT / "fixtures" / "sample_1000_raw.schema.json"
 DEFAULT_MAX_LEN = QUICK_MAX_LEN  # the smoke's reductions are `pcvr train --quick`'s
-# The 20 steps draw the 800 training rows 2.5 times over, from 7 batches: through the loader's OPT cache each
-# batch is decoded and converted once (at most 7 of the 20 draws convert), the batches themselves unchanged
+# At the defaults the 20 steps draw the 800 training rows 2.5 times over, from 7 batches: through the loader's
+# OPT cache each batch is decoded and converted once (at most 7 of the 20 draws convert), the batches unchanged
 SMOKE_LOADER_PRESET = "opt"
 DEFAULT_TABLE_CAP = QUICK_TABLE_CAP
 SMOKE_MODEL_CONFIG = {"vocab_cap": DEFAULT_TABLE_CAP}  # the smoke's one model reduction (`pcvr models`)
