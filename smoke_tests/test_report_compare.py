@@ -230,14 +230,36 @@ def test_noise_file_drives_the_thresholds(tmp_path, capsys):
     assert noise["groups"]["data"]["cpu"]["max"] == pytest.approx(0.08)
     case = compare.cases_of(json.loads(runs[0].read_text()))["perf_tests/test_x.py::test_x[a=2]"]
     limit, source = compare.threshold(noise, case, "cpu", 1.0)
-    assert limit == pytest.approx(0.16) and source == "2x group p90"  # the group's 8% spread, doubled
-    # a 12% slowdown is within the noise of this machine, 20% is not
-    new = _run(tmp_path / "new.json", [_bench("test_x[a=1]", 1.12, group="data"), _bench("test_x[a=2]", 1.2,
+    assert limit == pytest.approx(0.24) and source == "3x group p90"  # the group's 8% spread, tripled
+    # a 12% slowdown is within the noise of this machine, 30% is not
+    new = _run(tmp_path / "new.json", [_bench("test_x[a=1]", 1.12, group="data"), _bench("test_x[a=2]", 1.3,
                                                                                           group="data")])
     rows = compare.diff_runs(json.loads(runs[0].read_text()), json.loads(new.read_text()), noise)
     assert [r.verdict for r in rows] == ["ok", "REGRESSED"]
     assert main(["noise", "--from", str(runs[0])]) == compare.EXIT_REFUSED
     assert "at least 2 runs" in capsys.readouterr().err
+
+
+def test_noise_keeps_a_case_that_one_run_lacks_and_drops_a_changed_workload(tmp_path):
+    """A run cut before a case still lends its other cases: a case held by 2 of 3 runs gets its own spread
+    (a bimodal case must not fall back to its group's); a value of another workload under the same id is
+    not part of the case's spread, and a case left with one value has none."""
+    a1, a2, b, c = "test_x[a=1]", "test_x[a=2]", "test_x[b=1]", "test_x[c=1]"
+    runs = [
+        _run(tmp_path / "r0.json", [_bench(a1, 1.0), _bench(c, 1.0, shape="8")]),  # cut: no a2, no b
+        _run(tmp_path / "r1.json", [_bench(a1, 1.02), _bench(a2, 1.0), _bench(b, 1.0), _bench(c, 1.5, shape="9")]),
+        _run(tmp_path / "r2.json", [_bench(a1, 1.01), _bench(a2, 1.12), _bench(c, 1.0, shape="8")]),
+    ]
+    noise = compare.build_noise([json.loads(r.read_text()) for r in runs], list(map(str, runs)))
+    case = noise["cases"]
+    assert case[f"perf_tests/test_x.py::{a2}"]["cpu"] == {"spread": pytest.approx(0.12),
+                                                      "median_s": pytest.approx(1.06 * 0.98), "n": 2}  # CPU: the min
+    assert case[f"perf_tests/test_x.py::{a1}"]["cpu"]["n"] == 3
+    assert case[f"perf_tests/test_x.py::{c}"]["cpu"]["spread"] == 0.0  # r1's other workload left out
+    assert f"perf_tests/test_x.py::{b}" not in case  # one run: no spread
+    only_once = [_run(tmp_path / f"o{i}.json", [_bench(f"test_x[o={i}]", 1.0)]) for i in range(2)]
+    with pytest.raises(report.ReportError, match="no case is in two of the runs"):
+        compare.build_noise([json.loads(r.read_text()) for r in only_once], list(map(str, only_once)))
 
 
 # ---------------------------------------------------------------- interleaved A/B
