@@ -10,7 +10,7 @@
 #  sweep norm_sweep tune host perf_norms perf_embedding perf_attention noise planted aa aa1 aa2 gate planted_host optim
 #  gpu_timer host_ab smoke
 #  accuracy_parallel perf_models smoke_triton smoke_tilelang tune_long tune_small tune_one_tile tune_masks pcvr_ab
-#  profile_host loader_cores)
+#  profile_host loader_cores loader_ceiling)
 # pcvr_ab: tools/attention_pcvr_ab.py, our flash_attention against every SDPA backend at the PCVR shape, per call,
 #   interleaved rounds in one process, ours / best SDPA with a paired 95% interval ($OUT/pcvr_ab.json; ~80 s).
 # profile_host: tools/profile_models.py --host, where each model's train step spends its host time, torch vs
@@ -236,6 +236,12 @@ for s in "$@"; do
       # 16 processes, not one by one inside a test); then every case's outcome is logged as it ends (-v), a
       # failed check's reason at once (the test writes it past the capture), tracebacks of a case stuck 90 s.
       [ "${MODELS_PRECOMPILE:-1}" = 0 ] || step precompile_models 120 python3 -m pcvr_lib.precompile --models --workers 16
+      if [ -n "${MODELS_PREWARM:-}" ] && [ -n "${MODELS_IDS:-}" ]; then
+        # torch.compile's caches on disk (inductor's FX graphs, AOTAutograd, Triton) filled first by one untimed
+        # process per model x backend x mode, all at once; the timed run below then loads its graphs from them
+        # instead of compiling one after another (each build still traces: dynamo runs in every process)
+        step prewarm_models "$MODELS_PREWARM" python3 tools/prewarm_models.py "$MODELS_IDS" --jobs 12
+      fi
       if [ -n "${MODELS_IDS:-}" ]; then mapfile -t targets < "$MODELS_IDS"; else targets=(perf_tests/test_models.py); fi
       step perf_models "${MODELS_S:-300}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfE --capture=sys \
         -o faulthandler_timeout=90 "${targets[@]}" ${MODELS_K:+-k "$MODELS_K"} --benchmark-only \
@@ -247,6 +253,12 @@ for s in "$@"; do
           step "loader_${cores}cores_r$r" 120 taskset -c "0-$(( cores - 1 ))" $PYTEST perf_tests/test_data_pipeline.py \
             -k "test_loader_workers and none" --benchmark-only --benchmark-json="$OUT/loader_${cores}cores_r$r.json"
         done
+      done ;;
+    loader_ceiling)  # tools/loader_ceiling.py pinned to 4 cores, then 2: the 0- and 2-worker loader against the
+      # rows/s of as many independent 1-thread processes as cores (issue 23's ceiling), LOADER_ROUNDS rounds each
+      for cores in 4 2; do
+        step "loader_ceiling_${cores}cores" 150 taskset -c "0-$(( cores - 1 ))" python3 tools/loader_ceiling.py \
+          --rounds "${LOADER_ROUNDS:-3}" --json "$OUT/loader_ceiling_${cores}cores.json"
       done ;;
     smoke_triton|smoke_tilelang)  # the smoke with every operator switch on one backend (numerics end to end;
       # run `smoke` first in the same call: the summary then compares them, tools/smoke_compare.py);
