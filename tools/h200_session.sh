@@ -255,7 +255,7 @@ for s in "$@"; do
         done
       done ;;
     loader_ceiling)  # tools/loader_ceiling.py pinned to 4 cores, then 2: the 0- and 2-worker loader against the
-      # rows/s of as many independent 1-thread processes as cores (issue 23's ceiling), LOADER_ROUNDS rounds each
+      # rows/s of as many independent 1-thread processes as cores (the ceiling of the worker-scaling target), LOADER_ROUNDS rounds each
       for cores in 4 2; do
         step "loader_ceiling_${cores}cores" 150 taskset -c "0-$(( cores - 1 ))" python3 tools/loader_ceiling.py \
           --rounds "${LOADER_ROUNDS:-3}" --json "$OUT/loader_ceiling_${cores}cores.json"

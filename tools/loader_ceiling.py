@@ -1,5 +1,5 @@
 """How many rows/s the cores this process may use can give the loader at all, against what the loader gives with
-0 and 2 workers: the ceiling behind issue 23's worker-scaling target (notes/data-pipeline.md).
+0 and 2 workers: the ceiling behind the loader's worker-scaling target (notes/data-pipeline.md).
 
 The ceiling is P = cores independent processes, each with a 1-thread Arrow pool, each doing its whole job with
 no hand-off and no coordination: `decode` reads every row group of the benchmark's file (the converter's
