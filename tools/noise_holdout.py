@@ -14,7 +14,6 @@ The noise file's K is the one `pcvr diff` uses (pcvr_lib/compare/noise.py); this
 from __future__ import annotations
 
 import argparse
-import itertools
 import json
 import statistics
 import sys
