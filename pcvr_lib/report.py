@@ -12,6 +12,7 @@ Comparisons of runs live in pcvr_lib/compare/ (`pcvr diff`, `pcvr compare`, `pcv
 
 from __future__ import annotations
 
+import gzip
 import json
 import math
 import re
@@ -45,13 +46,23 @@ class ReportError(RuntimeError):
 KNOWN_ERRORS = (ReportError,)  # the CLI boundary prints these as one line, exit 2
 
 
+def run_label(path: str | Path) -> str:
+    """A stored run's name without its suffixes: "aa_run1" for aa_run1.json and for aa_run1.json.gz."""
+    name = Path(path).name
+    return name.removesuffix(".gz").removesuffix(".json")
+
+
 def load_benchmark_json(path: str | Path) -> dict:
+    """A pytest-benchmark JSON file, or one gzip-compressed (name ending .gz: archived runs are kept so)."""
     path = Path(path)
     if not path.is_file():
         raise ReportError(f"{path}: no such benchmark file (make bench writes results/bench.json)")
     try:
-        data = json.loads(path.read_text())
-    except json.JSONDecodeError as exc:
+        raw = gzip.decompress(path.read_bytes()) if path.suffix == ".gz" else path.read_bytes()
+        data = json.loads(raw)
+    except (gzip.BadGzipFile, EOFError) as exc:
+        raise ReportError(f"{path}: not a gzip file ({exc}); name a plain JSON file without .gz") from exc
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ReportError(f"{path}: not a pytest-benchmark JSON file ({exc})") from exc
     if not isinstance(data, dict) or "benchmarks" not in data:
         raise ReportError(f"{path}: not a pytest-benchmark JSON file (no 'benchmarks' list)")

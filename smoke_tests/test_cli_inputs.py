@@ -5,6 +5,7 @@ what is wrong and the fix, or in a counted warning where the input is legal but 
 
 from __future__ import annotations
 
+import gzip
 import json
 import shutil
 import time
@@ -293,6 +294,25 @@ def test_diff_run_numbers_and_json_path(tmp_path, capsys):
     out, err = capsys.readouterr()
     assert out == "" and err.strip() == (f"pcvr diff: error: --json {afile / 'x.json'}: {afile} is a file, not a "
                                          "folder; choose another path")
+
+
+def test_diff_and_noise_read_gzipped_runs(tmp_path, capsys):
+    plain = _stored_run(tmp_path / "a.json")
+    other = _stored_run(tmp_path / "b.json")
+    other.write_text(json.dumps({**json.loads(other.read_text()), "datetime": "2026-12-06T20:00:00"}))  # another run
+    packed = tmp_path / "b.json.gz"
+    packed.write_bytes(gzip.compress(other.read_bytes()))
+    assert cli_main(["diff", str(plain), str(other)]) == 0
+    from_plain = capsys.readouterr().out.replace(str(other), "NEW")
+    assert cli_main(["diff", str(plain), str(packed)]) == 0
+    assert capsys.readouterr().out.replace(str(packed), "NEW") == from_plain
+    noise = tmp_path / "noise.json"
+    assert cli_main(["noise", "--from", str(plain), str(packed), "--out", str(noise)]) == 0
+    assert json.loads(noise.read_text())["sources"] == [str(plain), str(packed)]
+    fake = tmp_path / "c.json.gz"
+    fake.write_text(other.read_text())  # plain JSON under a .gz name
+    assert cli_main(["diff", str(plain), str(fake)]) == 2
+    assert f"{fake}: not a gzip file" in capsys.readouterr().err
 
 
 def test_noise_files_are_keyed_by_cpu(tmp_path, capsys, monkeypatch):

@@ -14,7 +14,7 @@ FIXTURES = ROOT / "fixtures" / "comparison" / "h200"
 
 def test_held_out_runs_and_the_planted_fixture_at_the_noise_files_k(capsys):
     names = ["aa_lease1_run1", "aa_lease1_run2", "aa_lease2_run2", "aa_lease3_run1", "aa_lease3_run2"]
-    runs = [str(ROOT / ".benchmarks" / "h200" / f"{name}.json") for name in names]
+    runs = [str(ROOT / ".benchmarks" / "h200" / f"{name}.json.gz") for name in names]
     tool = load_tool("noise_holdout")
     assert tool.main([*runs, "--k", "2", str(K), "--planted", str(FIXTURES / "planted10_base.json"),
                       str(FIXTURES / "planted10_new.json")]) == 0

@@ -5,7 +5,7 @@ thresholds at each K asked for. Every gated REGRESSED row there is a false alarm
 optional planted-slowdown pairs (a base and a new run where the new one is known to be slower): how many of their
 gated cases are caught.
 
-    python3 tools/noise_holdout.py .benchmarks/h200/aa_lease*.json --k 2 2.5 3 \
+    python3 tools/noise_holdout.py .benchmarks/h200/aa_lease*.json.gz --k 2 2.5 3 \
         --planted fixtures/comparison/h200/planted10_base.json fixtures/comparison/h200/planted10_new.json
 
 The noise file's K is the one `pcvr diff` uses (pcvr_lib/compare/noise.py); this tool picks it
@@ -14,7 +14,6 @@ The noise file's K is the one `pcvr diff` uses (pcvr_lib/compare/noise.py); this
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 from collections import Counter
@@ -22,6 +21,7 @@ from pathlib import Path
 
 from pcvr_lib.compare.diff import diff_runs
 from pcvr_lib.compare.noise import build_noise, load_noise
+from pcvr_lib.report import load_benchmark_json, run_label
 
 
 def regressed(base: dict, new: dict, noise: dict) -> list[tuple[str, float, float]]:
@@ -40,8 +40,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if len(args.runs) < 3:
         parser.error("leave-one-out needs at least 3 runs (2 to build the noise floor from, 1 held out)")
-    runs = [json.loads(Path(p).read_text()) for p in args.runs]
-    names = [Path(p).stem for p in args.runs]
+    runs = [load_benchmark_json(p) for p in args.runs]
+    names = [run_label(p) for p in args.runs]
 
     for k in args.k:
         alarms: Counter[str] = Counter()
@@ -61,13 +61,13 @@ def main(argv: list[str] | None = None) -> int:
 
     noise = load_noise(Path(args.noise)) if args.noise else build_noise(runs, list(args.runs))
     for base_path, new_path in args.planted:
-        base, new = (json.loads(Path(p).read_text()) for p in (base_path, new_path))
+        base, new = (load_benchmark_json(p) for p in (base_path, new_path))
         for k in args.k:
             noise["k"] = k
             rows = [r for r in diff_runs(base, new, noise) if r.change is not None and r.verdict != "informational"
                     and r.metric in ("device", "cpu")]
             caught = sum(r.verdict == "REGRESSED" for r in rows)
-            print(f"planted {Path(new_path).stem} K={k:g}: {caught} of {len(rows)} gated case(s) caught")
+            print(f"planted {run_label(new_path)} K={k:g}: {caught} of {len(rows)} gated case(s) caught")
     noise["k"] = args.k[-1]
     limits = sorted(r.threshold for r in diff_runs(runs[0], runs[1], noise)
                     if r.metric == "device" and r.verdict in ("ok", "faster", "REGRESSED"))

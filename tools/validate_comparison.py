@@ -39,7 +39,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from pcvr_lib.compare import FAILING, cases_of, diff_runs, load_noise, load_run  # noqa: E402
-from pcvr_lib.report import format_table  # noqa: E402
+from pcvr_lib.report import format_table, run_label  # noqa: E402
 
 
 def only_cases(run: dict, ids: set[str]) -> dict:
@@ -222,7 +222,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error(f"--noise {args.noise}: no such file")
     if args.interleaved:
         return validate_interleaved(args, noise)
-    aa = {Path(p).stem: load_run(p) for p in args.aa}
+    aa = {run_label(p): load_run(p) for p in args.aa}
     result: dict = {"noise": args.noise, "aa_pairs": [], "planted": []}
 
     common = set.intersection(*(set(cases_of(run)) for run in aa.values()))
