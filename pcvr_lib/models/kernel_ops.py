@@ -120,15 +120,30 @@ def attention(
         # so the key-length mask changes nothing it computes (and the target token, the last valid one,
         # already sees every valid key). Padded queries' outputs are never read. SDPA's causal path needs
         # no mask tensor and is the fastest on CPU.
-        return F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return _sdpa(q, k, v, None, causal=True)
     if mask is None:
         target = None
         if global_last and key_lengths is not None:
             target = key_lengths.to(device=q.device, dtype=torch.long).clamp(min=1) - 1
         mask = attention_mask(q.shape[0], q.shape[2], k.shape[2], q.device, key_lengths, causal, window, target)
-    elif mask.dtype != torch.bool and mask.dtype != q.dtype:
-        mask = mask.to(q.dtype)  # an additive mask follows the (autocast) dtype of the queries
-    return F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+    return _sdpa(q, k, v, mask)
+
+
+def _sdpa(q, k, v, mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
+    """SDPA with an additive mask cast to the dtype it computes in. On a CPU, half-precision inputs and any
+    inputs under autocast compute in fp32 and come back in their own dtype: there SDPA's bf16 backward is
+    about 2.7x slower than its fp32 one (notes/models.md), and attention is a small part of a step's FLOPs."""
+    on_cpu_in_half = q.device.type == "cpu" and (q.dtype in (torch.bfloat16, torch.float16)
+                                                  or torch.is_autocast_enabled("cpu"))
+    compute = torch.float32 if on_cpu_in_half else q.dtype
+    if mask is not None and mask.dtype != torch.bool and mask.dtype != compute:
+        mask = mask.to(compute)
+    if not on_cpu_in_half:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
+    with torch.autocast("cpu", enabled=False):
+        out = F.scaled_dot_product_attention(q.to(compute), k.to(compute), v.to(compute), attn_mask=mask,
+                                             is_causal=causal)
+    return out.to(q.dtype)
 
 
 def additive_mask(mask: torch.Tensor | None, dtype: torch.dtype = torch.float32) -> torch.Tensor | None:
