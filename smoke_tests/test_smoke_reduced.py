@@ -8,6 +8,7 @@ import json
 from pcvr_lib.diagnostics import FIGURES
 from pcvr_lib.models import model_names
 from pcvr_lib.smoke import SMOKE_LOADER_PRESET, smoke
+from pcvr_lib.train.config import cpu_computes_bf16_natively
 
 
 def test_reduced_smoke(tmp_path):
@@ -36,6 +37,12 @@ def test_reduced_smoke(tmp_path):
     assert set(diag["groups"]) == set(model_names())
     saved = json.loads((out / "smoke_summary.json").read_text())
     assert saved["steps"] == 2 and len(saved["runs"]) == len(model_names())
+    # the precision's default on a CPU: bf16 autocast where it has bf16 matmul instructions, recorded per run
+    assert saved["amp"] is cpu_computes_bf16_natively()
+    assert ("bf16 autocast" if saved["amp"] else "fp32 (no autocast)") in text
+    for r in summary["runs"]:
+        training = json.loads((out / f"{r['model']}_seed17" / "training_summary.json").read_text())
+        assert training["train_config"]["amp"] is saved["amp"]
     # training batches through the OPT cache (the same batches, each converted once), recorded as such
     assert saved["loader_preset"] == SMOKE_LOADER_PRESET == "opt"
     for r in summary["runs"]:
@@ -52,3 +59,25 @@ def test_smoke_bad_options_exit_2(tmp_path, capsys):
     assert "unknown model(s) ['nope']" in capsys.readouterr().err
     assert main(["smoke", "--seeds", "a,b", "--out", str(tmp_path)]) == 2
     assert main(["smoke", "--steps", "0", "--out", str(tmp_path)]) == 2
+
+
+def test_native_bf16_is_read_from_the_cpu_flags(tmp_path):
+    flags = "fpu sse2 avx2 fma avx512f avx512bw"
+    plain, native, amx = tmp_path / "plain", tmp_path / "native", tmp_path / "amx"
+    plain.write_text(f"processor\t: 0\nflags\t\t: {flags}\n\nprocessor\t: 1\nflags\t\t: {flags}\n")
+    native.write_text(f"processor\t: 0\nflags\t\t: {flags} avx512_bf16 avx512_vnni\n")
+    amx.write_text(f"processor\t: 0\nflags\t\t: {flags} amx_bf16 amx_tile\n")
+    assert not cpu_computes_bf16_natively(plain)
+    assert cpu_computes_bf16_natively(native) and cpu_computes_bf16_natively(amx)
+    assert not cpu_computes_bf16_natively(tmp_path / "missing")
+
+
+def test_smoke_precision_options():
+    import argparse
+
+    from pcvr_lib.smoke import add_arguments
+
+    parser = argparse.ArgumentParser()
+    add_arguments(parser)
+    assert parser.parse_args([]).amp is None  # the smoke picks: bf16 on a CPU with bf16 instructions
+    assert parser.parse_args(["--amp"]).amp is True and parser.parse_args(["--no-amp"]).amp is False

@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -140,6 +141,22 @@ def torch_threads(count: int | None):
         yield
     finally:
         torch.set_num_threads(before)
+
+
+# x86 CPU flags of bf16 matmul instructions: with them torch's bf16 matmul runs about 2x its fp32 one (one thread of
+# the 2-core AMD EPYC development machine: 194-211 against 91-96 GFLOP/s); without them bf16 is emulated
+NATIVE_BF16_CPU_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_computes_bf16_natively(cpuinfo: str | Path = "/proc/cpuinfo") -> bool:
+    """Whether this CPU has bf16 matmul instructions (`NATIVE_BF16_CPU_FLAGS`, read from Linux's cpuinfo;
+    False where it cannot be read)."""
+    try:
+        text = Path(cpuinfo).read_text()
+    except OSError:
+        return False
+    flags = next((line.split(":", 1)[1].split() for line in text.splitlines() if line.startswith("flags")), [])
+    return any(flag in flags for flag in NATIVE_BF16_CPU_FLAGS)
 
 
 def autocast(device: torch.device, amp: bool, cache: bool = True):
