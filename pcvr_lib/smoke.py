@@ -11,8 +11,8 @@ and no embedding table keeps more than `--table-cap` rows (default 8192, hashed)
 fit a 2-core machine (queryformer alone has 2.17B table parameters at the reference settings).
 Precision: bf16 autocast by default on a CPU with bf16 matmul instructions (AVX512-BF16 or AMX: the 2-core
 smoke 573 -> 433 s, every model's AUC the same within seed noise, notes/models.md), fp32 elsewhere and on
-CUDA; `--amp` / `--no-amp` choose. Training batches come through the loader's OPT cache (`SMOKE_LOADER_PRESET`): the same batches as
-uncached, each decoded and converted once instead of once per draw.
+CUDA; `--amp` / `--no-amp` choose. Training batches come through the loader's OPT cache
+(`SMOKE_LOADER_PRESET`): the same batches as uncached, each decoded and converted once instead of once per draw.
 
 Runs go to OUT/<model>_seed<seed>/ and are spread over `--jobs` worker processes (default: 2 on a CPU
 with 2+ cores, 1 on CUDA; a fresh process per run so that each run's peak memory is its own), each with
