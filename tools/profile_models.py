@@ -1,6 +1,7 @@
 """Where a model's training step spends its time, per operator backend (GPU; results in notes/models.md).
 
     python tools/profile_models.py [--models all] [--backends torch,triton] [--steps 3] [--top 12] [--out DIR]
+    python tools/profile_models.py --models onetrans --backends torch:graph,triton:graph,triton:captured
     python tools/profile_models.py --host [--device cuda|cpu] [--batch 256] ...   # host time instead
     python tools/profile_models.py --from DIR/profile_models.json | DIR/profile_host.json   # tables again
 
@@ -50,8 +51,12 @@ from pcvr_lib.workloads.models import DEMO_SCHEMA, GPU_BATCH, GPU_TABLE_CAP, ran
 
 
 def profile_step(name: str, backend: str, schema, batch, steps: int) -> dict:
-    step = ModelStep(name, schema, batch, backend, config={"vocab_cap": GPU_TABLE_CAP}, seed=0, device="cuda")
-    for _ in range(2):
+    """`backend` is an operator backend, optionally with a mode (`torch:graph`, `triton:captured`: eager
+    without one); compiled modes warm up for three steps (inductor's CUDA graphs record on the third call)."""
+    backend, _, mode = backend.partition(":")
+    step = ModelStep(name, schema, batch, backend, config={"vocab_cap": GPU_TABLE_CAP}, seed=0, device="cuda",
+                     mode=mode or "eager")
+    for _ in range(2 if mode in ("", "eager") else 3):
         step.train_step()
     torch.cuda.synchronize()
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -233,7 +238,9 @@ def print_tables(result: dict, top: int) -> None:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--models", default="all")
-    parser.add_argument("--backends", default="torch,triton")
+    parser.add_argument("--backends", default="torch,triton",
+                        help="operator backends, each optionally with its mode (backend:eager|compile|graph|captured; "
+                             "the device profile only)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -254,6 +261,8 @@ def main(argv=None) -> int:
         parser.error("the device profile needs --device cuda; --device cpu works with --host")
     models = model_names() if args.models == "all" else args.models.split(",")
     backends = args.backends.split(",")
+    if args.host and any(":" in b for b in backends):
+        parser.error("--host profiles eager steps: give --backends without modes")
     schema = load_schema(DEMO_SCHEMA)
     batch = random_batch(schema, batch=args.batch, seed=3)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
