@@ -31,6 +31,7 @@ def test_table_gradient_is_the_sum_of_its_pieces_in_either_form(num_rows, pieces
     gen = torch.Generator().manual_seed(seed)
     rows = torch.randint(0, num_rows, (pieces,), generator=gen)
     values = torch.randn(pieces, dim, generator=gen, dtype=torch.float64)
+    values[rows == 0] = 0  # the padding row's pieces, zeroed by every caller
     grad = table_gradient(rows, values.to(dtype), torch.Size((num_rows, dim)))
     assert grad.is_sparse == (pieces < num_rows), (pieces, num_rows, grad.layout)
     assert grad.dtype == dtype
@@ -38,6 +39,21 @@ def test_table_gradient_is_the_sum_of_its_pieces_in_either_form(num_rows, pieces
     # many pieces on one row: atol relative to the size of the terms, not of their (possibly cancelling) sum
     assert_close(_dense(grad), expected, dtype, scale=float(values.square().mean().sqrt()) * pieces ** 0.5,
                  what=f"{pieces} pieces into {num_rows} rows")
+
+
+@pytest.mark.parametrize("pieces", [5, 2000, 5000])
+def test_a_dense_gradient_leaves_out_the_padding_row(pieces):
+    """The dense form sends the padding row's pieces to scratch rows (fewer pieces than scratch rows, and
+    more, so that several share one): row 0 stays zero and every other row is the sum of its pieces."""
+    gen = torch.Generator().manual_seed(pieces)
+    rows = torch.randint(0, 4, (pieces,), generator=gen)  # about a quarter at the padding row
+    values = torch.randn(pieces, 3, generator=gen, dtype=torch.float64)
+    grad = table_gradient(rows, values.float(), torch.Size((4, 3)))
+    assert not grad.is_sparse and grad.shape == (4, 3) and grad.dtype == torch.float32
+    expected = torch.zeros(4, 3, dtype=torch.float64).index_add_(0, rows, values)
+    expected[0] = 0
+    assert torch.count_nonzero(grad[0]) == 0, "the padding row got a gradient"
+    assert_close(grad, expected, torch.float32, scale=pieces ** 0.5, what=f"{pieces} pieces into 4 rows")
 
 
 @pytest.mark.parametrize("reads, dense", [((3, 2), False), ((2, 5), True), ((6, 5), True)])  # of 10 rows

@@ -88,13 +88,26 @@ def dense_gradient_pays(pieces: int, num_rows: int) -> bool:
     return pieces >= num_rows
 
 
+# scratch rows past the table that a dense gradient spreads the padding row's pieces over (see table_gradient)
+PADDING_SPREAD = 1024
+
+
 def table_gradient(rows: torch.Tensor, pieces: torch.Tensor, shape: torch.Size) -> torch.Tensor:
     """The gradient of a (V, D) table from N row pieces (rows (N,) int64, pieces (N, D)): dense (the pieces
     summed per row in fp32, rounded once to the pieces' dtype) when `dense_gradient_pays`, else the
-    uncoalesced COO of the pieces."""
+    uncoalesced COO of the pieces. Row 0 is the padding row, whose pieces every caller has zeroed: the dense
+    form leaves them out (row 0 stays zero), the COO form carries them.
+
+    The padding row's pieces are often most of a sequence lookup's, and index_add's atomics on one row
+    serialise them (4.7 of 9.1 ms of device time in an onetrans train step compiled on the Triton backend,
+    H100, notes/models.md), so the dense form sends them to `PADDING_SPREAD` scratch rows past the table,
+    round robin, and drops those: no data-dependent size, no host sync."""
     if dense_gradient_pays(rows.numel(), shape[0]):
-        summed = torch.zeros(tuple(shape), dtype=torch.float32, device=pieces.device)
-        return summed.index_add_(0, rows, pieces.float()).to(pieces.dtype)
+        spread = min(PADDING_SPREAD, rows.numel())
+        scratch = shape[0] + torch.arange(rows.numel(), device=rows.device) % spread
+        target = torch.where(rows == 0, scratch, rows)
+        summed = torch.zeros((shape[0] + spread, *shape[1:]), dtype=torch.float32, device=pieces.device)
+        return summed.index_add_(0, target, pieces.float())[:shape[0]].to(pieces.dtype)
     return torch.sparse_coo_tensor(rows.unsqueeze(0), pieces, shape, check_invariants=False)
 
 
