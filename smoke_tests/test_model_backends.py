@@ -137,15 +137,17 @@ def test_attention_call_sites_on_the_kernels_match_torch(case, monkeypatch):
         assert_close(ours, expected, torch.float16, what=case)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize("case", ["additive_mask", "causal"])
-def test_torch_attention_under_cpu_autocast_matches_fp64(case):
-    """The torch backend's attention under bf16 autocast on a CPU (where it computes in fp32): a bf16 output
-    and bf16 input gradients within bf16's tolerance of the fp64 result, on valid queries."""
+def test_torch_attention_under_cpu_autocast_matches_fp64(case, dtype):
+    """The torch backend's attention under bf16 autocast on a CPU (where it computes in fp32): bf16 inputs give
+    a bf16 output and gradients within bf16's tolerance of the fp64 result; fp32 inputs stay fp32 (autocast
+    would have lowered them to bf16) within fp32's tolerance."""
     from pcvr_lib.models.kernel_ops import additive_mask, attention, attention_mask
 
     gen = torch.Generator().manual_seed(0)
-    q, k, v = (torch.randn(2, 2, 20, 16, generator=gen).bfloat16().requires_grad_() for _ in range(3))
-    grad = torch.randn(2, 2, 20, 16, generator=gen).bfloat16()
+    q, k, v = (torch.randn(2, 2, 20, 16, generator=gen).to(dtype).requires_grad_() for _ in range(3))
+    grad = torch.randn(2, 2, 20, 16, generator=gen).to(dtype)
     mask = None
     if case == "additive_mask":
         mask = additive_mask(attention_mask(2, 20, 20, q.device, LENGTHS, False, None, None))
@@ -155,10 +157,10 @@ def test_torch_attention_under_cpu_autocast_matches_fp64(case):
     q64, k64, v64 = (t.detach().double().requires_grad_() for t in (q, k, v))
     expected = attention(q64, k64, v64, mask=None if mask is None else mask.double(), causal=case == "causal")
     expected.backward(grad.double())
-    assert out.dtype == torch.bfloat16 and q.grad.dtype == torch.bfloat16
-    assert_close(out, expected, torch.bfloat16, what=f"{case} output")
+    assert out.dtype == dtype and q.grad.dtype == dtype
+    assert_close(out, expected, dtype, what=f"{case} output")
     for name, ours, ref in (("dq", q.grad, q64.grad), ("dk", k.grad, k64.grad), ("dv", v.grad, v64.grad)):
-        assert_close(ours, ref, torch.bfloat16, what=f"{case} {name}")
+        assert_close(ours, ref, dtype, what=f"{case} {name}")
 
 
 def _attention_in_fp16(monkeypatch) -> None:

@@ -130,12 +130,13 @@ def attention(
 
 
 def _sdpa(q, k, v, mask: torch.Tensor | None, causal: bool = False) -> torch.Tensor:
-    """SDPA with an additive mask cast to the dtype it computes in. On a CPU, half-precision inputs and any
-    inputs under autocast compute in fp32 and come back in their own dtype: there SDPA's bf16 backward is
-    about 2.7x slower than its fp32 one (notes/models.md), and attention is a small part of a step's FLOPs."""
+    """SDPA with an additive mask cast to the dtype it computes in. On a CPU, half-precision inputs compute in
+    fp32 and come back in their own dtype, and under autocast no input is lowered to bf16: there SDPA's bf16
+    backward is about 2.7x slower than its fp32 one (notes/models.md), and attention is a small part of a
+    step's FLOPs."""
     on_cpu_in_half = q.device.type == "cpu" and (q.dtype in (torch.bfloat16, torch.float16)
                                                   or torch.is_autocast_enabled("cpu"))
-    compute = torch.float32 if on_cpu_in_half else q.dtype
+    compute = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
     if mask is not None and mask.dtype != torch.bool and mask.dtype != compute:
         mask = mask.to(compute)
     if not on_cpu_in_half:
