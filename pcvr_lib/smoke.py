@@ -210,7 +210,7 @@ def smoke(
     if max_lens is None:
         max_lens = ",".join(f"{d.name}:{DEFAULT_MAX_LEN}" for d in schema.domains)
     if jobs is None:
-        jobs = 1 if device.startswith("cuda") else max(1, min(2, os.cpu_count() or 1))
+        jobs = 1 if dev.type == "cuda" else max(1, min(2, os.cpu_count() or 1))
     out = Path(out)
     check_writable(out, "--out")  # before generating data or training anything
     model_config = dict(model_config or {})

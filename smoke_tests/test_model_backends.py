@@ -163,6 +163,21 @@ def test_torch_attention_under_cpu_autocast_matches_fp64(case, dtype):
         assert_close(ours, ref, dtype, what=f"{case} {name}")
 
 
+def test_torch_attention_off_the_cpu_casts_an_additive_mask_to_the_queries_dtype(monkeypatch):
+    """Off the CPU (here the meta device, as a GPU call takes the same path) half-precision queries run SDPA in
+    their own dtype, with the additive mask cast to it."""
+    import torch.nn.functional as F
+
+    from pcvr_lib.models.kernel_ops import attention
+
+    seen = []
+    monkeypatch.setattr(F, "scaled_dot_product_attention",
+                        lambda q, k, v, attn_mask=None, **kw: seen.append((q.dtype, attn_mask.dtype)) or q)
+    q, k, v = (torch.empty(2, 2, 20, 16, dtype=torch.bfloat16, device="meta") for _ in range(3))
+    out = attention(q, k, v, mask=torch.zeros(2, 1, 20, 20, device="meta"))
+    assert seen == [(torch.bfloat16, torch.bfloat16)] and out.dtype == torch.bfloat16
+
+
 def _attention_in_fp16(monkeypatch) -> None:
     """The models' fp32 attention computed in fp16 on the kernels (they compute it in bf16 on a GPU, which
     the interpreter cannot run)."""

@@ -134,12 +134,12 @@ def _sdpa(q, k, v, mask: torch.Tensor | None, causal: bool = False) -> torch.Ten
     fp32 and come back in their own dtype, and under autocast no input is lowered to bf16: there SDPA's bf16
     backward is about 2.7x slower than its fp32 one (notes/models.md), and attention is a small part of a
     step's FLOPs."""
-    on_cpu_in_half = q.device.type == "cpu" and (q.dtype in (torch.bfloat16, torch.float16)
-                                                  or torch.is_autocast_enabled("cpu"))
-    compute = torch.float32 if q.dtype in (torch.bfloat16, torch.float16) else q.dtype
+    half = q.dtype in (torch.bfloat16, torch.float16)
+    cpu_upcast = q.device.type == "cpu" and (half or torch.is_autocast_enabled("cpu"))
+    compute = torch.float32 if cpu_upcast and half else q.dtype  # elsewhere an additive mask follows q's dtype
     if mask is not None and mask.dtype != torch.bool and mask.dtype != compute:
         mask = mask.to(compute)
-    if not on_cpu_in_half:
+    if not cpu_upcast:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
     with torch.autocast("cpu", enabled=False):
         out = F.scaled_dot_product_attention(q.to(compute), k.to(compute), v.to(compute), attn_mask=mask,
