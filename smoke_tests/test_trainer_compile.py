@@ -158,6 +158,27 @@ def test_the_captured_trainer_trains_as_the_eager_one_and_skips_a_non_finite_ste
     assert all(math.isfinite(x) for x in losses[skipped + 1:] + skipping["grad_norms"][skipped + 1:])
 
 
+def test_the_captured_trainer_reads_its_steps_back_in_batches_in_step_order(data, tmp_path, monkeypatch):
+    eager = train(_config(data, tmp_path / "eager", dense_optimizer="fused_adamw", steps=5))
+    _captured_on_the_cpu(monkeypatch)
+    monkeypatch.setattr(loop, "READ_EVERY", 2)
+    reads, seen = [], []
+    real_read = loop._read_steps
+
+    def counted(unread, *args):
+        reads.append([step for step, _, _ in unread])
+        real_read(unread, *args)
+
+    monkeypatch.setattr(loop, "_read_steps", counted)
+    summary = train(_config(data, tmp_path / "captured", steps=5), progress=lambda step, *_: seen.append(step))
+    assert seen == [1, 2, 3, 4, 5]
+    assert summary["losses"] == pytest.approx(eager["losses"], rel=1e-5)
+    # an eagerly run step (the first, the short batches) is read at once; replays wait for READ_EVERY or the end
+    replayed = [steps for steps in reads if len(steps) > 1]
+    assert replayed and all(len(steps) <= 2 for steps in reads), reads
+    assert [step for steps in reads for step in steps] == [1, 2, 3, 4, 5]
+
+
 def test_a_failed_capture_trains_eagerly_with_a_warning(data, tmp_path, monkeypatch, capsys):
     eager = train(_config(data, tmp_path / "eager", dense_optimizer="fused_adamw", steps=2))
     _captured_on_the_cpu(monkeypatch, fail=True)

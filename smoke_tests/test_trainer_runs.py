@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import hashlib
 import json
 import pickle
 import re
+import time
 
 import numpy as np
 import pytest
@@ -174,3 +176,30 @@ def test_bf16_amp_training_and_deterministic_switch_restored(data, tmp_path):
     assert summary["skipped_steps"] == 0 and all(np.isfinite(x) for x in summary["losses"])
     tel = summary["telemetry"]
     assert tel["metadata"]["amp"] is True and tel["wall_sec"] >= tel["elapsed_sec"] > 0
+
+
+def test_a_file_is_hashed_again_once_it_changes_and_not_while_it_stays_the_same(tmp_path, monkeypatch):
+    from pathlib import Path
+
+    from pcvr_lib.train import checkpoint
+
+    path = tmp_path / "weights.bin"
+    path.write_bytes(b"a" * 5000)
+    fresh = checkpoint.file_sha256(path)  # written just now: not remembered (its times may not have settled)
+    time.sleep(checkpoint.SETTLED_NS / 1e9 + 0.02)
+    assert checkpoint.file_sha256(path) == fresh
+    opened = []
+    real_open = Path.open
+    monkeypatch.setattr(Path, "open", lambda self, *a, **k: opened.append(self) or real_open(self, *a, **k))
+    assert checkpoint.file_sha256(path) == fresh and opened == []  # settled and unchanged: not read again
+    with real_open(path, "r+b") as f:  # damaged in place, same size
+        f.seek(100)
+        f.write(b"b")
+    damaged = checkpoint.file_sha256(path)
+    assert opened == [path]
+    assert damaged != fresh and damaged == hashlib.sha256(path.read_bytes()).hexdigest()
+    names = ["x.bin", "y.bin", "z.bin"]
+    for i, name in enumerate(names):
+        (tmp_path / name).write_bytes(bytes([i]) * (3000 + i))
+    assert checkpoint.files_sha256(tmp_path, names) == {
+        name: hashlib.sha256((tmp_path / name).read_bytes()).hexdigest() for name in names}

@@ -23,6 +23,8 @@ import math
 import os
 import re
 import shutil
+import time
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -117,7 +119,7 @@ def save_checkpoint(run_dir: Path, model, schema, config: TrainConfig, step: int
         names = sorted(p.name for p in tmp.iterdir())
         auc = None if auc is None else finite_or_none(float(auc))
         write_json(tmp / MANIFEST_FILE, {"global_step": step, "auc": auc,
-                                         "sha256": {name: file_sha256(tmp / name) for name in names}})
+                                         "sha256": files_sha256(tmp, names)})
         if folder.exists():  # the same step saved again (a resumed run): replace it
             shutil.rmtree(folder)
         os.replace(tmp, folder)
@@ -164,12 +166,42 @@ def resumable(folder: Path) -> bool:
     return manifest is not None and all(name in manifest["sha256"] for name in (OPTIMIZER_FILE, STATE_FILE))
 
 
+# (st_dev, st_ino) -> (size, mtime_ns, ctime_ns, sha256) of files this process hashed, for a file whose size and
+# times are unchanged since: any write, truncation or replacement changes its ctime. A file is remembered only
+# when its last change was at least SETTLED_NS before it was read: a file system stamps times at a coarse tick
+# (up to 10 ms), so a write within one tick of an earlier one could keep its times. On the GPU smoke, validation
+# and inference verify each checkpoint that training saved in the same process (4.2 s of the smoke's 11.5 s of
+# hashing on an H100, notes/models.md).
+_HASHED: dict[tuple[int, int], tuple[int, int, int, str]] = {}
+SETTLED_NS = 50_000_000
+
+
 def file_sha256(path: Path) -> str:
+    """The sha256 of a file's content (hex); a file unchanged since this process hashed it is not read again."""
+    started = time.time_ns()
+    before = os.stat(path)
+    key = (before.st_dev, before.st_ino)
+    stamp = (before.st_size, before.st_mtime_ns, before.st_ctime_ns)
+    known = _HASHED.get(key)
+    if known is not None and known[:3] == stamp:
+        return known[3]
     digest = hashlib.sha256()
     with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
+        for chunk in iter(lambda: f.read(1 << 22), b""):
             digest.update(chunk)
-    return digest.hexdigest()
+    hexdigest = digest.hexdigest()
+    after = os.stat(path)
+    settled = started - max(before.st_mtime_ns, before.st_ctime_ns) >= SETTLED_NS
+    if settled and (after.st_size, after.st_mtime_ns, after.st_ctime_ns) == stamp:
+        _HASHED[key] = (*stamp, hexdigest)
+    return hexdigest
+
+
+def files_sha256(folder: Path, names: list[str]) -> dict[str, str]:
+    """{name: file_sha256(folder / name)}, the files hashed at once on threads (hashlib and file reads let
+    go of the GIL): a checkpoint save waits for its largest file's hash, not for the sum of them."""
+    with ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1))) as pool:
+        return dict(zip(names, pool.map(lambda name: file_sha256(folder / name), names), strict=True))
 
 
 def _split_tensors(obj, prefix: str, tensors: dict[str, torch.Tensor], compact: bool = False):

@@ -225,19 +225,43 @@ def _runner(model, optimizers, mode: str, config: TrainConfig, device, meta: dic
     return model if mode == "eager" else CompiledModel(model, mode)
 
 
+# the step numbers a captured run leaves on the device before reading them in one sync: without a read per
+# step the host builds the next batch while the device runs this one (the GPU smoke waited 24 s on per-step reads)
+READ_EVERY = 16
+STEP_NUMBERS = ("loss", "grad_norm", "clip_coef", "skipped")
+
+
 def _step(runner, batch, optimizers, config: TrainConfig, device) -> dict:
-    """One training step: forward (under autocast), loss, backward and the optimizers; the step's numbers
-    as floats (one host read)."""
+    """One training step: forward (under autocast), loss, backward and the optimizers. The step's numbers
+    come back as floats (one host read), or, from a captured step, as `numbers`: a device tensor of
+    STEP_NUMBERS copied out of the graph's outputs (no read: `_read_steps` reads several at once)."""
     if isinstance(runner, CapturedTraining):
         info = runner(batch)
-        loss, norm, coef, skipped = torch.stack([info["loss"], info["grad_norm"], info["clip_coef"],
-                                                 info["skipped"].float()]).tolist()
-        return dict(info, loss=loss, grad_norm=norm, clip_coef=coef, skipped=bool(skipped))
+        return {"numbers": torch.stack([info[key].float() for key in STEP_NUMBERS])}
     with autocast(device, config.amp):
         logits = runner(batch)
     loss = F.binary_cross_entropy_with_logits(logits.float().squeeze(-1), batch.label.float())
     return train_step(loss, optimizers, max_grad_norm=config.max_grad_norm, skip_nonfinite=True,
                       after_backward=getattr(runner, "after_backward", None))
+
+
+def _read_steps(unread: list[tuple[int, int, dict]], history: dict, bar: StepProgress, progress,
+                steps: int) -> None:
+    """Read back the numbers of the steps in `unread` (one host read for the captured ones), record them in
+    the history, the progress callback and the bar, in step order, and empty `unread`."""
+    device_numbers = [info["numbers"] for _, _, info in unread if "numbers" in info]
+    floats = iter(torch.stack(device_numbers).tolist() if device_numbers else [])
+    for step, rows, info in unread:
+        if "numbers" in info:
+            info = dict(zip(STEP_NUMBERS, next(floats), strict=True))
+        history["skipped"] += int(info["skipped"])
+        history["clipped"] += int(info["clip_coef"] < 1.0)
+        history["losses"].append(finite_or_none(info["loss"]))
+        history["grad_norms"].append(finite_or_none(info["grad_norm"]))
+        if progress is not None:
+            progress(step, steps, info["loss"])
+        bar.update(step, rows, info["loss"], info["grad_norm"])
+    unread.clear()
 
 
 def _device_step(model, batch, optimizers, config: TrainConfig, device) -> dict:
@@ -333,6 +357,7 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, r
               file=sys.stderr, flush=True)
     bar = StepProgress(config.steps, start, f"train {config.model}", every=config.log_every)
     done = start  # the last step completed (what Ctrl-C reports)
+    unread: list[tuple[int, int, dict]] = []  # (step, rows, info) of the steps not yet read back
     try:
         with telemetry:
             if config.eval_at_init and resume_from is None:
@@ -348,23 +373,21 @@ def _train(config: TrainConfig, device, data, schema, run_dir: Path, progress, r
                     runner, info = _first_step(runner, model, batch, optimizers, config, device, meta)
                 else:
                     info = _step(runner, batch, optimizers, config, device)
-                history["skipped"] += int(info["skipped"])
-                history["clipped"] += int(info["clip_coef"] < 1.0)
-                history["losses"].append(finite_or_none(info["loss"]))
-                history["grad_norms"].append(finite_or_none(info["grad_norm"]))
                 telemetry.rows += batch.batch_size
                 telemetry.batches += 1
                 telemetry.steps += 1
-                if progress is not None:
-                    progress(step, config.steps, info["loss"])
                 done = step
-                bar.update(step, batch.batch_size, info["loss"], info["grad_norm"])
-                if step == config.steps or (config.eval_every and step % config.eval_every == 0):
+                unread.append((step, batch.batch_size, info))
+                evaluate = step == config.steps or (config.eval_every and step % config.eval_every == 0)
+                if "numbers" not in info or evaluate or len(unread) >= READ_EVERY:
+                    _read_steps(unread, history, bar, progress, config.steps)
+                if evaluate:
                     t0 = time.perf_counter()
                     val_result = _holdout(model, data, schema, config, split, device)
                     _save(run_dir, model, schema, config, step, val_result["metrics"], optimizers, history, meta,
                           bar, t0)
                     eval_seconds += time.perf_counter() - t0
+            _read_steps(unread, history, bar, progress, config.steps)  # none left unless the loader ended early
             telemetry.excluded = eval_seconds  # elapsed_sec and the rates cover the training steps only
     except KeyboardInterrupt:
         good = [f.name for _, f in complete_checkpoints(run_dir)]
