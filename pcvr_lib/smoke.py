@@ -291,9 +291,12 @@ def _execute(work: list[dict], jobs: int, stream) -> list[dict]:
 
     try:
         if jobs <= 1:
-            for job in work:
-                results.append(run_one(job, steps_bar.update))
-                show(results[-1])
+            from pcvr_lib.train import keeping_captured_steps
+
+            with keeping_captured_steps():  # the seeds of a model after its first replay its captured step
+                for job in work:
+                    results.append(run_one(job, steps_bar.update))
+                    show(results[-1])
             return results
         return _execute_pool(work, jobs, steps_bar, results, show)
     finally:

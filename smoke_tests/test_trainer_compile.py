@@ -179,6 +179,28 @@ def test_the_captured_trainer_reads_its_steps_back_in_batches_in_step_order(data
     assert [step for steps in reads for step in steps] == [1, 2, 3, 4, 5]
 
 
+def test_a_kept_captured_step_trains_the_next_seed_as_its_own_capture_would(data, tmp_path, monkeypatch):
+    from pcvr_lib.models import captured
+
+    _captured_on_the_cpu(monkeypatch)
+    alone = train(_config(data, tmp_path / "alone", steps=4, seed=7))
+    captures = []
+    graph = captured.StepGraph
+    monkeypatch.setattr(captured, "StepGraph", lambda *a, **k: captures.append(1) or graph(*a, **k))
+    with loop.keeping_captured_steps():
+        first = train(_config(data, tmp_path / "first", steps=4, seed=3))
+        second = train(_config(data, tmp_path / "second", steps=4, seed=7))
+        other_lr = train(_config(data, tmp_path / "lr", steps=4, seed=7, dense_lr=3e-4))
+    assert len(captures) == 2  # the first run and the run with another learning rate
+    meta = second["telemetry"]["metadata"]
+    assert meta["capture_reused"] is True and meta["compile_mode"] == "captured", meta
+    assert "capture_reused" not in first["telemetry"]["metadata"] | other_lr["telemetry"]["metadata"]
+    assert second["losses"] == pytest.approx(alone["losses"], rel=1e-5)
+    assert second["validation_metrics"]["auc"] == pytest.approx(alone["validation_metrics"]["auc"], abs=1e-6)
+    assert first["losses"] != pytest.approx(alone["losses"], rel=1e-5)  # another seed trains otherwise
+    assert loop._KEPT_STEPS is None  # the scope released what it kept
+
+
 def test_a_failed_capture_trains_eagerly_with_a_warning(data, tmp_path, monkeypatch, capsys):
     eager = train(_config(data, tmp_path / "eager", dense_optimizer="fused_adamw", steps=2))
     _captured_on_the_cpu(monkeypatch, fail=True)
@@ -206,3 +228,19 @@ def test_on_cuda_the_default_mode_captures_and_trains_as_eager(data, tmp_path, b
     assert captured["losses"][0] == pytest.approx(eager["losses"][0], rel=1e-5)
     assert captured["losses"] == pytest.approx(eager["losses"], rel=1e-3)
     assert captured["validation_metrics"]["auc"] == pytest.approx(eager["validation_metrics"]["auc"], abs=0.02)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="mode captured: no CUDA device")
+def test_on_cuda_a_kept_captured_step_trains_the_next_seed_as_its_own_capture(data, tmp_path):
+    model_config = {"vocab_cap": 64, "rms_norm_backend": "triton", "embedding_backend": "triton",
+                    "attention_backend": "triton"}
+    alone = train(_config(data, tmp_path / "alone", device="cuda", model_config=model_config, steps=4, seed=7))
+    with loop.keeping_captured_steps():
+        train(_config(data, tmp_path / "first", device="cuda", model_config=model_config, steps=4, seed=3))
+        second = train(_config(data, tmp_path / "second", device="cuda", model_config=model_config, steps=4,
+                               seed=7))
+    assert second["telemetry"]["metadata"]["capture_reused"] is True
+    # the same replayed kernels from the same weights and random state; atomics may add in another order
+    assert second["losses"] == pytest.approx(alone["losses"], rel=1e-4)
+    assert second["validation_metrics"]["auc"] == pytest.approx(alone["validation_metrics"]["auc"], abs=1e-3)

@@ -33,11 +33,12 @@ from pcvr_lib.train.checkpoint import (
 from pcvr_lib.train.commands import add_backend_arguments, backend_overrides
 from pcvr_lib.train.config import TrainConfig, TrainError, resolve_device
 from pcvr_lib.train.evaluate import infer, predict_batches, validate
-from pcvr_lib.train.loop import train
+from pcvr_lib.train.loop import keeping_captured_steps, train
 
 __all__ = [
     "CHECKPOINT_RE", "CONFIG_FILE", "MANIFEST_FILE", "MODEL_FILE", "OPTIMIZER_FILE", "RUN_ARTIFACTS", "SCHEMA_FILE",
     "STATE_FILE", "SUMMARY_FILE", "TMP_PREFIX", "TrainConfig", "TrainError", "add_backend_arguments",
-    "backend_overrides", "complete_checkpoints", "file_sha256", "find_checkpoint", "infer", "load_checkpoint",
+    "backend_overrides", "complete_checkpoints", "file_sha256", "find_checkpoint", "infer", "keeping_captured_steps",
+    "load_checkpoint",
     "predict_batches", "resolve_device", "save_checkpoint", "train", "validate", "verify_checkpoint",
 ]
