@@ -18,7 +18,9 @@ Runs go to OUT/<model>_seed<seed>/ and are spread over `--jobs` worker processes
 with 2+ cores, 1 on CUDA; a fresh process per run so that each run's peak memory is its own), each with
 `--threads` torch threads (default 1): on a small shared CPU two
 single-threaded processes beat one process with two threads, whose OpenMP workers stall whenever another
-process takes a core. Timings of concurrent runs include that sharing; use --jobs 1 for isolated numbers.
+process takes a core. Timings of concurrent runs include that sharing; use --jobs 1 for isolated numbers. With one
+job (the default on CUDA) the runs share one process, and a model's later seeds replay the CUDA graph its first
+seed captured (`pcvr_lib.train.keeping_captured_steps`: each run still starts from its own seed's weights).
 """
 
 from __future__ import annotations
