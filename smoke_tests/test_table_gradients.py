@@ -152,3 +152,41 @@ def test_a_captured_gradient_takes_the_form_of_all_its_lookups_together():
     sum((F.embedding(rows, weight, padding_idx=0) * w.double()).sum()
         for rows, w in zip((first, second), weights, strict=True)).backward()
     assert_close(grad, weight.grad, torch.float32, what="captured gradient of two lookups")
+
+
+def test_kernel_field_means_under_a_capture_carry_one_piece_per_slot(monkeypatch):
+    """Per-feature means of 7 id slots in 3 features (bags padded to width 3): on the Triton backend under a
+    RowCapture the sink holds one piece per slot (7 a row, not the 9 padded bag positions), and the value and
+    the table's gradient are torch's field means' in fp64."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU check (Triton's interpreter); accuracy_tests cover the kernels on a GPU")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    from pcvr_lib.models.kernel_ops import field_means
+
+    torch.manual_seed(8)
+    table = SparseTable(30, 4)
+    rows = torch.randint(0, 30, (3, 7))
+    rows[0, 3] = 0  # feature 1's only slot empty in row 0: a zero mean
+    rows[1, :3] = 0  # feature 0 empty in row 1
+    rows[2, 4] = 0  # one of feature 2's three slots empty in row 2
+    slot_feature = torch.tensor([0, 0, 0, 1, 2, 2, 2])
+    bags = torch.tensor([[0, 1, 2], [3, 7, 7], [4, 5, 6]])
+    grad_out = torch.randn(3, 3, 4, dtype=torch.float64)
+
+    def means():
+        return field_means(table, rows, slot_feature, 3, bags, "triton")
+
+    capture = RowCapture.plan(means)
+    assert [slot.sink.shape[0] for slot in capture.slots] == [rows.numel()]
+    with capture.active():
+        value = means()
+    (value.double() * grad_out).sum().backward()
+    capture.install_gradients()
+    weight = table.weight.detach().double().requires_grad_()
+    reference = SparseTable(30, 4).double()
+    reference.weight = torch.nn.Parameter(weight)
+    expected = field_means(reference, rows, slot_feature, 3, bags, "torch")
+    (expected * grad_out).sum().backward()
+    assert_close(value, expected, torch.float32, what="captured Triton field means")
+    assert_close(_dense(table.weight.grad), _dense(reference.weight.grad), torch.float32,
+                 what="captured Triton field means' table gradient")

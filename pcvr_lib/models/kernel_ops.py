@@ -18,7 +18,7 @@ from pcvr_lib import kernels
 from pcvr_lib.kernels.attention import RoleMask
 from pcvr_lib.kernels.attention.masks import INVALID_KEY
 from pcvr_lib.models.sequences import masked_mean
-from pcvr_lib.models.tables import bag_mean_of_table
+from pcvr_lib.models.tables import bag_mean_of_table, field_means_of_table
 
 
 # ------------------------------------------------------------------------------------------------ norms
@@ -236,10 +236,10 @@ def field_means(table: nn.Embedding, rows: torch.Tensor, slot_feature: torch.Ten
 
     slot_feature [D]: the feature of each slot; bags [n_features, width]: each feature's slots padded with
     slot D (a zero column). torch: one lookup, then index_add sums and counts; other backends: one bag per
-    (row, feature) through `bag_mean`.
+    (row, feature) (`tables.field_means_of_table`).
     """
     if backend != "torch":
-        return bag_mean(table, F.pad(rows, (0, 1))[..., bags], backend)  # [..., n, width]; row 0 = no id
+        return field_means_of_table(table, rows, slot_feature, n_features, bags, backend)
     emb = table(rows)  # [..., D, E]
     axis = rows.dim() - 1
     summed = emb.new_zeros(*rows.shape[:-1], n_features, emb.shape[-1]).index_add(axis, slot_feature, emb)

@@ -125,6 +125,28 @@ def bag_mean_of_table(table: nn.Embedding, ids: torch.Tensor, backend: str) -> t
     return mean + (sink * share).sum(-2)
 
 
+def field_means_of_table(table: nn.Embedding, rows: torch.Tensor, slot_feature: torch.Tensor, n_features: int,
+                         bags: torch.Tensor, backend: str) -> torch.Tensor:
+    """`common.field_means` on a kernel backend: rows [..., D] (the table rows of D id slots, 0 = no id) ->
+    [..., n_features, E], one bag per (row, feature) of the feature's slots padded to the widest feature's
+    (bags [n_features, width], slot D a zero column). Under a `RowCapture` the sink covers the D slots, not
+    the n_features x width padded positions the kernel reads: the demo schema's user side has 234 slots in
+    46 x 66 bag positions, and every position's piece (mostly padding) went through the captured gradient's
+    concatenation and scatter-add."""
+    padded = F.pad(rows, (0, 1))[..., bags]  # [..., n_features, width]
+    flat = padded.reshape(-1, padded.shape[-1])
+    if _ACTIVE is None:
+        return bag_mean_of_table(table, flat, backend).view(*padded.shape[:-1], table.embedding_dim)
+    mean = kernels.embedding_bag_mean(table.weight.detach(), flat, backend=backend)
+    mean = mean.view(*padded.shape[:-1], table.embedding_dim)
+    sink = _ACTIVE.lookup(table, rows).view(*rows.shape, -1)
+    axis = rows.dim() - 1
+    real = _real(rows, sink.dtype)  # [..., D, 1]
+    counts = real.new_zeros(*rows.shape[:-1], n_features, 1).index_add(axis, slot_feature, real)
+    share = real / counts.clamp(min=1).index_select(axis, slot_feature)  # 1 / the slot's feature's id count
+    return mean + sink.new_zeros(mean.shape).index_add(axis, slot_feature, sink * share)
+
+
 @dataclass
 class _Slot:
     table: nn.Embedding
