@@ -154,8 +154,10 @@ for s in "$@"; do
       smokes=$(( ${smokes:-0} + 1 )); n=${smokes#1}
       step smoke$n "${SMOKE_S:-150}" python3 ${SMOKE_PROFILE:+-m cProfile -o "$OUT/smoke$n.prof"} -m pcvr_lib smoke \
         --models all --seeds 17,42,97 --steps 20 --device cuda --jobs "${SMOKE_JOBS:-1}" --out "$OUT/smoke_h200${n:+_$n}"
-      # only the summaries come back (checkpoints, predictions and figures would outgrow the return)
-      find "$OUT/smoke_h200${n:+_$n}" -type f ! -name '*summary.json' ! -name 'training_telemetry.json' -delete ;;
+      # only the summaries and evaluations come back (tools/smoke_compare.py reads them; checkpoints, predictions
+      # and figures would outgrow the return)
+      find "$OUT/smoke_h200${n:+_$n}" -type f ! -name '*summary.json' ! -name 'training_telemetry.json' \
+        ! -name evaluation.json -delete ;;
     norm_sweep)
       step norm_sweep 150 $PYTEST perf_tests/test_norms.py -m "explore or not explore" -k "exploration or copy_rate" --benchmark-only \
         --benchmark-json="$OUT/norm_sweep.json" ;;
