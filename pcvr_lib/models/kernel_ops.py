@@ -135,11 +135,11 @@ def _sdpa(q, k, v, mask: torch.Tensor | None, causal: bool = False) -> torch.Ten
     backward is about 2.7x slower than its fp32 one (notes/models.md), and attention is a small part of a
     step's FLOPs."""
     half = q.dtype in (torch.bfloat16, torch.float16)
-    cpu_upcast = q.device.type == "cpu" and (half or torch.is_autocast_enabled("cpu"))
-    compute = torch.float32 if cpu_upcast and half else q.dtype  # elsewhere an additive mask follows q's dtype
+    outside_autocast = q.device.type == "cpu" and (half or torch.is_autocast_enabled("cpu"))
+    compute = torch.float32 if outside_autocast and half else q.dtype  # elsewhere a mask follows q's dtype
     if mask is not None and mask.dtype != torch.bool and mask.dtype != compute:
         mask = mask.to(compute)
-    if not cpu_upcast:
+    if not outside_autocast:
         return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=causal)
     with torch.autocast("cpu", enabled=False):
         out = F.scaled_dot_product_attention(q.to(compute), k.to(compute), v.to(compute), attn_mask=mask,
