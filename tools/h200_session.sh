@@ -151,7 +151,7 @@ for s in "$@"; do
     smoke)  # SMOKE_PROFILE=1: under cProfile ($OUT/smoke.prof: where the smoke's wall time goes); SMOKE_S: limit.
       # A second smoke step in one call (smoke smoke) is the same smoke on a warm machine (fonts cached, bytecode
       # compiled): its log and runs go to smoke2.log and smoke_h200_2/.
-      smokes=$(( ${smokes:-0} + 1 )); n=${smokes#1}
+      smokes=$(( ${smokes:-0} + 1 )); n=""; (( smokes > 1 )) && n=$smokes
       step smoke$n "${SMOKE_S:-150}" python3 ${SMOKE_PROFILE:+-m cProfile -o "$OUT/smoke$n.prof"} -m pcvr_lib smoke \
         --models all --seeds 17,42,97 --steps 20 --device cuda --jobs "${SMOKE_JOBS:-1}" --out "$OUT/smoke_h200${n:+_$n}"
       # only the summaries and evaluations come back (tools/smoke_compare.py reads them; checkpoints, predictions
