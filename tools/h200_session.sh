@@ -30,6 +30,9 @@
 #   `aa1` in one call and `aa2` in the next still pair two runs of one machine session. AA_K narrows the suite
 #   (e.g. AA_K=bf16 when both runs must fit one call), AA_S is each run's limit (240 s). AA_BASE=FILE (a run of
 #   an earlier lease, carried): aa2 also diffs it with run 2 both ways ($OUT/aa_cross_{12,21}.json).
+#   AA_WARM=1: first every gated case once, untimed (--benchmark-disable: compiles, checks, one call; limit
+#   AA_WARM_S, 240 s), so that no timed run is the machine's first pass over the suite (the first runs of a lease
+#   held the modes the A/A alarmed on: notes/comparison.md).
 # gate: the gated kernel suite once ($OUT/gate_run.json), `pcvr diff` of the committed snapshot of that suite
 #   (GATE_BASE, default .benchmarks/h200/kernels.json; its cases are matched by test id across the renamed
 #   benchmark files) against it: $OUT/gate_diff.json and .log. aa2 writes the same diff for its run 2.
@@ -114,6 +117,10 @@ for s in "$@"; do
       for i in 1 2; do
         [ "$s" = aa$(( 3 - i )) ] && continue  # aa1: run 1 only; aa2: run 2 only; aa: both
         rm -f "$KEEP/aa_run$i.json"  # never pair a run of an earlier call by mistake
+        if [ -n "${AA_WARM:-}" ] && [ -z "${aa_warmed:-}" ]; then  # once per call, before its first timed run
+          aa_warmed=1
+          step aa_warm "${AA_WARM_S:-240}" $PYTEST "${KERNEL_SUITE[@]}" -k "$GATED${AA_K:+ and $AA_K}" --benchmark-disable
+        fi
         step "aa_run$i" "${AA_S:-240}" $PYTEST "${KERNEL_SUITE[@]}" -k "$GATED${AA_K:+ and $AA_K}" --benchmark-only \
           --benchmark-json="$OUT/aa_run$i.json"
         keep "$OUT/aa_run$i.json"
