@@ -303,11 +303,13 @@ def models_view(data: dict) -> str:
     notes: dict = {}
     columns = set()
     for b in data["benchmarks"]:
-        m = re.search(r"model=(\w+),backend=(\w+)(?:,mode=(\w+))?,phase=(\w+)", b.get("name", ""))
+        m = re.search(r"model=(\w+),backend=(\w+)(?:,mode=(\w+))?,phase=(\w+)(?:,precision=(\w+))?",
+                      b.get("name", ""))
         if not m:
             continue
-        name, backend, mode, phase = m.groups()
+        name, backend, mode, phase, precision = m.groups()
         mode = mode or "eager"  # files from before the mode axis ran eagerly
+        phase = f"{phase} {precision}" if precision else phase  # fp32 ids name no precision
         gpu = b.get("extra_info", {}).get("stat") == "device"
         per_call, device, _ = case_times(b) if gpu else (b["stats"]["median"] * 1e6, None, None)
         cases.setdefault((name, phase), {})[backend, mode] = (per_call, device, _stale_mark(data, b))

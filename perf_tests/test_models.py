@@ -1,7 +1,9 @@
 """Model-level benchmarks: one training step and one inference pass of every model on every operator backend,
 eager and compiled.
 
-Ids: `model=<name>,backend=<torch|triton|tilelang>,mode=<eager|compile|graph>,phase=<train_step|infer>`. A
+Ids: `model=<name>,backend=<torch|triton|tilelang>,mode=<eager|compile|graph|captured>,phase=<train_step|infer>`,
+then `,precision=bf16` for the same step under bf16 autocast (`torch.autocast`, what `pcvr train --amp` runs:
+the matmuls on bf16 tensor cores); fp32 ids carry no precision (the ids of every earlier snapshot). A
 backend sets all three operator switches of the model config (attention, RMSNorm/LayerNorm, embedding-bag
 mean); what stays on torch whatever the switch is listed in notes/models.md (queryformer's per-column
 LayerNorm). A mode is `models.compiled`'s: eager, torch.compile(fullgraph) with inductor, the same with
@@ -16,13 +18,14 @@ seeded random one (`pcvr_lib.workloads.models.random_batch`). CPU: a tiny config
 interpreter cannot run the fp32 models' bf16 attention; smoke_tests/test_model_backends.py checks the
 norms and the embedding in the models, and every attention call site in fp16), eager for every model and
 compiled for baseline only (inductor's CPU code generation takes about a minute a model;
-smoke_tests/test_model_compile.py traces every model), run once under --benchmark-disable in CI.
+smoke_tests/test_model_compile.py traces every model), bf16 eager only, run once under --benchmark-disable in CI.
 
 Checked first: the case's logits at initialisation and its loss after one training step against the eager
 torch backend's (same seed, same dropout draws) by flash-attention's rule (`tolerance.flash_rule`): error
 at most twice torch's own at the kernels' precision plus one bf16 ulp of the largest value. The fp32
 models' attention runs in bf16 in flash_attention, so "torch's own" is the torch backend with its SDPA
-computed in bf16 (its own masks: a routing bug of the kernels' path cannot widen its own bound). The
+computed in bf16 (its own masks: a routing bug of the kernels' path cannot widen its own bound); for a bf16
+case, the eager torch backend under bf16 autocast, against the same fp32 result. The
 fixed bf16 tolerance used before (relative to the logits' RMS) is the likely cause of symbiosis'
 failures on the H200 (the reason was not logged): its 4 blocks of 110 tokens feed logits of RMS 0.07,
 and on CPU at batch 64 bf16 attention alone (no kernel) reached 0.99 of that bound at init (baseline
@@ -58,18 +61,21 @@ from pcvr_lib.workloads.models import DEMO_SCHEMA, GPU_BATCH, GPU_TABLE_CAP, dem
 CUDA = torch.cuda.is_available()
 BACKENDS = ("torch", "triton", "tilelang")
 PHASES = ("train_step", "infer")
+PRECISIONS = ("fp32", "bf16")  # bf16: the step under bf16 autocast (the trainer's --amp)
 CPU_CONFIG = {"vocab_cap": 64, "d_model": 48, "num_heads": 2, "num_blocks": 1}
 SEED = 0
 
-_PER_CALL_US: dict[tuple[str, str, str], float] = {}  # (model, phase, mode) -> the torch backend's per-call us
+_PER_CALL_US: dict[tuple, float] = {}  # (model, phase, mode, precision) -> the torch backend's per-call us
 # the modes of torch.compile of the torch backend a case is set against: its own compiled mode, and for the
 # captured step both (torch.compile with and without inductor's CUDA graphs)
 TORCH_COMPILE_PEERS = {"compile": ("compile",), "graph": ("graph",), "captured": ("compile", "graph")}
-# One build per (model, backend, mode), shared by both phases; only the current model's are kept (GPU memory).
-_STEPS: dict[tuple[str, str, str], ModelStep] = {}
+# One build per (model, backend, mode, precision), shared by both phases; only the current model's are kept (GPU
+# memory).
+_STEPS: dict[tuple[str, str, str, str], ModelStep] = {}
 CPU_COMPILED = ("baseline",)  # the models compiled on CPU (inductor's code generation: ~1 min a model)
 _REFERENCE: dict[str, dict] = {}  # model -> the torch backend's logits at init and loss after one step
-_FAILED: dict[tuple[str, str], str] = {}  # (model, backend) -> why its check failed (the other phase repeats it)
+_OWN_ERROR: dict[tuple[str, str], dict] = {}  # (model, precision) -> eager torch's own error at that precision
+_FAILED: dict[tuple, str] = {}  # (model, backend, mode, precision) -> why its check failed (both phases fail)
 OPERATOR_SWITCHES = ("attention_backend", "rms_norm_backend", "embedding_backend")
 
 
@@ -92,28 +98,51 @@ def _build(name: str, backend: str, switches: dict | None = None, mode: str = "e
                      device="cuda" if CUDA else "cpu", mode=mode)
 
 
-def _one_step(step: ModelStep) -> dict:
-    """Logits at init, then the loss after one training step (same dropout draws on every backend). The
-    logits are copied: in mode graph they live in the CUDA graph's memory, which the next replay overwrites."""
-    logits = step.infer().clone()
-    torch.manual_seed(1)
-    step.train_step()
-    return {"logits": logits, "loss": step.eval_loss()}
+def _at(precision: str, mode: str):
+    """The context a call at `precision` runs in: bf16 autocast for bf16 (without autocast's cache of cast
+    weights in mode captured, where the call may capture a CUDA graph: torch's rule), nothing for fp32."""
+    if precision == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast("cuda" if CUDA else "cpu", dtype=torch.bfloat16, cache_enabled=mode != "captured")
 
 
-def _step(name: str, backend: str, mode: str = "eager") -> ModelStep:
-    """The (model, backend, mode) step of both phases; eager torch also gives the model's reference."""
+def _in_precision(call, precision: str, mode: str):
+    """`call` made to run at `precision` (the benchmark times this, the autocast entry included)."""
+    if precision == "fp32":
+        return call
+
+    def at_precision():
+        with _at(precision, mode):
+            return call()
+    return at_precision
+
+
+def _one_step(step: ModelStep, precision: str = "fp32") -> dict:
+    """Logits at init, then the loss after one training step (same dropout draws on every backend), at
+    `precision`. The logits are copied: in mode graph they live in the CUDA graph's memory, which the next
+    replay overwrites."""
+    with _at(precision, step.mode):
+        logits = step.infer().clone()
+        torch.manual_seed(1)
+        step.train_step()
+        return {"logits": logits, "loss": step.eval_loss()}
+
+
+def _step(name: str, backend: str, mode: str = "eager", precision: str = "fp32") -> ModelStep:
+    """The (model, backend, mode, precision) step of both phases; eager torch in fp32 also gives the model's
+    reference."""
     for key in [k for k in _STEPS if k[0] != name]:
         del _STEPS[key]
-    if (name, backend, mode) not in _STEPS:
-        if backend == "torch" and mode == "eager":
+    key = (name, backend, mode, precision)
+    if key not in _STEPS:
+        if key == (name, "torch", "eager", "fp32"):
             step = _build(name, "torch")
             _REFERENCE[name] = _reference(name, step)
             step.loss_after_step = _REFERENCE[name]["loss"]
         else:
-            step = _checked(name, backend, mode)
-        _STEPS[(name, backend, mode)] = step
-    return _STEPS[(name, backend, mode)]
+            step = _checked(name, backend, mode, precision)
+        _STEPS[key] = step
+    return _STEPS[key]
 
 
 @contextlib.contextmanager
@@ -141,23 +170,43 @@ def _reference(name: str, step: ModelStep) -> dict:
     ref = _one_step(step)
     with _sdpa_in(torch.bfloat16):
         own = _one_step(_build(name, "torch"))
-    ref["own_logits_error"] = max_abs_error(own["logits"], ref["logits"].double())
-    ref["own_loss_error"] = abs(own["loss"] - ref["loss"])
+    _OWN_ERROR[name, "fp32"] = _errors(own, ref)
     return ref
 
 
-def _compare(name: str, what: str, ours: dict) -> str | None:
-    """None when `ours` matches the torch backend's reference by flash-attention's rule, else what differs."""
-    ref = _REFERENCE[name]
+def _errors(ours: dict, ref: dict) -> dict:
+    """max |logits - reference logits| and |loss - reference loss|."""
+    return {"logits": max_abs_error(ours["logits"], ref["logits"].double()), "loss": abs(ours["loss"] - ref["loss"])}
+
+
+def _own_error(name: str, precision: str) -> dict:
+    """Eager torch's own error against its fp32 result at `precision`: for fp32, with its attention in bf16
+    (the kernels' precision); for bf16, the whole step under bf16 autocast."""
+    if name not in _REFERENCE:
+        _step(name, "torch")
+    if (name, precision) not in _OWN_ERROR:
+        own = _errors(_one_step(_build(name, "torch"), precision), _REFERENCE[name])
+        if precision == "bf16" and own["logits"] == 0.0:  # its bound would be 0 and its cases not bf16 at all
+            raise AssertionError(f"{name}: bf16 autocast changed none of eager torch's logits; the step does not "
+                                 "run at bf16")
+        _OWN_ERROR[name, precision] = own
+    return _OWN_ERROR[name, precision]
+
+
+def _compare(name: str, what: str, ours: dict, precision: str = "fp32") -> str | None:
+    """None when `ours` matches the torch backend's fp32 reference by flash-attention's rule (twice eager
+    torch's own error at `precision`, plus an ulp), else what differs."""
+    ref, own = _REFERENCE[name], _own_error(name, precision)
     try:
-        flash_rule(ours["logits"], ref["logits"].double(), ref["own_logits_error"], torch.bfloat16,
+        flash_rule(ours["logits"], ref["logits"].double(), own["logits"], torch.bfloat16,
                    what=f"{what}: logits at init")
     except AssertionError as exc:
         return str(exc)
-    bound = 2.0 * ref["own_loss_error"] + ULP[torch.bfloat16] * abs(ref["loss"])
+    bound = 2.0 * own["loss"] + ULP[torch.bfloat16] * abs(ref["loss"])
     if not abs(ours["loss"] - ref["loss"]) <= bound:
+        at = "bf16 attention" if precision == "fp32" else "bf16 autocast"
         return (f"{what}: loss after one step {ours['loss']!r}, torch backend {ref['loss']!r} (allowed difference "
-                f"{bound:.3g}: 2 x torch's own at bf16 attention {ref['own_loss_error']:.3g} + ulp)")
+                f"{bound:.3g}: 2 x torch's own at {at} {own['loss']:.3g} + ulp)")
     return None
 
 
@@ -173,20 +222,22 @@ def _eager_draws(mode: str):
     return inductor_config.patch(fallback_random=True)
 
 
-def _checked(name: str, backend: str, mode: str) -> ModelStep:
+def _checked(name: str, backend: str, mode: str, precision: str = "fp32") -> ModelStep:
     """The case's step after its check against eager torch (fails the case with the reason, and names the
     operator switch that alone reproduces the difference). The step is one training step on."""
-    if (name, backend, mode) in _FAILED:
-        pytest.fail(_FAILED[(name, backend, mode)])
+    case = (name, backend, mode, precision)
+    if case in _FAILED:
+        pytest.fail(_FAILED[case])
     if name not in _REFERENCE:
         _step(name, "torch")
     step = _build(name, backend, mode=mode)
+    what = f"{name} {backend} {mode}" + ("" if precision == "fp32" else f" {precision}")
     try:
         with _eager_draws(mode):
-            ours = _one_step(step)
-        problem = _compare(name, f"{name} {backend} {mode}", ours)
+            ours = _one_step(step, precision)
+        problem = _compare(name, what, ours, precision)
     except Exception as exc:  # noqa: BLE001 - reported with the per-switch diagnosis below
-        problem = f"{name} {backend}: {type(exc).__name__}: {exc}"
+        problem = f"{what}: {type(exc).__name__}: {exc}"
     if problem is None:
         step.loss_after_step = ours["loss"]
         return step
@@ -195,32 +246,32 @@ def _checked(name: str, backend: str, mode: str) -> ModelStep:
     for switch in OPERATOR_SWITCHES if backend != "torch" else ():  # which switch alone reproduces it
         try:
             with _eager_draws(mode):
-                single = _one_step(_build(name, "torch", {switch: backend}, mode))
-            why = _compare(name, f"{switch}={backend} alone", single)
+                single = _one_step(_build(name, "torch", {switch: backend}, mode), precision)
+            why = _compare(name, f"{switch}={backend} alone", single, precision)
         except Exception as exc:  # noqa: BLE001 - part of the diagnosis
             why = f"{switch}={backend} alone: {type(exc).__name__}: {exc}"
         alone.append(why or f"{switch}={backend} alone: matches torch")
-    _FAILED[(name, backend, mode)] = problem + "".join(f"\n  {line}" for line in alone)
+    _FAILED[case] = problem + "".join(f"\n  {line}" for line in alone)
     # at once in the log (past pytest's sys capture): a session cut short still shows why
-    print(f"CHECK FAILED {name} {backend} {mode}: {_FAILED[(name, backend, mode)]}", file=sys.__stderr__,
-          flush=True)
-    pytest.fail(_FAILED[(name, backend, mode)])
+    print(f"CHECK FAILED {what}: {_FAILED[case]}", file=sys.__stderr__, flush=True)
+    pytest.fail(_FAILED[case])
 
 
 RETURNS = {"train_step": "one optimizer step taken: forward, backward, step (parameters updated in place)",
            "infer": "the logits (no gradient)"}
-CASES = [pytest.param(m, b, mode, p, id=f"model={m},backend={b},mode={mode},phase={p}")
-         for m in model_names() for b in BACKENDS for mode in MODES for p in PHASES]
+CASES = [pytest.param(m, b, mode, p, prec, id=f"model={m},backend={b},mode={mode},phase={p}"
+                      + ("" if prec == "fp32" else f",precision={prec}"))
+         for m in model_names() for prec in PRECISIONS for b in BACKENDS for mode in MODES for p in PHASES]
 
 
-@pytest.mark.parametrize("name,backend,mode,phase", CASES)
-def test_model(benchmark, name, backend, mode, phase):
+@pytest.mark.parametrize("name,backend,mode,phase,precision", CASES)
+def test_model(benchmark, name, backend, mode, phase, precision):
     problem = mode_problem(mode, "cuda" if CUDA else "cpu")
     if problem:
         pytest.skip(problem)
-    if mode != "eager" and not CUDA and name not in CPU_COMPILED:
-        pytest.skip(f"on CPU only {', '.join(CPU_COMPILED)} runs compiled (inductor's code generation takes "
-                    "about a minute a model; smoke_tests/test_model_compile.py traces every model)")
+    if mode != "eager" and not CUDA and (name not in CPU_COMPILED or precision != "fp32"):
+        pytest.skip(f"on CPU only {', '.join(CPU_COMPILED)} runs compiled, in fp32 (inductor's code generation "
+                    "takes about a minute a model; smoke_tests/test_model_compile.py traces every model)")
     if backend != "torch":
         if not CUDA:
             pytest.skip(f"{backend}: no CUDA device (the CPU checks on Triton's interpreter are in "
@@ -228,14 +279,16 @@ def test_model(benchmark, name, backend, mode, phase):
         ok, why = dispatch.backend_status("flash_attention", backend, "cuda")
         if not ok:
             pytest.skip(f"{backend}: {why}")
-    benchmark.group = f"model={name},phase={phase}"
-    step = _step(name, backend, mode)  # checked against eager torch first (every other case)
-    info = {"batch": step.batch.batch_size, "parameters": step.model.parameter_counts(),
+    benchmark.group = f"model={name},phase={phase}" + ("" if precision == "fp32" else f",precision={precision}")
+    step = _step(name, backend, mode, precision)  # checked against eager torch first (every other case)
+    info = {"batch": step.batch.batch_size, "parameters": step.model.parameter_counts(), "precision": precision,
             "loss_after_step": step.loss_after_step, "torch_loss_after_step": _REFERENCE[name]["loss"],
             "returns": RETURNS[phase], **sources.stamp(f"model:{name}:{backend}")}
-    if (backend, mode) != ("torch", "eager"):
-        info["checked"] = "logits at init and loss after one step vs eager torch (flash-attention rule at bf16)"
-    call = step.train_step if phase == "train_step" else step.infer
+    if (backend, mode, precision) != ("torch", "eager", "fp32"):
+        bound = "at bf16 attention" if precision == "fp32" else "under bf16 autocast"
+        info["checked"] = ("logits at init and loss after one step vs eager fp32 torch (flash-attention rule, "
+                           f"the bound from eager torch's own error {bound})")
+    call = _in_precision(step.train_step if phase == "train_step" else step.infer, precision, mode)
     benchmark.extra_info.update(info)
     if not CUDA:
         timing.bench_cpu(benchmark, call, rounds=3)
@@ -246,10 +299,10 @@ def test_model(benchmark, name, backend, mode, phase):
     per_call = result.get("per_call_us")
     if per_call:
         if backend == "torch":
-            _PER_CALL_US[(name, phase, mode)] = per_call
+            _PER_CALL_US[(name, phase, mode, precision)] = per_call
         peers = {"speedup_vs_torch": ("eager",), "speedup_vs_torch_compile": TORCH_COMPILE_PEERS.get(mode, ())}
-        for key, peer_modes in peers.items():
-            timed = [_PER_CALL_US[(name, phase, m)] for m in peer_modes if (name, phase, m) in _PER_CALL_US
-                     and (backend, mode) != ("torch", m)]
+        for key, peer_modes in peers.items():  # the torch peer at the case's own precision
+            timed = [_PER_CALL_US[(name, phase, m, precision)] for m in peer_modes
+                     if (name, phase, m, precision) in _PER_CALL_US and (backend, mode) != ("torch", m)]
             if timed:  # the fastest of the peer's modes that ran
                 benchmark.extra_info[key] = round(min(timed) / per_call, 4)

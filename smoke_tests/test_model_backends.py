@@ -65,9 +65,10 @@ def test_backend_flags_set_the_model_options_and_refuse_a_contradiction():
 def test_models_report_view_compares_the_fastest_backend_with_torch():
     from pcvr_lib.report import models_view
 
-    def case(backend, per_call_us, device_us, torch_ops=(), mode=None):
+    def case(backend, per_call_us, device_us, torch_ops=(), mode=None, precision=None):
         axis = f",mode={mode}" if mode else ""  # files from before the mode axis name no mode: eager
-        return {"name": f"test_model[model=tokenformer,backend={backend}{axis},phase=train_step]",
+        at = f",precision={precision}" if precision else ""  # fp32 ids name no precision
+        return {"name": f"test_model[model=tokenformer,backend={backend}{axis},phase=train_step{at}]",
                 "stats": {"median": device_us * 1e-6},
                 "extra_info": {"stat": "device", "per_call_us": per_call_us, "device_us": device_us,
                                "torch_ops": list(torch_ops)}}
@@ -86,6 +87,15 @@ def test_models_report_view_compares_the_fastest_backend_with_torch():
     assert "torch compile us [device]" in header and "triton graph us [device]" in header
     assert "tilelang" not in header  # only the columns the file holds
     assert "2.00x (triton/graph)" in row and "1.50x (triton/graph)" in row
+    # a bf16 case is a row of its own, set against torch at bf16 only
+    text = models_view({"benchmarks": [case("torch", 1200.0, 900.0, mode="eager"),
+                                       case("triton", 1000.0, 700.0, mode="eager"),
+                                       case("torch", 600.0, 400.0, mode="eager", precision="bf16"),
+                                       case("triton", 400.0, 300.0, mode="eager", precision="bf16")]})
+    rows = [line for line in text.splitlines() if line.startswith("tokenformer")]
+    fp32, bf16 = (next(row for row in rows if ("train_step bf16" in row) == at) for at in (False, True))
+    assert "1200 [900]" in fp32 and "1.20x (triton/eager)" in fp32
+    assert "600 [400]" in bf16 and "1.50x (triton/eager)" in bf16
 
 
 def _kernel_and_torch(monkeypatch, **args):

@@ -341,7 +341,8 @@ def model_cases(snap: str) -> dict:
     times = {}
     for b in run(snap)["benchmarks"]:
         fields = dict(part.split("=") for part in b["name"][b["name"].index("[") + 1:-1].split(","))
-        times[fields["model"], fields["phase"], fields["backend"], fields["mode"]] = b
+        if fields.get("precision", "fp32") == "fp32":  # the table is fp32's (fp32 ids name no precision)
+            times[fields["model"], fields["phase"], fields["backend"], fields["mode"]] = b
     return times
 
 
