@@ -123,6 +123,29 @@ def test_the_compiled_model_trains_and_scores_as_eager_without_host_reads(name, 
                  f"scores after {STEPS} steps", tol=AFTER_STEPS)
 
 
+@pytest.mark.parametrize("name", model_names())
+def test_the_compiled_model_traces_one_graph_under_bf16_autocast(name):
+    """The step `pcvr train --amp` and the benchmark's bf16 cases run: under bf16 autocast each model still
+    traces as one forward and one backward graph, and trains and scores as it does eagerly under autocast
+    (torch backend: the interpreter cannot run bf16)."""
+    if torch.cuda.is_available():
+        pytest.skip("CPU check; on a GPU perf_tests/test_models.py times the compiled models in bf16")
+    torch._dynamo.reset()
+    compiler = RecordingCompiler()
+    eager, compiled = _build(name, "torch", "eager", compiler), _build(name, "torch", "compile", compiler)
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        with at_static_lengths():
+            eager_loss, _ = _gradients(eager)
+        compiled_loss, _ = _gradients(compiled)
+        assert len(compiler.graphs) == 2, f"{name}: {len(compiler.graphs)} graphs under autocast (forward + backward)"
+        scores, expected = compiled.infer(), eager.infer()
+    assert len(compiler.graphs) == 3, f"{name}: inference under autocast compiled as {len(compiler.graphs) - 2} graphs"
+    assert scores.dtype == torch.bfloat16, f"{name}: scores in {scores.dtype} under bf16 autocast"
+    assert_close(torch.tensor(compiled_loss), torch.tensor(eager_loss, dtype=torch.float64), torch.bfloat16,
+                 what=f"{name}: compiled loss vs eager under bf16 autocast")
+    assert_close(scores, expected.double(), torch.bfloat16, what=f"{name}: compiled vs eager scores under autocast")
+
+
 def test_a_graph_break_fails_the_compiled_step():
     """fullgraph=True: a model that cannot trace as one graph is an error, not a silently slower step."""
     from pcvr_lib.models.compiled import CompiledModel
