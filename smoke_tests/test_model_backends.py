@@ -239,6 +239,46 @@ def test_every_switch_on_triton_gives_the_torch_loss_by_the_benchmarks_rule(name
         flash_rule(a, e, max_abs_error(o, e), torch.float16, what=f"{name} {what}, every switch on triton")
 
 
+@pytest.mark.parametrize("name", model_names())
+def test_the_norm_and_embedding_kernels_under_bf16_autocast_give_the_torch_loss(name, monkeypatch):
+    """Under bf16 autocast (`pcvr train --amp`, the benchmark's bf16 cases) a norm's input may be bf16 beside
+    its fp32 parameters; the kernels take one dtype, so the models hand them the parameters in the input's.
+    The norms and the embedding on the Triton kernels (interpreter; attention on torch, which the interpreter
+    cannot run in bf16) against the torch backend's fp32 step, by the benchmark's rule with the bound from
+    the torch backend under the same autocast. Fails with the parameters passed uncast (a dtype error)."""
+    if torch.cuda.is_available() or dispatch.package_problem("triton"):
+        pytest.skip("CPU interpreter check")
+    from pcvr_lib.kernels.tolerance import flash_rule, max_abs_error
+
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    schema = demo_schema(max_len=6)
+    batch = random_batch(schema, batch=2, seed=3)
+    switches = {**TINY, "rms_norm_backend": "triton", "embedding_backend": "triton"}
+    expected = _one_step_logits(ModelStep(name, schema, batch, "torch", config=TINY))
+    with torch.autocast("cpu", dtype=torch.bfloat16):
+        own = _one_step_logits(ModelStep(name, schema, batch, "torch", config=TINY))
+        actual = _one_step_logits(ModelStep(name, schema, batch, "torch", config=switches))
+    for what, a, o, e in zip(("logits at init", "logits after one step"), actual, own, expected, strict=True):
+        e = e.double()
+        assert a.dtype == o.dtype, f"{name} {what}: {a.dtype} on the kernels, {o.dtype} on torch under autocast"
+        flash_rule(a, e, max_abs_error(o, e), torch.bfloat16, what=f"{name} {what} under bf16 autocast, kernels")
+
+
+def test_kernel_attention_gets_one_dtype_from_mixed_inputs(monkeypatch):
+    """Under autocast a projection may come out bf16 beside an fp32 tensor; the kernels take one dtype, so
+    the models hand them q, k and v promoted to the widest (fp32 here), and unchanged when they agree."""
+    from pcvr_lib import kernels
+    from pcvr_lib.models.kernel_ops import attention
+
+    seen = []
+    monkeypatch.setattr(kernels, "flash_attention", lambda q, k, v, **kw: seen.append((q.dtype, k.dtype, v.dtype)) or q)
+    q = torch.randn(1, 2, 4, 16, dtype=torch.bfloat16)
+    kv = torch.randn(1, 2, 4, 16)
+    assert attention(q, kv, kv, backend="triton").dtype == torch.float32
+    attention(q, q, q, backend="triton")
+    assert seen == [(torch.float32,) * 3, (torch.bfloat16,) * 3]
+
+
 def _one_step_logits(step: ModelStep):
     before = step.infer()
     torch.manual_seed(1)  # the same dropout draws on every backend

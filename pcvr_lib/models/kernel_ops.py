@@ -28,7 +28,7 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float = 1e-6, backend: 
     original tooling's eager fp32 formula (several kernels; kept as `kernels.norms.rms_norm_formula`)."""
     if backend == "torch":
         return F.rms_norm(x, (x.shape[-1],), weight.to(x.dtype), eps)
-    return kernels.rms_norm(x, weight, eps, backend=backend)
+    return kernels.rms_norm(x, weight.to(x.dtype), eps, backend=backend)  # the kernels take one dtype
 
 
 class RMSNorm(nn.Module):
@@ -46,14 +46,16 @@ class RMSNorm(nn.Module):
 
 class LayerNorm(nn.LayerNorm):
     """nn.LayerNorm whose forward runs `pcvr_lib.kernels.layer_norm` with the model's norm backend (same
-    parameters and state-dict keys, so checkpoints do not depend on the backend)."""
+    parameters and state-dict keys, so checkpoints do not depend on the backend). The kernels take one
+    dtype: under bf16 autocast a bf16 input meets the parameters cast to bf16 and gives a bf16 output (the
+    kernels accumulate in fp32), where torch's layer_norm would compute and return fp32."""
 
     backend: str = "torch"
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.backend == "torch":
             return super().forward(x)
-        return kernels.layer_norm(x, self.weight, self.bias, self.eps, backend=self.backend)
+        return kernels.layer_norm(x, self.weight.to(x.dtype), self.bias.to(x.dtype), self.eps, backend=self.backend)
 
 
 def route_layer_norms(model: nn.Module, backend: str) -> None:
@@ -98,6 +100,10 @@ def attention(
         if mask is not None:
             raise ValueError(f"attention backend {backend!r}: a precomputed mask tensor is for the torch backend; "
                              "pass role_mask= (or the key lengths / window arguments) instead")
+        if not q.dtype == k.dtype == v.dtype:  # the kernels take one dtype (under autocast a projection may be
+            # bf16 beside an fp32 tensor); the widest, as torch's type promotion would give
+            dtype = torch.promote_types(torch.promote_types(q.dtype, k.dtype), v.dtype)
+            q, k, v = q.to(dtype), k.to(dtype), v.to(dtype)
         if role_mask is not None:
             return kernels.flash_attention(q, k, v, role_mask=role_mask, backend=backend)
         if key_lengths is not None:  # the kernels' length 0 gives zeros; here it counts as 1 (as on torch)
