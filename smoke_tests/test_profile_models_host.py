@@ -1,10 +1,14 @@
 """tools/profile_models.py --host on the CPU (the torch backend, a tiny model): the host-time views are filled
 and consistent (cProfile's packages sum to its CPU total, the functions carry own <= inclusive time, the
-step's own code is attributed to pcvr_lib modules), the JSON round-trips through --from, and the tables print."""
+step's own code is attributed to pcvr_lib modules), the JSON round-trips through --from, and the tables print;
+--precision bf16 runs the steps under bf16 autocast."""
 
 from __future__ import annotations
 
 import json
+
+import pytest
+import torch
 
 from smoke_tests.tool_loader import load_tool
 
@@ -46,3 +50,21 @@ def test_package_of():
     assert tool.package_of(f"{root}/pcvr_lib/kernels/_triton.py") == "pcvr_lib.kernels._triton"
     assert tool.package_of("/usr/lib/python3/site-packages/torch/autograd/function.py") == "torch.autograd"
     assert tool.package_of("/usr/lib/python3/site-packages/triton/runtime/jit.py") == "triton"
+
+
+def test_bf16_precision_runs_the_steps_under_autocast():
+    tool = load_tool("profile_models")
+    from pcvr_lib.models.step import ModelStep
+    from pcvr_lib.workloads.models import demo_schema, random_batch
+
+    schema = demo_schema(8)
+    batch = random_batch(schema, batch=4, seed=3)
+    step = ModelStep("baseline", schema, batch, "torch", config=TINY)
+    with tool.at_precision(step, "bf16"):
+        assert torch.is_autocast_enabled("cpu") and torch.get_autocast_dtype("cpu") == torch.bfloat16
+    with tool.at_precision(step, "fp32"):
+        assert not torch.is_autocast_enabled("cpu")
+    with pytest.raises(ValueError, match="fp32 or bf16"):
+        tool.at_precision(step, "fp16")
+    r = tool.host_profile("baseline", "torch", schema, batch, 1, "cpu", 5, config=TINY, precision="bf16")
+    assert r["host_cpu_us"] > 0 and any(op.startswith("aten::") for op in r["ops_self_us"])

@@ -2,11 +2,14 @@
 
     python tools/profile_models.py [--models all] [--backends torch,triton] [--steps 3] [--top 12] [--out DIR]
     python tools/profile_models.py --models onetrans --backends torch:graph,triton:graph,triton:captured
+    python tools/profile_models.py --models symbiosis --backends torch:graph,triton:graph --precision bf16
     python tools/profile_models.py --host [--device cuda|cpu] [--batch 256] ...   # host time instead
     python tools/profile_models.py --from DIR/profile_models.json | DIR/profile_host.json   # tables again
 
 Same build and batch as perf_tests/test_models.py (batch 256, the demo schema's lengths, tables capped at
-8192 rows). Each (model, backend): two warm-up steps, then `--steps` training steps under torch.profiler.
+8192 rows), at `--precision` (fp32, or bf16: every step under bf16 autocast, as the benchmark's bf16 cases and
+`pcvr train --amp` run it). Each (model, backend): two warm-up steps, then `--steps` training steps under
+torch.profiler.
 Per step: the kernels' device time (sum of CUDA kernel durations), the number of kernel launches, and the
 `--top` kernels by device time. Writes profile_models.json to --out (default $OUT, else .) and prints, per
 model, the backends side by side and the kernels whose device time differs most between them.
@@ -47,22 +50,32 @@ from pcvr_lib.models import model_names  # noqa: E402
 from pcvr_lib.models.step import ModelStep  # noqa: E402
 from pcvr_lib.schema import load_schema  # noqa: E402
 from pcvr_lib.timing import is_kernel_event  # noqa: E402
+from pcvr_lib.train.config import autocast  # noqa: E402
 from pcvr_lib.workloads.models import DEMO_SCHEMA, GPU_BATCH, GPU_TABLE_CAP, random_batch  # noqa: E402
 
 
-def profile_step(name: str, backend: str, schema, batch, steps: int) -> dict:
+def at_precision(step: ModelStep, precision: str):
+    """The context `step`'s calls run in at `precision`: bf16 autocast (without its cache of cast weights in
+    mode captured, whose first call captures a CUDA graph) or nothing."""
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
+    return autocast(next(step.model.parameters()).device, precision == "bf16", cache=step.mode != "captured")
+
+
+def profile_step(name: str, backend: str, schema, batch, steps: int, precision: str = "fp32") -> dict:
     """`backend` is an operator backend, optionally with a mode (`torch:graph`, `triton:captured`: eager
     without one); compiled modes warm up for three steps (inductor's CUDA graphs record on the third call)."""
     backend, _, mode = backend.partition(":")
     step = ModelStep(name, schema, batch, backend, config={"vocab_cap": GPU_TABLE_CAP}, seed=0, device="cuda",
                      mode=mode or "eager")
-    for _ in range(2 if mode in ("", "eager") else 3):
-        step.train_step()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-        for _ in range(steps):
+    with at_precision(step, precision):
+        for _ in range(2 if mode in ("", "eager") else 3):
             step.train_step()
         torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                step.train_step()
+            torch.cuda.synchronize()
     kernels: dict[str, list[float]] = defaultdict(lambda: [0.0, 0])
     for event in prof.events():
         if is_kernel_event(event):
@@ -113,11 +126,18 @@ def _label(func: tuple) -> str:
 
 
 def host_profile(name: str, backend: str, schema, batch, steps: int, device: str, top: int,
-                 config: dict | None = None) -> dict:
-    """Host time of one training step of `name` on `backend` (the three views of the module docstring);
-    `config` overrides the model's settings (default: the benchmark's, tables capped at GPU_TABLE_CAP rows)."""
+                 config: dict | None = None, precision: str = "fp32") -> dict:
+    """Host time of one training step of `name` on `backend` at `precision` (the three views of the module
+    docstring); `config` overrides the model's settings (default: the benchmark's, tables capped at
+    GPU_TABLE_CAP rows)."""
     config = {"vocab_cap": GPU_TABLE_CAP} if config is None else config
     step = ModelStep(name, schema, batch, backend, config=config, seed=0, device=device)
+    with at_precision(step, precision):
+        return _host_views(step, steps, device, top)
+
+
+def _host_views(step: ModelStep, steps: int, device: str, top: int) -> dict:
+    """host_profile's measurements of an already built step."""
     cuda = device == "cuda"
     sync = torch.cuda.synchronize if cuda else (lambda: None)
     for _ in range(2):
@@ -247,6 +267,8 @@ def main(argv=None) -> int:
     parser.add_argument("--host", action="store_true", help="attribute host time instead of device time")
     parser.add_argument("--device", default="cuda", help="--host only: cpu runs the torch backend on the CPU")
     parser.add_argument("--batch", type=int, default=GPU_BATCH, help="batch rows (the benchmark's 256)")
+    parser.add_argument("--precision", choices=("fp32", "bf16"), default="fp32",
+                        help="bf16: every step under bf16 autocast (the benchmark's bf16 cases, pcvr train --amp)")
     parser.add_argument("--from", dest="from_json", help="print the tables of a saved profile_models.json or "
                         "profile_host.json")
     args = parser.parse_args(argv)
@@ -268,13 +290,13 @@ def main(argv=None) -> int:
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     if args.host:
         result = {"kind": "host", "device": device_name, "torch": torch.__version__, "steps": args.steps,
-                  "batch": args.batch, "models": {},
+                  "batch": args.batch, "precision": args.precision, "models": {},
                   "note": "us per training step; host_cpu_us / wall_us without a profiler; packages_us and "
                           "functions ([own, inclusive, calls]) from cProfile on the thread CPU clock; "
                           "ops_self_us ([self CPU us, calls]) from torch.profiler; sync_wall_us: its sync calls"}
         path = os.path.join(args.out, "profile_host.json")
     else:
-        result = {"device": device_name, "torch": torch.__version__, "models": {},
+        result = {"device": device_name, "torch": torch.__version__, "precision": args.precision, "models": {},
                   "note": "device_us: the sum of CUDA kernel durations per step (GPU-side annotations excluded)"}
         path = os.path.join(args.out, "profile_models.json")
     os.makedirs(args.out, exist_ok=True)
@@ -283,9 +305,10 @@ def main(argv=None) -> int:
         for backend in backends:
             try:
                 if args.host:
-                    entry = host_profile(name, backend, schema, batch, args.steps, args.device, args.top)
+                    entry = host_profile(name, backend, schema, batch, args.steps, args.device, args.top,
+                                         precision=args.precision)
                 else:
-                    entry = profile_step(name, backend, schema, batch, args.steps)
+                    entry = profile_step(name, backend, schema, batch, args.steps, args.precision)
             except Exception as exc:  # noqa: BLE001 - reported; the other models still run
                 entry = {"error": f"{type(exc).__name__}: {exc}"[:300]}
             result["models"][name][backend] = entry
