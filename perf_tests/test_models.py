@@ -56,7 +56,7 @@ from pcvr_lib.models import model_names
 from pcvr_lib.models.compiled import MODES, mode_problem
 from pcvr_lib.models.step import ModelStep
 from pcvr_lib.schema import load_schema
-from pcvr_lib.train.config import autocast
+from pcvr_lib.train.config import at_precision
 from pcvr_lib.workloads.models import DEMO_SCHEMA, GPU_BATCH, GPU_TABLE_CAP, demo_schema, random_batch
 
 CUDA = torch.cuda.is_available()
@@ -102,7 +102,7 @@ def _build(name: str, backend: str, switches: dict | None = None, mode: str = "e
 def _at(precision: str, mode: str):
     """The context a call at `precision` runs in: bf16 autocast for bf16 (without autocast's cache of cast
     weights in mode captured, where the call may capture a CUDA graph: torch's rule), nothing for fp32."""
-    return autocast(torch.device("cuda" if CUDA else "cpu"), precision == "bf16", cache=mode != "captured")
+    return at_precision(torch.device("cuda" if CUDA else "cpu"), precision, captured=mode == "captured")
 
 
 def _in_precision(call, precision: str, mode: str):

@@ -66,5 +66,9 @@ def test_bf16_precision_runs_the_steps_under_autocast():
         assert not torch.is_autocast_enabled("cpu")
     with pytest.raises(ValueError, match="fp32 or bf16"):
         tool.at_precision(step, "fp16")
-    r = tool.host_profile("baseline", "torch", schema, batch, 1, "cpu", 5, config=TINY, precision="bf16")
-    assert r["host_cpu_us"] > 0 and any(op.startswith("aten::") for op in r["ops_self_us"])
+    casts = {}
+    for precision in ("fp32", "bf16"):
+        r = tool.host_profile("baseline", "torch", schema, batch, 1, "cpu", 40, config=TINY, precision=precision)
+        assert r["host_cpu_us"] > 0 and any(op.startswith("aten::") for op in r["ops_self_us"])
+        casts[precision] = r["ops_self_us"].get("aten::_to_copy", [0.0, 0.0])[1]
+    assert casts["bf16"] > casts["fp32"], f"the profiled steps' casts per step {casts}: bf16 ran without autocast"

@@ -50,16 +50,13 @@ from pcvr_lib.models import model_names  # noqa: E402
 from pcvr_lib.models.step import ModelStep  # noqa: E402
 from pcvr_lib.schema import load_schema  # noqa: E402
 from pcvr_lib.timing import is_kernel_event  # noqa: E402
-from pcvr_lib.train.config import autocast  # noqa: E402
+from pcvr_lib.train.config import at_precision as step_at_precision  # noqa: E402
 from pcvr_lib.workloads.models import DEMO_SCHEMA, GPU_BATCH, GPU_TABLE_CAP, random_batch  # noqa: E402
 
 
 def at_precision(step: ModelStep, precision: str):
-    """The context `step`'s calls run in at `precision`: bf16 autocast (without its cache of cast weights in
-    mode captured, whose first call captures a CUDA graph) or nothing."""
-    if precision not in ("fp32", "bf16"):
-        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
-    return autocast(next(step.model.parameters()).device, precision == "bf16", cache=step.mode != "captured")
+    """The context `step`'s calls run in at `precision` (bf16: autocast, as the benchmark's bf16 cases)."""
+    return step_at_precision(next(step.model.parameters()).device, precision, captured=step.mode == "captured")
 
 
 def profile_step(name: str, backend: str, schema, batch, steps: int, precision: str = "fp32") -> dict:

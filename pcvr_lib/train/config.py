@@ -165,3 +165,11 @@ def autocast(device: torch.device, amp: bool, cache: bool = True):
     if not amp:
         return contextlib.nullcontext()
     return torch.autocast(device_type=device.type, dtype=torch.bfloat16, cache_enabled=cache)
+
+
+def at_precision(device: torch.device, precision: str, captured: bool = False):
+    """The context a model step runs in at `precision` ("fp32", or "bf16": under bf16 autocast, as `--amp`);
+    `captured`: the call may capture a CUDA graph (autocast then without its cache)."""
+    if precision not in ("fp32", "bf16"):
+        raise ValueError(f"precision must be fp32 or bf16, got {precision!r}")
+    return autocast(device, precision == "bf16", cache=not captured)
