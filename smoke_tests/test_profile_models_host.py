@@ -72,3 +72,17 @@ def test_bf16_precision_runs_the_steps_under_autocast():
         assert r["host_cpu_us"] > 0 and any(op.startswith("aten::") for op in r["ops_self_us"])
         casts[precision] = r["ops_self_us"].get("aten::_to_copy", [0.0, 0.0])[1]
     assert casts["bf16"] > casts["fp32"], f"the profiled steps' casts per step {casts}: bf16 ran without autocast"
+
+
+def test_backend_specs_name_a_mode_and_single_operator_switches(capsys):
+    tool = load_tool("profile_models")
+    assert tool.parse_backend("triton") == ("triton", "eager", {})
+    assert tool.parse_backend("torch:graph") == ("torch", "graph", {})
+    assert tool.parse_backend("triton:graph/rms_norm_backend=torch") == ("triton", "graph",
+                                                                        {"rms_norm_backend": "torch"})
+    for bad in ("triton:graph/norms=torch", "triton/rms_norm_backend", "triton/rms_norm_backend="):
+        with pytest.raises(ValueError, match="is not SWITCH=BACKEND"):
+            tool.parse_backend(bad)
+    with pytest.raises(SystemExit) as exit_info:  # refused before any model is built
+        tool.main(["--backends", "torch/rms_norm_backend=triton", "--host", "--device", "cpu"])
+    assert exit_info.value.code == 2 and "without modes or switches" in capsys.readouterr().err

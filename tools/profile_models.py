@@ -3,6 +3,7 @@
     python tools/profile_models.py [--models all] [--backends torch,triton] [--steps 3] [--top 12] [--out DIR]
     python tools/profile_models.py --models onetrans --backends torch:graph,triton:graph,triton:captured
     python tools/profile_models.py --models symbiosis --backends torch:graph,triton:graph --precision bf16
+    python tools/profile_models.py --models symbiosis --backends triton:graph,triton:graph/rms_norm_backend=torch
     python tools/profile_models.py --host [--device cuda|cpu] [--batch 256] ...   # host time instead
     python tools/profile_models.py --from DIR/profile_models.json | DIR/profile_host.json   # tables again
 
@@ -47,6 +48,7 @@ from torch.profiler import ProfilerActivity, profile
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pcvr_lib.models import model_names  # noqa: E402
+from pcvr_lib.models.common import BACKEND_OPTIONS  # noqa: E402
 from pcvr_lib.models.step import ModelStep  # noqa: E402
 from pcvr_lib.schema import load_schema  # noqa: E402
 from pcvr_lib.timing import is_kernel_event  # noqa: E402
@@ -59,14 +61,30 @@ def at_precision(step: ModelStep, precision: str):
     return step_at_precision(next(step.model.parameters()).device, precision, captured=step.mode == "captured")
 
 
+def parse_backend(spec: str) -> tuple[str, str, dict[str, str]]:
+    """`BACKEND[:MODE][/SWITCH=BACKEND...]` -> (backend, mode, switches): an operator backend, its mode (eager
+    without one) and single operator switches set apart from it, e.g. `triton:graph/rms_norm_backend=torch`
+    (our kernels but torch's norms, which inductor can fuse with their neighbours)."""
+    head, *overrides = spec.split("/")
+    backend, _, mode = head.partition(":")
+    switches = {}
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if not sep or key not in BACKEND_OPTIONS or not value:
+            raise ValueError(f"backend spec {spec!r}: {item!r} is not SWITCH=BACKEND with SWITCH one of "
+                             f"{', '.join(BACKEND_OPTIONS)}")
+        switches[key] = value
+    return backend, mode or "eager", switches
+
+
 def profile_step(name: str, backend: str, schema, batch, steps: int, precision: str = "fp32") -> dict:
-    """`backend` is an operator backend, optionally with a mode (`torch:graph`, `triton:captured`: eager
-    without one); compiled modes warm up for three steps (inductor's CUDA graphs record on the third call)."""
-    backend, _, mode = backend.partition(":")
-    step = ModelStep(name, schema, batch, backend, config={"vocab_cap": GPU_TABLE_CAP}, seed=0, device="cuda",
-                     mode=mode or "eager")
+    """`backend` is a `parse_backend` spec (`torch:graph`, `triton:captured`, `triton:graph/rms_norm_backend=
+    torch`); compiled modes warm up for three steps (inductor's CUDA graphs record on the third call)."""
+    backend, mode, switches = parse_backend(backend)
+    step = ModelStep(name, schema, batch, backend, config={"vocab_cap": GPU_TABLE_CAP, **switches}, seed=0,
+                     device="cuda", mode=mode)
     with at_precision(step, precision):
-        for _ in range(2 if mode in ("", "eager") else 3):
+        for _ in range(2 if mode == "eager" else 3):
             step.train_step()
         torch.cuda.synchronize()
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -257,7 +275,8 @@ def main(argv=None) -> int:
     parser.add_argument("--models", default="all")
     parser.add_argument("--backends", default="torch,triton",
                         help="operator backends, each optionally with its mode (backend:eager|compile|graph|captured; "
-                             "the device profile only)")
+                             "the device profile only) and single operator switches apart from it "
+                             "(triton:graph/rms_norm_backend=torch)")
     parser.add_argument("--steps", type=int, default=3)
     parser.add_argument("--top", type=int, default=12)
     parser.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -280,8 +299,13 @@ def main(argv=None) -> int:
         parser.error("the device profile needs --device cuda; --device cpu works with --host")
     models = model_names() if args.models == "all" else args.models.split(",")
     backends = args.backends.split(",")
-    if args.host and any(":" in b for b in backends):
-        parser.error("--host profiles eager steps: give --backends without modes")
+    if args.host and any(":" in b or "/" in b for b in backends):
+        parser.error("--host profiles eager steps: give --backends without modes or switches")
+    for spec in backends:
+        try:
+            parse_backend(spec)
+        except ValueError as exc:
+            parser.error(str(exc))
     schema = load_schema(DEMO_SCHEMA)
     batch = random_batch(schema, batch=args.batch, seed=3)
     device_name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
