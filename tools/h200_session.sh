@@ -10,9 +10,13 @@
 #  sweep norm_sweep tune host perf_norms perf_embedding perf_attention noise planted aa aa1 aa2 gate planted_host optim
 #  gpu_timer host_ab smoke
 #  accuracy_parallel perf_models smoke_triton smoke_tilelang tune_long tune_small tune_one_tile tune_masks pcvr_ab
-#  profile_host loader_cores loader_ceiling)
+#  profile profile_host loader_cores loader_ceiling)
 # pcvr_ab: tools/attention_pcvr_ab.py, our flash_attention against every SDPA backend at the PCVR shape, per call,
 #   interleaved rounds in one process, ours / best SDPA with a paired 95% interval ($OUT/pcvr_ab.json; ~80 s).
+# profile: tools/profile_models.py, device time per kernel of PROFILE_MODELS' train steps (symbiosis) on the
+#   PROFILE_BACKENDS specs (torch:graph, triton:graph, triton:graph/rms_norm_backend=torch: our kernels with
+#   torch's norms, which inductor fuses) at PROFILE_PRECISION (bf16); $OUT/profile_models.json. Each compiled
+#   spec compiles for about a minute: PROFILE_S (300 s) holds three. A cut run keeps the specs it finished.
 # profile_host: tools/profile_models.py --host, where each model's train step spends its host time, torch vs
 #   triton backends ($OUT/profile_host.json; ~60-90 s).
 #
@@ -287,6 +291,11 @@ for s in "$@"; do
       step pcvr_ab 150 python3 tools/attention_pcvr_ab.py --seconds "${AB_SECONDS:-60}" --out "$OUT" ;;
     profile_host)
       step profile_host 150 python3 tools/profile_models.py --host --steps 2 --out "$OUT" ;;
+    profile)  # device time per kernel of the PROFILE_BACKENDS specs' train steps (tools/profile_models.py)
+      step profile "${PROFILE_S:-300}" python3 tools/profile_models.py --models "${PROFILE_MODELS:-symbiosis}" \
+        --backends "${PROFILE_BACKENDS:-torch:graph,triton:graph,triton:graph/rms_norm_backend=torch}" \
+        --precision "${PROFILE_PRECISION:-bf16}" --steps 3 --top 30 --out "$OUT"
+      tail -45 "$OUT/profile.log" ;;
     *) echo "unknown step $s" ;;
   esac
 done
