@@ -83,6 +83,8 @@ def test_backend_specs_name_a_mode_and_single_operator_switches(capsys):
     for bad in ("triton:graph/norms=torch", "triton/rms_norm_backend", "triton/rms_norm_backend="):
         with pytest.raises(ValueError, match="is not SWITCH=BACKEND"):
             tool.parse_backend(bad)
+    with pytest.raises(ValueError, match="mode 'grpah' is not one of"):
+        tool.parse_backend("triton:grpah")
     with pytest.raises(SystemExit) as exit_info:  # refused before any model is built
         tool.main(["--backends", "torch/rms_norm_backend=triton", "--host", "--device", "cpu"])
     assert exit_info.value.code == 2 and "without modes or switches" in capsys.readouterr().err

@@ -49,6 +49,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from pcvr_lib.models import model_names  # noqa: E402
 from pcvr_lib.models.common import BACKEND_OPTIONS  # noqa: E402
+from pcvr_lib.models.compiled import MODES  # noqa: E402
 from pcvr_lib.models.step import ModelStep  # noqa: E402
 from pcvr_lib.schema import load_schema  # noqa: E402
 from pcvr_lib.timing import is_kernel_event  # noqa: E402
@@ -67,6 +68,8 @@ def parse_backend(spec: str) -> tuple[str, str, dict[str, str]]:
     (our kernels but torch's norms, which inductor can fuse with their neighbours)."""
     head, *overrides = spec.split("/")
     backend, _, mode = head.partition(":")
+    if mode and mode not in MODES:
+        raise ValueError(f"backend spec {spec!r}: mode {mode!r} is not one of {', '.join(MODES)}")
     switches = {}
     for item in overrides:
         key, sep, value = item.partition("=")
