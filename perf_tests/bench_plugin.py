@@ -14,23 +14,35 @@ it empty). SIGTERM, what `timeout` sends by default, killed the process before t
   its reason in a top-level `failed` field ({node id: first line}), so a diff counts it as missing;
 - the JSON says what happened in a top-level `cut` field: null for a complete run, else {"reason",
   "collected", "finished", "interrupted" (the ids dropped), "not_run"}; a run stopped by -x / --maxfail is
-  cut too. The terminal says it in one line; `pcvr report FILE` prints it.
+  cut too. The terminal says it in one line; `pcvr report FILE` prints it;
+- a process that dies without finishing its session (a segfault in a compiler, SIGKILL, the out-of-memory
+  killer) can write nothing at its end, so while the run goes the JSON path holds a checkpoint: the finished
+  cases as of the last one that ended at least CHECKPOINT_EVERY_S (PCVR_BENCH_CHECKPOINT_S, 10 s) after the
+  previous checkpoint, with a `cut` whose reason says the process died. A session that ends writes the real
+  JSON over it.
 
 perf_tests/conftest.py loads it; a test directory of its own can load it with `pytest_plugins`.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import signal
+import time
+from pathlib import Path
 
 import pytest
 
 CUT_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+# a crash loses at most the cases of this many seconds; each checkpoint serialises the run so far
+CHECKPOINT_EVERY_S = float(os.environ.get("PCVR_BENCH_CHECKPOINT_S", "10"))
+DIED = "the process died (crash, SIGKILL or out of memory) before the run ended: its checkpoint"
 
 
 class BenchCut:
-    def __init__(self):
+    def __init__(self, config):
+        self.config = config
         self.signal: str | None = None  # the signal that cut the run
         self.finishing = False  # the session is writing its results: signals wait
         self.previous: dict[int, object] = {}
@@ -39,6 +51,10 @@ class BenchCut:
         self.finished: set[str] = set()
         self.cut: dict | None = None
         self.failed: dict[str, str] = {}  # node id -> the first line of why its test failed
+        self.collected = 0
+        self.last_checkpoint = time.monotonic()
+        self.run_info: tuple[dict, dict] | None = None  # machine and commit info of the checkpoints
+        self.checkpoints = True
 
     # ------------------------------------------------------------ signals
 
@@ -82,8 +98,46 @@ class BenchCut:
             self.failed[report.nodeid] = (crash.message if crash is not None else str(report.longrepr)).splitlines()[0]
 
     @pytest.hookimpl
+    def pytest_collection_finish(self, session):
+        self.collected = len(session.items)
+
+    @pytest.hookimpl
     def pytest_runtest_logfinish(self, nodeid, location):
         self.finished.add(nodeid)
+        if self.checkpoints and time.monotonic() - self.last_checkpoint >= CHECKPOINT_EVERY_S:
+            try:
+                self.checkpoint()
+            except Exception as exc:  # noqa: BLE001 - the run matters more than its crash insurance
+                self.checkpoints = False
+                os.write(2, f"\nbenchmark checkpoints off: {type(exc).__name__}: {exc}\n".encode())
+
+    def kept(self, benchmarks) -> list:
+        """The cases a JSON may hold: their call finished (all rounds) and their test did not fail."""
+        return [b for b in benchmarks if b.fullname in self.timed and b.fullname not in self.failed]
+
+    def checkpoint(self) -> None:
+        """The finished cases into the JSON path, marked as the record of a process that died: what a crash
+        leaves behind. The machine probe runs once, at the first checkpoint."""
+        bench_session = getattr(self.config, "_benchmarksession", None)
+        target = getattr(bench_session, "json", None)
+        if not target or bench_session.disabled:
+            return
+        benchmarks = self.kept(bench_session.benchmarks)
+        if not benchmarks:
+            return
+        hook = self.config.hook
+        if self.run_info is None:
+            commit_info = hook.pytest_benchmark_generate_commit_info(config=self.config)
+            hook.pytest_benchmark_update_commit_info(config=self.config, commit_info=commit_info)
+            self.run_info = (bench_session.get_machine_info(), commit_info)
+        machine_info, commit_info = self.run_info
+        output = hook.pytest_benchmark_generate_json(config=self.config, benchmarks=benchmarks, include_data=True,
+                                                      machine_info=machine_info, commit_info=commit_info)
+        hook.pytest_benchmark_update_json(config=self.config, benchmarks=benchmarks, output_json=output)
+        output["cut"] = {"reason": DIED, "collected": self.collected, "finished": len(self.finished),
+                         "interrupted": [], "not_run": self.collected - len(self.finished)}
+        write_over(target, json.dumps(output, indent=1, default=str).encode())
+        self.last_checkpoint = time.monotonic()
 
     @pytest.hookimpl(wrapper=True, tryfirst=True)  # before pytest-benchmark's own wrapper writes the JSON
     def pytest_sessionfinish(self, session, exitstatus):
@@ -100,8 +154,7 @@ class BenchCut:
         if bench_session is not None:
             # a case cut inside its call has partial statistics, a failed one (its check, or a ceiling it
             # exceeded after the timing) a number nobody may use: neither is written; `failed` names the latter
-            bench_session.benchmarks[:] = [b for b in bench_session.benchmarks
-                                           if b.fullname in self.timed and b.fullname not in self.failed]
+            bench_session.benchmarks[:] = self.kept(bench_session.benchmarks)
         return (yield)
 
     @pytest.hookimpl(wrapper=True)
@@ -120,6 +173,10 @@ class BenchCut:
     def pytest_benchmark_update_json(self, config, benchmarks, output_json):
         output_json["cut"] = self.cut
         output_json["failed"] = dict(sorted(self.failed.items()))
+        target = getattr(getattr(config, "_benchmarksession", None), "json", None)
+        if self.finishing and target is not None and not isinstance(target, (str, os.PathLike)) and not target.closed:
+            target.seek(0)  # the file pytest-benchmark < 5.3 opened is written next, from its start: no checkpoint
+            target.truncate()  # left behind it
 
     @pytest.hookimpl(trylast=True)  # after pytest-benchmark's table: the last word of the run
     def pytest_terminal_summary(self, terminalreporter):
@@ -135,8 +192,22 @@ class BenchCut:
             yellow=True, bold=True)
 
 
+def write_over(target, data: bytes) -> None:
+    """`data` as the whole content of pytest-benchmark's JSON target: a path (pytest-benchmark >= 5.3; replaced
+    at once, never half written) or the file it opened at start-up (older ones)."""
+    if isinstance(target, (str, os.PathLike)):
+        part = Path(f"{os.fspath(target)}.part")
+        part.write_bytes(data)
+        os.replace(part, target)
+    else:
+        target.seek(0)
+        target.write(data)
+        target.truncate()
+        target.flush()
+
+
 def pytest_configure(config):
-    plugin = BenchCut()
+    plugin = BenchCut(config)
     plugin.install()
     config.pluginmanager.register(plugin, "pcvr_bench_cut")
 

@@ -117,3 +117,55 @@ def test_a_case_that_fails_after_its_timing_is_left_out_and_named(tmp_path):
     assert list(data["failed"]) == ["test_failing.py::test_case[1]"]
     assert "a check after the timing failed" in data["failed"]["test_failing.py::test_case[1]"]
     assert data["cut"] is None
+
+
+DYING = textwrap.dedent("""
+    import os
+    import signal
+
+    import pytest
+
+
+    @pytest.mark.parametrize("i", range(4))
+    def test_case(benchmark, i):
+        benchmark.extra_info["i"] = i
+        if i == 2 and os.environ.get("DIE"):
+            os.kill(os.getpid(), signal.SIGKILL)  # what the out-of-memory killer or a crash leaves: no clean end
+        benchmark.pedantic(lambda: None, rounds=3, iterations=1)
+""")
+
+
+@pytest.mark.parametrize("die", [True, False], ids=["killed", "complete"])
+def test_a_process_that_dies_leaves_a_checkpoint_of_its_finished_cases(tmp_path, die):
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["perf_tests.bench_plugin"]\n')
+    (tmp_path / "test_dying.py").write_text(DYING)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "PCVR_BENCH_CHECKPOINT_S": "0", "DIE": "1" if die else ""}
+    env.pop("PYTEST_ADDOPTS", None)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_dying.py",
+                           "--benchmark-json=out.json"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=180)
+    data = json.loads((tmp_path / "out.json").read_text())
+    if die:
+        assert done.returncode == -signal.SIGKILL, done.stdout
+        assert [b["extra_info"]["i"] for b in data["benchmarks"]] == [0, 1]
+        assert all(len(b["stats"]["data"]) == 3 for b in data["benchmarks"])
+        assert data["cut"]["reason"].startswith("the process died")
+        assert (data["cut"]["collected"], data["cut"]["finished"], data["cut"]["not_run"]) == (4, 2, 2)
+        assert data["failed"] == {}  # the checkpoint went through the run's JSON hooks
+    else:  # the checkpoints written after each case are replaced by the run's own JSON
+        assert done.returncode == 0, done.stdout
+        assert [b["extra_info"]["i"] for b in data["benchmarks"]] == [0, 1, 2, 3] and data["cut"] is None
+        assert not list(tmp_path.glob("*.part"))
+
+
+def test_a_checkpoint_replaces_the_whole_file_whether_a_path_or_an_open_file(tmp_path):
+    from perf_tests.bench_plugin import write_over
+
+    path = tmp_path / "run.json"
+    path.write_bytes(b"x" * 100)
+    write_over(path, b"{}")
+    assert path.read_bytes() == b"{}"
+    with open(tmp_path / "open.json", "wb") as handle:  # how pytest-benchmark < 5.3 holds --benchmark-json
+        write_over(handle, b"[" + b" " * 50 + b"]")
+        write_over(handle, b"{}")
+    assert (tmp_path / "open.json").read_bytes() == b"{}"
