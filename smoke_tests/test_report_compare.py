@@ -262,6 +262,19 @@ def test_noise_keeps_a_case_that_one_run_lacks_and_drops_a_changed_workload(tmp_
         compare.build_noise([json.loads(r.read_text()) for r in only_once], list(map(str, only_once)))
 
 
+def test_noise_takes_a_case_only_from_runs_of_its_latest_sources(tmp_path):
+    """Runs of several trees may build one noise file (A/A runs of several leases), but a case's values from
+    runs whose library code for it differs from its latest run's are the change, not noise: they stay out;
+    a peer's case (no digest of ours) enters from every run."""
+    ours, peer = "test_x[b=ours]", "test_x[b=peer]"
+    runs = [_run(tmp_path / f"r{i}.json", [_bench(ours, v, sources_digest=d), _bench(peer, v)])
+            for i, (v, d) in enumerate(((1.5, "old"), (1.0, "new"), (1.02, "new")))]
+    noise = compare.build_noise([json.loads(r.read_text()) for r in runs], list(map(str, runs)))
+    assert noise["cases"][f"perf_tests/test_x.py::{ours}"]["cpu"]["n"] == 2
+    assert noise["cases"][f"perf_tests/test_x.py::{ours}"]["cpu"]["spread"] == pytest.approx(0.02)
+    assert noise["cases"][f"perf_tests/test_x.py::{peer}"]["cpu"]["n"] == 3
+
+
 # ---------------------------------------------------------------- interleaved A/B
 
 

@@ -1,5 +1,5 @@
 """Does a noise floor built from some A/A runs hold for a run it has not seen? Leave-one-run-out over A/A runs of
-one tree (or of trees whose measured sources are the same): each run in turn is held out, the noise file is built
+one machine (a case counts only between runs that ran it on the same library sources): each run in turn is held out, the noise file is built
 from the others (`build_noise`), and the held-out run is diffed against every other run in both directions with the
 thresholds at each K asked for. Every gated REGRESSED row there is a false alarm. Also, with the same K values,
 optional planted-slowdown pairs (a base and a new run where the new one is known to be slower): how many of their
@@ -24,9 +24,18 @@ from pcvr_lib.compare.noise import build_noise, load_noise
 from pcvr_lib.report import load_benchmark_json, run_label
 
 
+def digests(run: dict) -> dict[str, str | None]:
+    """Case id -> the digest of the library sources it ran (None for a peer or an older run)."""
+    return {b.get("fullname") or b.get("name"): (b.get("extra_info") or {}).get("sources_digest")
+            for b in run["benchmarks"]}
+
+
 def regressed(base: dict, new: dict, noise: dict) -> list[tuple[str, float, float]]:
-    """(case, change, threshold) of every gated case the new run regressed on against the base."""
-    return [(r.case, r.change, r.threshold) for r in diff_runs(base, new, noise) if r.verdict == "REGRESSED"]
+    """(case, change, threshold) of every gated case the new run regressed on against the base, among the cases
+    both runs ran on the same library sources (a case whose code changed between them is no A/A)."""
+    before, after = digests(base), digests(new)
+    return [(r.case, r.change, r.threshold) for r in diff_runs(base, new, noise)
+            if r.verdict == "REGRESSED" and before.get(r.case) == after.get(r.case)]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -77,10 +77,16 @@ def check_distinct(runs: list[dict], sources: list[str]) -> None:
             seen[key] = src
 
 
+def _same_job(case: Case, reference: Case) -> bool:
+    """The same workload run by the same library code (a peer's case records no digest of ours)."""
+    return case.fingerprint == reference.fingerprint and case.sources_digest == reference.sources_digest
+
+
 def build_noise(runs: list[dict], sources: list[str]) -> dict:
-    """Per-case and per-group spread of every metric over runs of one tree on one machine. A case enters from
-    every run that holds it with the workload of its first appearance (a run cut before it, or of a suite that
-    lacked it, still lends its other cases); it needs at least 2 such runs to have a spread."""
+    """Per-case and per-group spread of every metric over runs on one machine, oldest first. A case enters from
+    every run that holds it with the workload and the library sources of its last appearance (a run cut before
+    it, or of a suite that lacked it, still lends its other cases; a run of other code for it does not: that
+    spread would be the change, not noise); it needs at least 2 such runs to have a spread."""
     if len(runs) < 2:
         raise ReportError(f"a noise floor needs at least 2 runs of the same tree, got {len(runs)}")
     check_distinct(runs, sources)
@@ -92,15 +98,15 @@ def build_noise(runs: list[dict], sources: list[str]) -> dict:
         per_run.append(aligned)
         for cid, case in aligned.items():
             known.setdefault(cid, case)
-    holders = {cid: [c[cid] for c in per_run if cid in c and c[cid].fingerprint == first.fingerprint]
-               for cid, first in known.items()}
+    latest = {cid: [c[cid] for c in per_run if cid in c][-1] for cid in known}
+    holders = {cid: [c[cid] for c in per_run if cid in c and _same_job(c[cid], latest[cid])] for cid in known}
     ids = sorted(cid for cid, held in holders.items() if len(held) >= 2)
     if not ids:
         raise ReportError("no case is in two of the runs with the same workload: " + ", ".join(sources))
     cases: dict[str, dict] = {}
     groups: dict[str, dict[str, list[float]]] = {}
     for cid in ids:
-        first = known[cid]
+        first = latest[cid]
         entry = {"group": first.group, "kind": first.kind, "gated": first.gated}
         for metric in first.values:
             vals = [c.values[metric] for c in holders[cid] if metric in c.values]

@@ -48,6 +48,7 @@ class Case:
     values: dict[str, float]  # metric -> seconds (median of the run)
     rounds: dict[str, list[float]] = field(default_factory=dict)  # metric -> per-round seconds, when stored
     work: dict = field(default_factory=dict)  # counted work per call (timing.work.count_work), when recorded
+    sources_digest: str | None = None  # digest of the library files the case ran (pcvr_lib.sources), when recorded
 
 
 def cpu_seconds(stats: dict, extra: dict) -> float | None:
@@ -106,7 +107,8 @@ def cases_of(data: dict, source: str = "run") -> dict[str, Case]:
                 raise ReportError(f"{source}: case {short_id(cid)}: extra_info.work.{name} is {work[name]!r}, not a "
                                   "count (a broken or edited run: run the case again)")
         out[cid] = Case(cid, case_group(bench), kind, extra.get("gated", True) is not False,
-                        extra.get("fingerprint") or fingerprint(extra), values, rounds, work)
+                        extra.get("fingerprint") or fingerprint(extra), values, rounds, work,
+                        extra.get("sources_digest"))
     return out
 
 
