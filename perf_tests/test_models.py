@@ -25,7 +25,9 @@ torch backend's (same seed, same dropout draws) by flash-attention's rule (`tole
 at most twice torch's own at the kernels' precision plus one bf16 ulp of the largest value. The fp32
 models' attention runs in bf16 in flash_attention, so "torch's own" is the torch backend with its SDPA
 computed in bf16 (its own masks: a routing bug of the kernels' path cannot widen its own bound); for a bf16
-case, the eager torch backend under bf16 autocast, against the same fp32 result. The
+case, the eager torch backend under bf16 autocast, against the same fp32 result. A failed check names the
+operator switch that alone reproduces it and, with PCVR_CHECK_WITHOUT_DROPOUT=1 (one compile more per failed
+compiled model), whether it still fails with every dropout rate at 0 on both sides. The
 fixed bf16 tolerance used before (relative to the logits' RMS) is the likely cause of symbiosis'
 failures on the H200 (the reason was not logged): its 4 blocks of 110 tokens feed logits of RMS 0.07,
 and on CPU at batch 64 bf16 attention alone (no kernel) reached 0.99 of that bound at init (baseline
@@ -42,7 +44,9 @@ compile and graph) once those cases ran.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import functools
+import os
 import sys
 
 import pytest
@@ -52,7 +56,7 @@ import torch.nn.functional as F
 from pcvr_lib import sources, timing
 from pcvr_lib.kernels import dispatch
 from pcvr_lib.kernels.tolerance import ULP, flash_rule, max_abs_error
-from pcvr_lib.models import model_names
+from pcvr_lib.models import model_class, model_names
 from pcvr_lib.models.compiled import MODES, mode_problem
 from pcvr_lib.models.step import ModelStep
 from pcvr_lib.schema import load_schema
@@ -192,10 +196,10 @@ def _own_error(name: str, precision: str) -> dict:
     return _OWN_ERROR[name, precision]
 
 
-def _compare(name: str, what: str, ours: dict, precision: str = "fp32") -> str | None:
-    """None when `ours` matches the torch backend's fp32 reference by flash-attention's rule (twice eager
-    torch's own error at `precision`, plus an ulp), else what differs."""
-    ref, own = _REFERENCE[name], _own_error(name, precision)
+def _compare(name: str, what: str, ours: dict, precision: str = "fp32", ref: dict | None = None) -> str | None:
+    """None when `ours` matches the torch backend's fp32 reference (`ref`, default the model's) by flash-attention's
+    rule (twice eager torch's own error at `precision`, plus an ulp), else what differs."""
+    ref, own = ref or _REFERENCE[name], _own_error(name, precision)
     try:
         flash_rule(ours["logits"], ref["logits"].double(), own["logits"], torch.bfloat16,
                    what=f"{what}: logits at init")
@@ -243,6 +247,28 @@ def _dropout_at_eager_strides() -> None:
     add(op, eager_strides_if_fallback_random)
 
 
+def _without_dropout(name: str) -> dict:
+    """The model's config overrides that set every dropout rate it has to 0."""
+    return {f.name: 0.0 for f in dataclasses.fields(model_class(name).config_class) if "dropout" in f.name}
+
+
+def _dropout_diagnosis(name: str, backend: str, mode: str, precision: str) -> str:
+    """Whether a compiled case that failed its check matches eager torch with every dropout at 0 on both sides:
+    if it does, the two drew different dropout masks; if not, the compiled numbers differ by themselves. It
+    compiles the model once more (1-2.5 minutes on the GPU host), so it runs where PCVR_CHECK_WITHOUT_DROPOUT=1."""
+    if mode == "eager" or not _without_dropout(name) or os.environ.get("PCVR_CHECK_WITHOUT_DROPOUT") != "1":
+        return ""
+    try:
+        off = _without_dropout(name)
+        ref = _one_step(_build(name, "torch", off))
+        with _eager_draws(mode):
+            ours = _one_step(_build(name, backend, off, mode), precision)
+        why = _compare(name, "with every dropout at 0 on both sides", ours, precision, ref)
+    except Exception as exc:  # noqa: BLE001 - part of the diagnosis
+        why = f"with every dropout at 0 on both sides: {type(exc).__name__}: {exc}"
+    return why or "with every dropout at 0 on both sides: matches (so the dropout draws differ)"
+
+
 def _checked(name: str, backend: str, mode: str, precision: str = "fp32") -> ModelStep:
     """The case's step after its check against eager torch (fails the case with the reason, and names the
     operator switch that alone reproduces the difference). The step is one training step on."""
@@ -263,7 +289,7 @@ def _checked(name: str, backend: str, mode: str, precision: str = "fp32") -> Mod
         step.loss_after_step = ours["loss"]
         return step
     del step
-    alone = []
+    alone = [line for line in [_dropout_diagnosis(name, backend, mode, precision)] if line]
     for switch in OPERATOR_SWITCHES if backend != "torch" else ():  # which switch alone reproduces it
         try:
             with _eager_draws(mode):
@@ -348,3 +374,28 @@ def test_the_checks_compiled_dropout_keeps_eager_strides_on_any_torch(monkeypatc
     assert constraint("node", "x", 0.1, True) == (("x", 0.1, True), {}), "constrained without fallback_random"
     with _eager_draws("graph"):  # registered once; a torch with its own constraint keeps it
         assert lowering.maybe_layout_constraints(op) is constraint
+
+
+@pytest.mark.parametrize("masks_differ", [True, False])
+def test_a_failed_compiled_check_says_whether_dropout_explains_it(monkeypatch, masks_differ):
+    """A compiled case that fails its check is run again with every dropout rate at 0 on both sides (where asked):
+    matching then names the dropout draws as the difference, differing still says by how much."""
+    assert _dropout_diagnosis("interformer", "triton", "graph", "fp32") == ""  # not asked for
+    monkeypatch.setenv("PCVR_CHECK_WITHOUT_DROPOUT", "1")
+    assert _without_dropout("dualq") == {"dropout": 0.0, "id_dropout": 0.0}
+    assert _without_dropout("interformer") == {"dropout": 0.0}
+    builds = []
+    monkeypatch.setattr(sys.modules[__name__], "_build", lambda name, backend, switches=None, mode="eager":
+                        builds.append((backend, mode, switches)) or (backend, mode))
+    logits = torch.zeros(4)
+    loss = {("torch", "eager"): 0.5, ("triton", "graph"): 0.5 if masks_differ else 0.6}
+    monkeypatch.setattr(sys.modules[__name__], "_one_step",
+                        lambda step, precision="fp32": {"logits": logits, "loss": loss[step]})
+    monkeypatch.setattr(sys.modules[__name__], "_own_error", lambda name, precision: {"logits": 1e-3, "loss": 1e-3})
+    line = _dropout_diagnosis("interformer", "triton", "graph", "fp32")
+    assert builds == [("torch", "eager", {"dropout": 0.0}), ("triton", "graph", {"dropout": 0.0})]
+    if masks_differ:
+        assert line == "with every dropout at 0 on both sides: matches (so the dropout draws differ)"
+    else:
+        assert line.startswith("with every dropout at 0 on both sides: loss after one step 0.6")
+    assert _dropout_diagnosis("interformer", "triton", "eager", "fp32") == ""
