@@ -70,3 +70,30 @@ def test_command_line_writes_the_merge_and_refuses_with_exit_2(tmp_path):
                              text=True)
     assert refused.returncode == 2 and "no 'benchmarks' list" in refused.stderr
     assert len(refused.stderr.strip().splitlines()) == 1
+
+
+def test_stale_cases_retire_into_an_archive_and_the_rest_stay(tmp_path):
+    from pcvr_lib import sources
+
+    subject = "model:baseline:torch"
+    fresh = {"name": "test_model[fresh]", "stats": {"median": 1.0}, "extra_info": sources.stamp(subject)}
+    stale = {"name": "test_model[stale]", "stats": {"median": 2.0},
+             "extra_info": {"sources": subject, "sources_digest": "0" * 12, "measured_tree": "old"}}
+    peer = {"name": "test_model[peer]", "stats": {"median": 3.0}, "extra_info": sources.stamp("peer:liger")}
+    snapshot, archive = tmp_path / "models.json", tmp_path / "retired.json"
+    snapshot.write_text(json.dumps(run([fresh, stale, peer])))
+    assert TOOL.main([str(snapshot), "--retire-stale", str(archive)]) == 0
+    assert [b["name"] for b in json.loads(snapshot.read_text())["benchmarks"]] == ["test_model[fresh]",
+                                                                                   "test_model[peer]"]
+    kept = json.loads(archive.read_text())
+    assert [b["name"] for b in kept["benchmarks"]] == ["test_model[stale]"]
+    assert kept["benchmarks"][0]["extra_info"]["measured_tree"] == "old" and "retired" in kept["note"]
+    stale_again = {**stale, "stats": {"median": 2.5}}  # a later retirement replaces the archive's case
+    snapshot.write_text(json.dumps(run([fresh, stale_again])))
+    assert TOOL.main([str(snapshot), "--retire-stale", str(archive)]) == 0
+    assert [b["stats"]["median"] for b in json.loads(archive.read_text())["benchmarks"]] == [2.5]
+    other = tmp_path / "h100.json"
+    other.write_text(json.dumps(run([stale], gpu={"name": "NVIDIA H100 80GB HBM3"})))
+    assert TOOL.main([str(other), "--retire-stale", str(archive)]) == 2  # an archive of another machine
+    with pytest.raises(SystemExit):
+        TOOL.main([str(snapshot)])  # neither a run nor --retire-stale

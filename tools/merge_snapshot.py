@@ -10,6 +10,12 @@ the new run replaces an older timing of it (the code it describes no longer pass
 appended to `merged_runs` (command, tree, how many cases it finished and failed). Both files must come from
 the same kind of machine (GPU and CPU as `machine_info` names them); a cut run gives its finished
 cases, a file without cases is refused.
+
+    python3 tools/merge_snapshot.py .benchmarks/h200/models.json --retire-stale .benchmarks/h200/models_retired.json
+
+moves every case whose library sources changed since it ran (`pcvr report`'s `stale`) out of the snapshot into
+the archive (a case already there is replaced), so that the snapshot, which the README quotes, holds only
+numbers of this tree's code; the archive keeps the older numbers for reading. Either a run or --retire-stale.
 """
 
 from __future__ import annotations
@@ -70,14 +76,45 @@ def merge(base: dict, new: dict, *, tree: str, command: str) -> dict:
     return out
 
 
+def retire_stale(snapshot: dict, archive: dict | None) -> tuple[dict, dict, int]:
+    """(the snapshot without its stale cases, the archive with them, how many moved); neither input is modified."""
+    from pcvr_lib import sources
+
+    out = json.loads(json.dumps(snapshot))
+    recorded = out.get("source_files") or {}
+    stale = [b for b in out["benchmarks"]
+             if sources.case_state(b.get("extra_info") or {}, recorded)["state"] == sources.STALE]
+    out["benchmarks"] = [b for b in out["benchmarks"] if b not in stale]
+    if archive is None:
+        archive = {key: value for key, value in out.items() if key not in ("benchmarks", "failed", "merged_runs")}
+        archive["benchmarks"] = []
+    archive = json.loads(json.dumps(archive))
+    if _machine(archive) != _machine(out):
+        raise MergeError(f"the archive comes from another machine ({_machine(archive)} vs {_machine(out)})")
+    moved = {b["name"] for b in stale}
+    archive["benchmarks"] = [b for b in archive["benchmarks"] if b["name"] not in moved] + stale
+    archive["source_files"] = {**(archive.get("source_files") or {}), **recorded}
+    archive["note"] = ("cases retired from the snapshot beside this file because their library sources changed "
+                       "after they ran: older trees' numbers, each with its measured_tree; not quoted anywhere")
+    return out, archive, len(stale)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("snapshot", type=Path, help="the committed snapshot (rewritten unless --out)")
-    parser.add_argument("run", type=Path, help="the new run's benchmark JSON")
-    parser.add_argument("--tree", required=True, help="the tree the new run measured (a commit)")
-    parser.add_argument("--command", required=True, help="the command that made the new run")
+    parser.add_argument("run", type=Path, nargs="?", help="the new run's benchmark JSON")
+    parser.add_argument("--tree", help="the tree the new run measured (a commit; with a run)")
+    parser.add_argument("--command", help="the command that made the new run (with a run)")
     parser.add_argument("--out", type=Path, help="where to write the merged snapshot (default: over snapshot)")
+    parser.add_argument("--retire-stale", type=Path, metavar="ARCHIVE",
+                        help="instead of merging a run: move the snapshot's stale cases into ARCHIVE")
     args = parser.parse_args(argv)
+    if (args.run is None) == (args.retire_stale is None):
+        parser.error("give either a run to merge or --retire-stale ARCHIVE")
+    if args.run is not None and not (args.tree and args.command):
+        parser.error("merging a run needs --tree and --command")
+    if args.retire_stale is not None:
+        return _retire(args.snapshot, args.retire_stale, args.out or args.snapshot)
     try:
         base, new = _load(args.snapshot, "snapshot"), _load(args.run, "run")
         if new.get("cut"):
@@ -91,6 +128,21 @@ def main(argv: list[str] | None = None) -> int:
     out.write_text(json.dumps(merged, indent=2) + "\n")
     print(f"{out}: {len(merged['benchmarks'])} cases ({merged['merged_runs'][-1]['finished']} from {args.run}), "
           f"{len(merged['failed'])} failed")
+    return 0
+
+
+def _retire(path: Path, archive_path: Path, out: Path) -> int:
+    try:
+        snapshot = _load(path, "snapshot")
+        archive = _load(archive_path, "archive") if archive_path.exists() else None
+        kept, archive, moved = retire_stale(snapshot, archive)
+    except MergeError as exc:
+        print(f"merge_snapshot: {exc}", file=sys.stderr)
+        return 2
+    out.write_text(json.dumps(kept, indent=2) + "\n")
+    archive_path.write_text(json.dumps(archive, indent=2) + "\n")
+    print(f"{out}: {len(kept['benchmarks'])} cases; {moved} stale moved to {archive_path} "
+          f"({len(archive['benchmarks'])} there)")
     return 0
 
 
