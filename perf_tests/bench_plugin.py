@@ -183,6 +183,7 @@ class BenchCut:
         if self.cut is None:
             return
         path = terminalreporter.config.getoption("benchmark_json", None)
+        path = getattr(path, "name", path)  # pytest-benchmark < 5.3 holds the opened file
         bench_session = getattr(terminalreporter.config, "_benchmarksession", None)
         kept = len(bench_session.benchmarks) if bench_session is not None else 0
         where = f"{path} holds the {kept} finished benchmark case(s)" if path else f"{kept} finished case(s) kept"
