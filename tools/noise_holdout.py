@@ -1,9 +1,9 @@
 """Does a noise floor built from some A/A runs hold for a run it has not seen? Leave-one-run-out over A/A runs of
-one machine (a case counts only between runs that ran it on the same library sources): each run in turn is held out, the noise file is built
-from the others (`build_noise`), and the held-out run is diffed against every other run in both directions with the
-thresholds at each K asked for. Every gated REGRESSED row there is a false alarm. Also, with the same K values,
-optional planted-slowdown pairs (a base and a new run where the new one is known to be slower): how many of their
-gated cases are caught.
+one machine (a case counts only between runs that ran it on the same library sources): each run in turn is held
+out, the noise file is built from the others (`build_noise`), and the held-out run is diffed against every other
+run in both directions with the thresholds at each K asked for. Every gated REGRESSED row there is a false alarm.
+Also, with the same K values, optional planted-slowdown pairs (a base and a new run where the new one is known to
+be slower): how many of their gated cases are caught.
 
     python3 tools/noise_holdout.py .benchmarks/h200/aa_lease*.json.gz --k 2 2.5 3 \
         --planted fixtures/comparison/h200/planted10_base.json fixtures/comparison/h200/planted10_new.json
