@@ -251,8 +251,6 @@ for s in "$@"; do
       # The models' TileLang variants load from the carried pack (a variant missing from it compiles here in
       # 16 processes, not one by one inside a test); then every case's outcome is logged as it ends (-v), a
       # failed check's reason at once (the test writes it past the capture), tracebacks of a case stuck 90 s.
-      # PCVR_CHECK_WITHOUT_DROPOUT=1: a compiled case that fails its check is checked again with every dropout
-      # at 0 (one more compile per such model), to tell dropout draws from compiled numerics.
       [ "${MODELS_PRECOMPILE:-1}" = 0 ] || step precompile_models 120 python3 -m pcvr_lib.precompile --models --workers 16
       if [ -n "${MODELS_PREWARM:-}" ] && [ -n "${MODELS_IDS:-}" ]; then
         # torch.compile's caches on disk (inductor's FX graphs, AOTAutograd, Triton) filled first by one untimed
