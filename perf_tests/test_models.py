@@ -217,34 +217,13 @@ def _eager_draws(mode: str):
     """Where the compiled graphs are made (at their first call, in the check): inductor's own random numbers
     differ from eager's, so the models' dropout would draw other masks and the loss after one step would
     differ from eager torch's by more than rounding; with fallback_random the graphs draw eager's (the timed
-    graphs are these, so every backend and the torch peer pay the same for it)."""
+    graphs are these, so every backend and the torch peer pay the same for it). torch 2.11's graphs of some
+    models still draw others (`_checked` then checks them without dropout)."""
     if mode == "eager":
         return contextlib.nullcontext()
     import torch._inductor.config as inductor_config
 
-    _dropout_at_eager_strides()
     return inductor_config.patch(fallback_random=True)
-
-
-def _dropout_at_eager_strides() -> None:
-    """Under fallback_random a compiled graph runs eager's `native_dropout`, which draws its mask in the stride
-    order of its input buffer: inductor must give that buffer eager's strides, or the masks differ. A torch
-    with pytorch/pytorch#177077 (2.13 has it) constrains that itself; on one without it the same constraint is
-    registered here, active only under fallback_random. A torch whose inductor lacks these hooks is left as
-    it is (its check then compares whatever masks it draws)."""
-    from torch._inductor import lowering
-
-    op = torch.ops.aten.native_dropout.default
-    lookup, add = getattr(lowering, "maybe_layout_constraints", None), getattr(lowering, "add_layout_constraint", None)
-    if lookup is None or add is None or not hasattr(lowering, "constrain_to_fx_strides") or lookup(op) is not None:
-        return
-
-    def eager_strides_if_fallback_random(fx_node, *args, **kwargs):
-        if not lowering.config.fallback_random:
-            return args, kwargs
-        return lowering.constrain_to_fx_strides(fx_node, *args, **kwargs)
-
-    add(op, eager_strides_if_fallback_random)
 
 
 def _without_dropout(name: str) -> dict:
@@ -363,27 +342,6 @@ def test_model(benchmark, name, backend, mode, phase, precision):
                      if (name, phase, m, precision) in _PER_CALL_US and (backend, mode) != ("torch", m)]
             if timed:  # the fastest of the peer's modes that ran
                 benchmark.extra_info[key] = round(min(timed) / per_call, 4)
-
-
-def test_the_checks_compiled_dropout_keeps_eager_strides_on_any_torch(monkeypatch):
-    """On a torch whose inductor has no layout constraint for `native_dropout`, the check registers one that
-    gives its input eager's strides under fallback_random and changes nothing otherwise."""
-    from torch._inductor import lowering
-
-    op = torch.ops.aten.native_dropout.default
-    monkeypatch.setattr(lowering, "_maybe_layout_constraints", {
-        k: v for k, v in lowering._maybe_layout_constraints.items() if k != op})  # a torch without the fix
-    assert lowering.maybe_layout_constraints(op) is None
-    seen = []
-    monkeypatch.setattr(lowering, "constrain_to_fx_strides",
-                        lambda node, *args, **kwargs: seen.append(node) or (("strided",), {}))
-    with _eager_draws("graph"):
-        constraint = lowering.maybe_layout_constraints(op)
-        assert constraint is not None, "no layout constraint registered for native_dropout"
-        assert constraint("node", "x", 0.1, True) == (("strided",), {}) and seen == ["node"]
-    assert constraint("node", "x", 0.1, True) == (("x", 0.1, True), {}), "constrained without fallback_random"
-    with _eager_draws("graph"):  # registered once; a torch with its own constraint keeps it
-        assert lowering.maybe_layout_constraints(op) is constraint
 
 
 @pytest.mark.parametrize("masks_differ", [True, False])
