@@ -102,6 +102,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit (cut to what is left 
   elif [ -n "$json" ]; then
     echo "  $(basename "$json"): not written (see $name.log)"
   fi
+  return $rc
 }
 
 diff_step() {  # diff_step NAME BASE NEW: pcvr diff of two runs, its rows in $OUT/NAME.json, its table in NAME.log
@@ -261,7 +262,19 @@ for s in "$@"; do
       if [ -n "${MODELS_IDS:-}" ]; then mapfile -t targets < "$MODELS_IDS"; else targets=(perf_tests/test_models.py); fi
       step perf_models "${MODELS_S:-300}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfE --capture=sys \
         -o faulthandler_timeout=90 "${targets[@]}" ${MODELS_K:+-k "$MODELS_K"} --benchmark-only \
-        --durations=10 --benchmark-json="$OUT/${MODELS_JSON:-models}.json" ;;
+        --durations=10 --benchmark-json="$OUT/${MODELS_JSON:-models}.json"
+      # a process that died (a segfault building a model's graph: rc 128 + signal) left a checkpoint of its
+      # finished cases; the plan's ids after the crashed model x backend x mode run once more, into
+      # ${MODELS_JSON}_resumed.json (merge both into the snapshot)
+      if (( $? >= 128 )) && [ -n "${MODELS_IDS:-}" ] && [ -s "$OUT/${MODELS_JSON:-models}.json" ]; then
+        python3 tools/remaining_ids.py "$MODELS_IDS" "$OUT/${MODELS_JSON:-models}.json" > "$OUT/models_remaining.txt"
+        mapfile -t rest < <(grep . "$OUT/models_remaining.txt")
+        if (( ${#rest[@]} )); then
+          step perf_models_resumed "${MODELS_S:-300}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfE \
+            --capture=sys -o faulthandler_timeout=90 "${rest[@]}" --benchmark-only \
+            --benchmark-json="$OUT/${MODELS_JSON:-models}_resumed.json"
+        fi
+      fi ;;
     loader_cores)  # make bench's loader-worker cases (0/1/2 workers) pinned to 4 cores, then to 2 (taskset),
       # LOADER_ROUNDS times in turn, so that a drift of the host's speed falls on both core counts alike
       for r in $(seq 1 "${LOADER_ROUNDS:-2}"); do

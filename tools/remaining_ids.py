@@ -1,0 +1,58 @@
+"""The node ids of a plan file that a crashed benchmark run did not reach: what to run again after a process
+died (a segfault in a compiler, say) without losing the rest of a device call.
+
+    python3 tools/remaining_ids.py IDS_FILE RUN_JSON > remaining.txt
+
+RUN_JSON is the run's checkpoint (perf_tests/bench_plugin.py): its timed cases and its `failed` ones are done.
+The first id of the plan that is neither is the one the process died in; it is left out, with every id of its
+group (the same id but for `phase=`: the model x backend x mode whose build crashed), and named on stderr. The
+ids after it are printed in the plan's order. A run that did not die (no `cut`, or cut otherwise) leaves nothing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import sys
+from pathlib import Path
+
+PHASE = re.compile(r",?phase=[^,\]]*")
+DIED_PREFIX = "the process died"
+
+
+def remaining(ids: list[str], run: dict) -> tuple[list[str], list[str]]:
+    """(ids still to run, ids left out as the crashed group) of the plan `ids` after `run`."""
+    cut = run.get("cut") or {}
+    if not str(cut.get("reason", "")).startswith(DIED_PREFIX):
+        return [], []
+    done = {b.get("fullname") or b.get("name") for b in run.get("benchmarks", [])} | set(run.get("failed") or {})
+    todo = [node for node in ids if node not in done]
+    if not todo:
+        return [], []
+    group = PHASE.sub("", todo[0])
+    crashed = [node for node in todo if PHASE.sub("", node) == group]
+    return [node for node in todo if node not in crashed], crashed
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("ids", type=Path, help="the plan: node ids, one a line, in the order they ran")
+    parser.add_argument("run", type=Path, help="the run's benchmark JSON (its checkpoint after a crash)")
+    args = parser.parse_args(argv)
+    ids = [line.strip() for line in args.ids.read_text().splitlines() if line.strip()]
+    try:
+        run = json.loads(args.run.read_text())
+    except (OSError, ValueError) as exc:
+        print(f"remaining_ids: {args.run}: not a readable benchmark JSON ({exc})", file=sys.stderr)
+        return 2
+    left, crashed = remaining(ids, run)
+    if crashed:
+        print(f"remaining_ids: the process died in {crashed[0]}; left out with its group: {len(crashed)} id(s); "
+              f"{len(left)} to run again", file=sys.stderr)
+    print("\n".join(left))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
