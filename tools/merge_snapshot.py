@@ -84,14 +84,14 @@ def retire_stale(snapshot: dict, archive: dict | None) -> tuple[dict, dict, int]
     recorded = out.get("source_files") or {}
     stale = [b for b in out["benchmarks"]
              if sources.case_state(b.get("extra_info") or {}, recorded)["state"] == sources.STALE]
-    out["benchmarks"] = [b for b in out["benchmarks"] if b not in stale]
+    moved = {b["name"] for b in stale}
+    out["benchmarks"] = [b for b in out["benchmarks"] if b["name"] not in moved]
     if archive is None:
         archive = {key: value for key, value in out.items() if key not in ("benchmarks", "failed", "merged_runs")}
         archive["benchmarks"] = []
     archive = json.loads(json.dumps(archive))
     if _machine(archive) != _machine(out):
         raise MergeError(f"the archive comes from another machine ({_machine(archive)} vs {_machine(out)})")
-    moved = {b["name"] for b in stale}
     archive["benchmarks"] = [b for b in archive["benchmarks"] if b["name"] not in moved] + stale
     archive["source_files"] = {**(archive.get("source_files") or {}), **recorded}
     archive["note"] = ("cases retired from the snapshot beside this file because their library sources changed "

@@ -21,21 +21,20 @@ from pathlib import Path
 
 from pcvr_lib.compare.diff import diff_runs
 from pcvr_lib.compare.noise import build_noise, load_noise
+from pcvr_lib.compare.runs import cases_of
 from pcvr_lib.report import load_benchmark_json, run_label
-
-
-def digests(run: dict) -> dict[str, str | None]:
-    """Case id -> the digest of the library sources it ran (None for a peer or an older run)."""
-    return {b.get("fullname") or b.get("name"): (b.get("extra_info") or {}).get("sources_digest")
-            for b in run["benchmarks"]}
 
 
 def regressed(base: dict, new: dict, noise: dict) -> list[tuple[str, float, float]]:
     """(case, change, threshold) of every gated case the new run regressed on against the base, among the cases
     both runs ran on the same library sources (a case whose code changed between them is no A/A)."""
-    before, after = digests(base), digests(new)
+    before, after = cases_of(base), cases_of(new)
+
+    def same_sources(cid: str) -> bool:
+        return cid in before and cid in after and before[cid].sources_digest == after[cid].sources_digest
+
     return [(r.case, r.change, r.threshold) for r in diff_runs(base, new, noise)
-            if r.verdict == "REGRESSED" and before.get(r.case) == after.get(r.case)]
+            if r.verdict == "REGRESSED" and same_sources(r.case)]
 
 
 def main(argv: list[str] | None = None) -> int:
