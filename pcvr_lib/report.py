@@ -157,6 +157,19 @@ def cut_summary(data: dict) -> str | None:
             f"{cut.get('not_run')} not run")
 
 
+def skipped_summary(data: dict) -> str | None:
+    """The skipped cases by reason (the `skipped` field bench_plugin writes: a peer not installed, a backend
+    that cannot run there), most common first."""
+    skipped = data.get("skipped") or {}
+    if not skipped:
+        return None
+    counts: dict[str, int] = {}
+    for reason in skipped.values():
+        counts[reason] = counts.get(reason, 0) + 1
+    parts = [f"{n} x {reason}" for reason, n in sorted(counts.items(), key=lambda item: (-item[1], item[0]))]
+    return f"skipped {len(skipped)} case(s): " + "; ".join(parts)
+
+
 def _stale_mark(data: dict, bench: dict) -> str:
     return " stale" if source_state(data, bench)["state"] == sources.STALE else ""
 
@@ -166,7 +179,8 @@ def report_json(data: dict) -> dict:
     cases = [{"id": b.get("fullname") or b.get("name"), "stat": (b.get("extra_info") or {}).get("stat", "median"),
               "median": (b.get("stats") or {}).get("median"), **source_state(data, b)}
              for b in data["benchmarks"]]
-    return {"cut": data.get("cut"), "sources": sources_summary(data), "cases": cases}
+    return {"cut": data.get("cut"), "skipped": data.get("skipped") or {}, "sources": sources_summary(data),
+            "cases": cases}
 
 
 # ---------------------------------------------------------------- views
@@ -363,6 +377,9 @@ def run_report(args) -> int:
     cut = cut_summary(data)
     if cut:
         print(cut)
+    skipped = skipped_summary(data)
+    if skipped:
+        print(skipped)
     print(sources_summary(data))
     print(VIEWS[args.view](data))
     return 0

@@ -12,6 +12,8 @@ it empty). SIGTERM, what `timeout` sends by default, killed the process before t
   only finished cases, each with all its rounds;
 - a case whose test failed (its check, or the ceiling check after its timing) is dropped too, and listed with
   its reason in a top-level `failed` field ({node id: first line}), so a diff counts it as missing;
+- a skipped case (a peer not installed, a backend that cannot run here) is listed with its reason in a
+  top-level `skipped` field ({node id: reason}): the record says why a peer has no figure;
 - the JSON says what happened in a top-level `cut` field: null for a complete run, else {"reason",
   "collected", "finished", "interrupted" (the ids dropped), "not_run"}; a run stopped by -x / --maxfail is
   cut too. The terminal says it in one line; `pcvr report FILE` prints it;
@@ -51,6 +53,7 @@ class BenchCut:
         self.finished: set[str] = set()
         self.cut: dict | None = None
         self.failed: dict[str, str] = {}  # node id -> the first line of why its test failed
+        self.skipped: dict[str, str] = {}  # node id -> the skip's reason
         self.collected = 0
         self.last_checkpoint = time.monotonic()
         self.run_info: tuple[dict, dict] | None = None  # machine and commit info of the checkpoints
@@ -96,6 +99,8 @@ class BenchCut:
         if report.failed and report.nodeid not in self.failed:
             crash = getattr(report.longrepr, "reprcrash", None)
             self.failed[report.nodeid] = (crash.message if crash is not None else str(report.longrepr)).splitlines()[0]
+        if report.skipped and report.nodeid not in self.skipped:
+            self.skipped[report.nodeid] = skip_reason(report)
 
     @pytest.hookimpl
     def pytest_collection_finish(self, session):
@@ -173,6 +178,7 @@ class BenchCut:
     def pytest_benchmark_update_json(self, config, benchmarks, output_json):
         output_json["cut"] = self.cut
         output_json["failed"] = dict(sorted(self.failed.items()))
+        output_json["skipped"] = dict(sorted(self.skipped.items()))
         target = getattr(getattr(config, "_benchmarksession", None), "json", None)
         if self.finishing and target is not None and not isinstance(target, (str, os.PathLike)) and not target.closed:
             target.seek(0)  # the file pytest-benchmark < 5.3 opened is written next, from its start: no checkpoint
@@ -191,6 +197,14 @@ class BenchCut:
             f"benchmark run cut ({self.cut['reason']}) after {self.cut['finished']} of {self.cut['collected']} "
             f"test(s): {where}; {len(self.cut['interrupted'])} interrupted (dropped), {self.cut['not_run']} not run",
             yellow=True, bold=True)
+
+
+def skip_reason(report) -> str:
+    """The reason of a skipped test's report: pytest keeps (path, line, "Skipped: reason") for a skip, the
+    xfail reason for an xfail."""
+    if isinstance(report.longrepr, tuple) and len(report.longrepr) == 3:
+        return str(report.longrepr[2]).removeprefix("Skipped: ")
+    return str(getattr(report, "wasxfail", "") or report.longrepr).splitlines()[0] if report.longrepr else "skipped"
 
 
 def write_over(target, data: bytes) -> None:

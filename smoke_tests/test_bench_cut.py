@@ -119,6 +119,34 @@ def test_a_case_that_fails_after_its_timing_is_left_out_and_named(tmp_path):
     assert data["cut"] is None
 
 
+SKIPPING = textwrap.dedent("""
+    import pytest
+
+
+    @pytest.mark.parametrize("peer", ["ours", "absent"])
+    def test_case(benchmark, peer):
+        if peer == "absent":
+            pytest.skip("absent: package not installed (pip install absent)")
+        benchmark.pedantic(lambda: None, rounds=3, iterations=1)
+""")
+
+
+def test_a_skipped_case_is_listed_with_its_reason(tmp_path):
+    (tmp_path / "conftest.py").write_text('pytest_plugins = ["perf_tests.bench_plugin"]\n')
+    (tmp_path / "test_skipping.py").write_text(SKIPPING)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    env.pop("PYTEST_ADDOPTS", None)
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_skipping.py",
+                           "--benchmark-json=out.json"], cwd=tmp_path, env=env, capture_output=True, text=True,
+                          timeout=180)
+    assert done.returncode == pytest.ExitCode.OK, done.stdout
+    data = json.loads((tmp_path / "out.json").read_text())
+    assert [b["name"] for b in data["benchmarks"]] == ["test_case[ours]"]
+    why = "absent: package not installed (pip install absent)"
+    assert data["skipped"] == {"test_skipping.py::test_case[absent]": why}
+    assert data["failed"] == {}
+
+
 DYING = textwrap.dedent("""
     import os
     import signal

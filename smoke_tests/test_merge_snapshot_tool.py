@@ -29,6 +29,16 @@ def run(cases, failed=None, gpu=GPU, files=None) -> dict:
             "failed": failed or {}, "source_files": files or {}, "datetime": "2026-12-05T00:00:00"}
 
 
+def test_skip_reasons_carry_over_until_the_case_is_timed():
+    base = run([case("a", 1.0, "old")])
+    base["skipped"] = {f"{CASE}test_model[p]": "p: package not installed", f"{CASE}test_model[q]": "q: no CUDA"}
+    new = run([case("q", 2.0)])
+    new["skipped"] = {f"{CASE}test_model[r]": "r: package not installed"}
+    merged = TOOL.merge(base, new, tree="new", command="cmd")
+    assert merged["skipped"] == {f"{CASE}test_model[p]": "p: package not installed",
+                                 f"{CASE}test_model[r]": "r: package not installed"}
+
+
 def test_new_cases_replace_theirs_and_the_rest_keep_their_tree():
     base = run([case("a", 1.0, "old1"), case("b", 2.0, "old1"), case("c", 3.0, "old2")],
                failed={f"{CASE}test_model[d]": "check failed"}, files={"x.py": "1", "y.py": "1"})

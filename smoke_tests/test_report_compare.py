@@ -44,6 +44,17 @@ def test_report_prints_the_summary_table(tmp_path, capsys):
     assert "commit abcdef1234" in out and "cpu" in out
 
 
+def test_report_names_the_skipped_cases_by_reason(tmp_path, capsys):
+    path = _run(tmp_path / "run.json", [_bench("test_x[a=1]", 0.001)])
+    data = json.loads(path.read_text())
+    absent = "fbgemm: package not installed"
+    data["skipped"] = {"t::x[fbgemm,1]": absent, "t::x[fbgemm,2]": absent, "t::x[fa4,1]": "fa4: no CUDA device"}
+    path.write_text(json.dumps(data))
+    assert main(["report", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "skipped 3 case(s): 2 x fbgemm: package not installed; 1 x fa4: no CUDA device" in out
+
+
 @pytest.mark.parametrize("content", [None, "not json", '{"no": "benchmarks"}'])
 def test_report_refuses_a_missing_or_foreign_file(tmp_path, capsys, content):
     path = tmp_path / "run.json"

@@ -64,6 +64,10 @@ def merge(base: dict, new: dict, *, tree: str, command: str) -> dict:
     failed = {name: why for name, why in (out.get("failed") or {}).items() if name.rsplit("::", 1)[-1] not in timed}
     failed.update(failed_now)
     out["failed"] = failed
+    # why a case has no figure (a peer not installed): the newest word on each case; a timed one has its figure
+    skipped = {name: why for name, why in (out.get("skipped") or {}).items() if name.rsplit("::", 1)[-1] not in timed}
+    skipped.update(new.get("skipped") or {})
+    out["skipped"] = skipped
     out["source_files"] = {**(out.get("source_files") or {}), **(new.get("source_files") or {})}
     runs = list(out.get("merged_runs") or [])
     runs.append({"command": command, "tree": tree, "finished": len(timed), "failed": len(failed_now),
