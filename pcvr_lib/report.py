@@ -197,8 +197,8 @@ def case_times(bench: dict) -> tuple[float, float | None, float | None]:
 
 KERNEL_OURS = ("triton", "tilelang", "cuembed")
 # peers in display order; a backend of neither list is shown as a peer after these
-KERNEL_PEERS = ("torch", "torch_compile", "liger", "quack", "sdpa", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "fa4",
-                "flex")
+KERNEL_PEERS = ("torch", "torch_compile", "liger", "quack", "fbgemm", "sdpa", "sdpa_flash", "sdpa_efficient",
+                "sdpa_cudnn", "fa4", "flex")
 
 
 def _backend_order(backend: str) -> tuple:

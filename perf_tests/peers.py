@@ -34,6 +34,10 @@ class Peer:
     gated: bool = True  # `pcvr diff` gates its device time
 
 
+class PeerUnavailable(Exception):
+    """A peer that does not compute this case (a mask it has no form for): the case skips with the reason."""
+
+
 PEERS: dict[str, Peer] = {peer.name: peer for peer in (
     Peer("torch", (*NORMS, "embedding_bag_mean", *ATTENTION), needs_cuda=False, baseline=True,
          what="torch eager: F.rms_norm / F.layer_norm, F.embedding_bag on in-range ids, SDPA's default dispatch"),
@@ -46,6 +50,11 @@ PEERS: dict[str, Peer] = {peer.name: peer for peer in (
     Peer("sdpa_efficient", ATTENTION, what="SDPA forced to its memory-efficient kernel"),
     Peer("sdpa_cudnn", ATTENTION, what="SDPA forced to cuDNN attention"),
     Peer("flex", ATTENTION, gated=False, what="torch.compile'd flex_attention with the block mask of the case"),
+    Peer("fbgemm", ("embedding_bag_mean",), package="fbgemm_gpu", needs_cuda=False,
+         what="FBGEMM's table-batched embedding (fbgemm-gpu; torchrec's kernel): "
+         "SplitTableBatchedEmbeddingBagsCodegen, one table, mean pooling, on the valid ids as indices + offsets "
+         "(its jagged input, built once per case); "
+         "its wheel must match torch (fbgemm-gpu 1.6 for torch 2.11, 1.8 for 2.13)"),
     Peer("fa4", ATTENTION, package="flash_attn.cute", what="FlashAttention 4 (flash-attn-4, CuTe-DSL): "
          "flash_attn_func, key lengths as seqused_k of flash_attn_varlen_func; no mask, key lengths, causal"),
 )}
@@ -146,6 +155,48 @@ class _QuackLayerNorm(torch.autograd.Function):
         return dx, dw_partial.sum(0).to(weight.dtype), db_partial.sum(0).to(weight.dtype), None
 
 
+# ------------------------------------------------------------------ embedding
+
+
+def fbgemm_embedding_peer(weight: torch.Tensor, ids: torch.Tensor):
+    """FBGEMM's table-batched embedding bag (mean pooling) holding a copy of `weight` (V, D), on the bags of
+    `ids` (B, L; id 0 and ids outside [0, V) are padding, as in embedding_bag_mean): a callable () -> (B, D) in
+    weight's dtype. FBGEMM takes jagged bags (the valid ids flat, with offsets), the form a recommender's
+    input pipeline hands it; they are built here, once, outside any timed call. An empty bag's mean is 0 in
+    both. Runs on CUDA (fbgemm-gpu) or on the CPU (fbgemm-gpu-cpu), where `weight` is."""
+    from fbgemm_gpu.split_embedding_configs import SparseType
+    from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
+    from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
+        ComputeDevice,
+        SplitTableBatchedEmbeddingBagsCodegen,
+    )
+
+    precision = {torch.float32: SparseType.FP32, torch.float16: SparseType.FP16, torch.bfloat16: SparseType.BF16}
+    if weight.dtype not in precision:
+        raise PeerUnavailable(f"fbgemm: no {weight.dtype} tables (fp32, fp16, bf16)")
+    rows, dim = weight.shape
+    cuda = weight.device.type == "cuda"
+    if not cuda and weight.dtype == torch.bfloat16:
+        raise PeerUnavailable("fbgemm: its CPU kernel has no bf16 tables (fbgemm-gpu-cpu 1.8)")
+    table = SplitTableBatchedEmbeddingBagsCodegen(
+        [(rows, dim, EmbeddingLocation.DEVICE if cuda else EmbeddingLocation.HOST,
+          ComputeDevice.CUDA if cuda else ComputeDevice.CPU)],
+        pooling_mode=PoolingMode.MEAN, weights_precision=precision[weight.dtype],
+        output_dtype=precision[weight.dtype], device=weight.device)
+    with torch.no_grad():
+        table.split_embedding_weights()[0].copy_(weight)
+    valid = (ids > 0) & (ids < rows)
+    indices = ids[valid].to(torch.int64)
+    offsets = torch.zeros(ids.shape[0] + 1, dtype=torch.int64, device=ids.device)
+    torch.cumsum(valid.sum(dim=1), 0, out=offsets[1:])
+
+    def call():
+        with torch.no_grad():
+            return table(indices, offsets)
+
+    return call
+
+
 # ------------------------------------------------------------------ attention
 
 
@@ -213,10 +264,6 @@ def flex_peer(kw: dict, B: int, H: int, S: int, device, compile: bool = True):
         torch._dynamo.reset()  # a fresh compile per case
         attend = torch.compile(flex_attention, dynamic=False)
     return lambda q, k, v: attend(q, k, v, block_mask=block_mask)
-
-
-class PeerUnavailable(Exception):
-    """A peer that does not compute this case (a mask it has no form for): the case skips with the reason."""
 
 
 def fa4_peer(kw: dict, grad: bool = False):

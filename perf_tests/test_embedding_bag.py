@@ -35,6 +35,7 @@ from pcvr_lib.kernels.testing import poisoned_outputs
 from pcvr_lib.kernels.tolerance import Tolerance, assert_close, max_errors, tolerance
 from pcvr_lib.workloads import embedding_bag as workload
 from perf_tests import kernel_bench as kb
+from perf_tests import peers
 
 OP = eb.OP
 CUDA = torch.cuda.is_available()
@@ -42,7 +43,7 @@ DTYPES = kb.DTYPES  # "fp16" -> torch.float16, ...
 
 SHAPES = workload.PERF_SHAPES if CUDA else workload.CPU_PERF_SHAPES
 DISTS = workload.DISTS
-FWD_BACKENDS = ("torch", "triton", "tilelang", "cuembed")
+FWD_BACKENDS = ("torch", "triton", "tilelang", "cuembed", "fbgemm")
 TRAIN_BACKENDS = ("torch", "triton", "tilelang")
 
 
@@ -81,10 +82,20 @@ def inputs(shape, dtype, dist, device):
     return _INPUTS[key]
 
 
+def peer_or_skip(backend, weight, ids, grad_out, direction):
+    """make_call, with a peer that has no form for the case skipped with its reason."""
+    try:
+        return make_call(backend, weight, ids, grad_out, direction)
+    except peers.PeerUnavailable as exc:
+        pytest.skip(str(exc))
+
+
 def make_call(backend, weight, ids, grad_out, direction):
     if direction == "fwd":
         if backend == "torch":
             return lambda: F.embedding_bag(ids, weight, mode="mean", padding_idx=0)
+        if backend == "fbgemm":
+            return peers.fbgemm_embedding_peer(weight, ids)
         return lambda: eb.embedding_bag_mean(weight, ids, backend=backend)
     w = weight.detach().requires_grad_()
     if backend == "torch":
@@ -127,13 +138,17 @@ def grad_check(grad, weight, ids, grad_out):
 @pytest.mark.parametrize("backend,shape,dtype,dist,direction", cases())
 def test_embedding_bag_perf(benchmark, backend, shape, dtype, dist, direction):
     if not CUDA:
-        if backend != "torch":
+        if backend == "fbgemm":  # fbgemm-gpu-cpu runs its CPU kernel: the peer's numbers are checked here too
+            ok, reason = peers.status(backend, "cpu")
+            if not ok:
+                pytest.skip(reason)
+        elif backend != "torch":
             ok, reason = eb.backend_status(backend, "cpu")
             pytest.skip(reason if not ok else f"{backend}: GPU benchmark")
-        return cpu_case(benchmark, shape, dtype, dist, direction)
+        return cpu_case(benchmark, backend, shape, dtype, dist, direction)
     device = kb.require_gpu_backend(OP, backend)
     weight, ids, grad_out = inputs(shape, dtype, dist, device)
-    call = make_call(backend, weight, ids, grad_out, direction)
+    call = peer_or_skip(backend, weight, ids, grad_out, direction)
 
     before = dict(compile_log.SECONDS)
     _, first_s = kb.timed_first_call(call)
@@ -162,16 +177,18 @@ def test_embedding_bag_perf(benchmark, backend, shape, dtype, dist, direction):
     assert info["max_abs_error"] == info["max_abs_error"]  # NaN never passes
 
 
-def cpu_case(benchmark, shape, dtype, dist, direction):
-    """CI: the torch peer at a small shape, checked, run once (no GPU timer on CPU)."""
+def cpu_case(benchmark, backend, shape, dtype, dist, direction):
+    """CI: the torch peer (and FBGEMM's CPU kernel where fbgemm-gpu-cpu is installed) at a small shape,
+    checked, run once (no GPU timer on CPU)."""
     weight, ids, grad_out = inputs(shape, dtype, dist, torch.device("cpu"))
-    call = make_call("torch", weight, ids, grad_out, direction)
-    result = benchmark.pedantic(call, rounds=1, iterations=1)
+    call = peer_or_skip(backend, weight, ids, grad_out, direction)
+    with poisoned_outputs(weight.device):
+        result = benchmark.pedantic(call, rounds=1, iterations=1)
     out = result if direction == "fwd" else result[0]
-    assert_close(out, eb.reference_forward(weight, ids), weight.dtype, what="torch forward")
+    assert_close(out, eb.reference_forward(weight, ids), weight.dtype, what=f"{backend} forward")
     if direction == "fwd+bwd":
         grad_check(result[1], weight, ids, grad_out)
-    benchmark.extra_info.update({"op": OP, "backend": "torch", "shape": shape[0], "dtype": dtype, "dist": dist,
+    benchmark.extra_info.update({"op": OP, "backend": backend, "shape": shape[0], "dtype": dtype, "dist": dist,
                                  "dir": direction, "returns": RETURNS[direction],
-                                 **sources.stamp(sources.kernel_subject(OP, "torch", ours=False)),
+                                 **sources.stamp(sources.kernel_subject(OP, backend, ours=False)),
                                  "note": "CPU smoke run, not a GPU timing"})

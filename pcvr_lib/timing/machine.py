@@ -28,7 +28,7 @@ def _distribution_version(name: str) -> str | None:
 
 
 # the frontier peers of the kernel suite (perf_tests/peers.py), by distribution name
-PEER_DISTRIBUTIONS = ("quack-kernels", "flash-attn-4", "nvidia-cutlass-dsl")
+PEER_DISTRIBUTIONS = ("quack-kernels", "flash-attn-4", "nvidia-cutlass-dsl", "fbgemm-gpu", "fbgemm-gpu-cpu")
 
 
 def _nvidia_smi(fields: str) -> list[str] | None:
