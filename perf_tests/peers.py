@@ -161,9 +161,20 @@ class _QuackLayerNorm(torch.autograd.Function):
 def fbgemm_embedding_peer(weight: torch.Tensor, ids: torch.Tensor):
     """FBGEMM's table-batched embedding bag (mean pooling) holding a copy of `weight` (V, D), on the bags of
     `ids` (B, L; id 0 and ids outside [0, V) are padding, as in embedding_bag_mean): a callable () -> (B, D) in
-    weight's dtype. FBGEMM takes jagged bags (the valid ids flat, with offsets), the form a recommender's
-    input pipeline hands it; they are built here, once, outside any timed call. An empty bag's mean is 0 in
-    both. Runs on CUDA (fbgemm-gpu) or on the CPU (fbgemm-gpu-cpu), where `weight` is."""
+    weight's dtype. Runs on CUDA (fbgemm-gpu) or on the CPU (fbgemm-gpu-cpu), where `weight` is."""
+    table, indices, offsets = _fbgemm_table(weight, ids)
+
+    def call():
+        with torch.no_grad():
+            return table(indices, offsets)
+
+    return call
+
+
+def _fbgemm_table(weight: torch.Tensor, ids: torch.Tensor, **options):
+    """(FBGEMM table holding a copy of `weight`, indices, offsets). FBGEMM takes jagged bags (the valid ids
+    flat, with offsets), the form a recommender's input pipeline hands it; they are built here, once, outside
+    any timed call. An empty bag's mean is 0 in both."""
     from fbgemm_gpu.split_embedding_configs import SparseType
     from fbgemm_gpu.split_table_batched_embeddings_ops_common import EmbeddingLocation, PoolingMode
     from fbgemm_gpu.split_table_batched_embeddings_ops_training import (
@@ -182,19 +193,37 @@ def fbgemm_embedding_peer(weight: torch.Tensor, ids: torch.Tensor):
         [(rows, dim, EmbeddingLocation.DEVICE if cuda else EmbeddingLocation.HOST,
           ComputeDevice.CUDA if cuda else ComputeDevice.CPU)],
         pooling_mode=PoolingMode.MEAN, weights_precision=precision[weight.dtype],
-        output_dtype=precision[weight.dtype], device=weight.device)
+        output_dtype=precision[weight.dtype], device=weight.device, **options)
     with torch.no_grad():
         table.split_embedding_weights()[0].copy_(weight)
     valid = (ids > 0) & (ids < rows)
     indices = ids[valid].to(torch.int64)
     offsets = torch.zeros(ids.shape[0] + 1, dtype=torch.int64, device=ids.device)
     torch.cumsum(valid.sum(dim=1), 0, out=offsets[1:])
+    return table, indices, offsets
+
+
+def fbgemm_adagrad_step(weight: torch.Tensor, ids: torch.Tensor, grad_out: torch.Tensor, *, lr: float, eps: float,
+                        initial_accumulator_value: float):
+    """FBGEMM's sparse training path on a copy of `weight`: the bag means of `ids` (as fbgemm_embedding_peer),
+    their backward with `grad_out` fused with an exact (per element) Adagrad update of the touched rows, as
+    torchrec trains a table (no gradient is materialised). (call, table): call() makes one step and returns the
+    bag means; table() is the updated table. Rounding to the table's dtype is to nearest (FBGEMM's stochastic
+    rounding is off, so that the result is comparable)."""
+    from fbgemm_gpu.split_embedding_configs import EmbOptimType
+
+    table, indices, offsets = _fbgemm_table(weight, ids, optimizer=EmbOptimType.EXACT_ADAGRAD, learning_rate=lr,
+                                            eps=eps, stochastic_rounding=False)
+    with torch.no_grad():
+        for state in table.split_optimizer_states()[0]:
+            state.fill_(initial_accumulator_value)
 
     def call():
-        with torch.no_grad():
-            return table(indices, offsets)
+        out = table(indices, offsets)
+        out.backward(grad_out)
+        return out.detach()
 
-    return call
+    return call, lambda: table.split_embedding_weights()[0]
 
 
 # ------------------------------------------------------------------ attention

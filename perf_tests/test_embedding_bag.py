@@ -9,7 +9,10 @@ padding_idx=0)` on ids that are already in range; the library's own torch backen
 outside (0, V). fwd+bwd returns what ours returns, like for like: the output and the weight gradient with its
 duplicate rows summed (torch: sparse=True and `coalesce()`, which waits for the row count on the host; ours:
 merged on the device, no sync). Gradients are taken with torch.autograd.grad (nothing accumulates across
-calls).
+calls). fwd+bwd+adagrad is the sparse path of a model's train step: forward, backward and one Adagrad step
+of the touched rows, checked by the table after one step (touched rows against float64, the others unchanged);
+its peers are torch (F.embedding_bag sparse + torch.optim.Adagrad) and FBGEMM's table-batched embedding,
+whose backward applies the update itself (torchrec's path). FBGEMM is a forward peer too (perf_tests/peers.py).
 
 Distributions: "uniform" = fixed bag length, each position padding (id 0) with probability 0.25, ids
 uniform in [1, V); "zipf" = bag lengths uniform in [1, L] (the rest padding), ids log-uniform
@@ -45,6 +48,11 @@ SHAPES = workload.PERF_SHAPES if CUDA else workload.CPU_PERF_SHAPES
 DISTS = workload.DISTS
 FWD_BACKENDS = ("torch", "triton", "tilelang", "cuembed", "fbgemm")
 TRAIN_BACKENDS = ("torch", "triton", "tilelang")
+STEP_BACKENDS = ("torch", "triton", "tilelang", "fbgemm")
+STEP = "fwd+bwd+adagrad"
+# the step direction's Adagrad: a positive starting accumulator keeps the first update away from lr * sign(g),
+# which rounding near g = 0 would flip
+ADAGRAD = {"lr": 0.05, "eps": 1e-10, "initial_accumulator_value": 0.1}
 
 
 def cases():
@@ -52,7 +60,8 @@ def cases():
     for name, batch, num_rows, dim, bag, dtypes in SHAPES:
         for dtype in dtypes:
             for dist in DISTS:
-                for direction, backends in (("fwd", FWD_BACKENDS), ("fwd+bwd", TRAIN_BACKENDS)):
+                for direction, backends in (("fwd", FWD_BACKENDS), ("fwd+bwd", TRAIN_BACKENDS),
+                                            (STEP, STEP_BACKENDS)):
                     for backend in backends:  # torch first: the speedups need its time
                         cid = (f"op={OP},backend={backend},shape={name},dtype={dtype},dist={dist},"
                                f"dir={direction}")
@@ -97,6 +106,8 @@ def make_call(backend, weight, ids, grad_out, direction):
         if backend == "fbgemm":
             return peers.fbgemm_embedding_peer(weight, ids)
         return lambda: eb.embedding_bag_mean(weight, ids, backend=backend)
+    if direction == STEP:
+        return adagrad_step(backend, weight, ids, grad_out)[0]
     w = weight.detach().requires_grad_()
     if backend == "torch":
         def step():
@@ -109,7 +120,65 @@ def make_call(backend, weight, ids, grad_out, direction):
     return step
 
 
-RETURNS = {"fwd": "the bag means", "fwd+bwd": "output and the weight gradient with duplicate rows summed"}
+def adagrad_step(backend, weight, ids, grad_out):
+    """The sparse path of a model's train step on a copy of `weight`: the bag means, their backward with
+    `grad_out` and one Adagrad step (ADAGRAD) on the touched rows. (call, table): call() makes one step and
+    returns the bag means; table() is the updated table. torch: F.embedding_bag(sparse=True) and
+    torch.optim.Adagrad (which coalesces the gradient: a host sync); ours: embedding_bag_mean(sparse_grad=True)
+    and pcvr_lib's SparseAdagrad (no sync); fbgemm: its backward with the update fused (EXACT_ADAGRAD, no
+    gradient materialised)."""
+    if backend == "fbgemm":
+        return peers.fbgemm_adagrad_step(weight, ids, grad_out, **ADAGRAD)
+    from pcvr_lib.optim.sparse_adagrad import SparseAdagrad
+
+    w = weight.detach().clone().requires_grad_()
+    if backend == "torch":
+        opt = torch.optim.Adagrad([w], **ADAGRAD)
+
+        def forward():
+            return F.embedding_bag(ids, w, mode="mean", padding_idx=0, sparse=True)
+    else:
+        opt = SparseAdagrad([w], **ADAGRAD)
+
+        def forward():
+            return eb.embedding_bag_mean(w, ids, backend=backend, sparse_grad=True)
+
+    def call():
+        out = forward()
+        out.backward(grad_out)
+        opt.step()
+        w.grad = None
+        return out.detach()
+
+    return call, w.detach
+
+
+def adagrad_check(backend, weight, ids, grad_out, device):
+    """One step of a fresh adagrad_step against float64: touched rows within the dtype's tolerance, the bag
+    means too, every other row unchanged (bit for bit: nothing may write them)."""
+    call, table = adagrad_step(backend, weight, ids, grad_out)
+    with poisoned_outputs(device):
+        out = call()
+    assert_close(out, eb.reference_forward(weight, ids), weight.dtype, what=f"{backend} forward (step)")
+    num_rows, dim = weight.shape
+    valid = (ids > 0) & (ids < num_rows)
+    count = valid.sum(dim=1, keepdim=True).clamp_min(1).to(torch.float64)
+    terms = (grad_out.to(torch.float64) / count)[valid.nonzero()[:, 0]]
+    rows, inverse = torch.unique(ids[valid].long(), return_inverse=True)
+    grad = torch.zeros(rows.numel(), dim, dtype=torch.float64, device=device).index_add_(0, inverse, terms)
+    acc = ADAGRAD["initial_accumulator_value"] + grad * grad
+    expected = weight[rows].to(torch.float64) - ADAGRAD["lr"] * grad / (acc.sqrt() + ADAGRAD["eps"])
+    after = table()
+    assert_close(after[rows], expected, weight.dtype, what=f"{backend} rows after the Adagrad step")
+    untouched = torch.ones(num_rows, dtype=torch.bool, device=device)
+    untouched[rows] = False
+    assert torch.equal(after[untouched], weight[untouched]), f"{backend}: the step changed rows no id touched"
+    return max_errors(after[rows], expected)
+
+
+RETURNS = {"fwd": "the bag means", "fwd+bwd": "output and the weight gradient with duplicate rows summed",
+           STEP: (f"the bag means; the table after one Adagrad step on the touched rows (lr {ADAGRAD['lr']}, eps "
+                  f"{ADAGRAD['eps']}, accumulator from {ADAGRAD['initial_accumulator_value']})")}
 
 
 def grad_check(grad, weight, ids, grad_out):
@@ -156,6 +225,8 @@ def test_embedding_bag_perf(benchmark, backend, shape, dtype, dist, direction):
     compile_s = sum(new.values()) if new else 0.0
 
     def check():
+        if direction == STEP:
+            return adagrad_check(backend, weight, ids, grad_out, device)
         with poisoned_outputs(device):  # a kernel that skips part of its output must not pass on stale values
             out = call()
         if direction == "fwd":
@@ -182,12 +253,20 @@ def cpu_case(benchmark, backend, shape, dtype, dist, direction):
     checked, run once (no GPU timer on CPU)."""
     weight, ids, grad_out = inputs(shape, dtype, dist, torch.device("cpu"))
     call = peer_or_skip(backend, weight, ids, grad_out, direction)
+    if direction == STEP:
+        benchmark.pedantic(call, rounds=1, iterations=1)
+        adagrad_check(backend, weight, ids, grad_out, weight.device)
+        return _cpu_info(benchmark, backend, shape, dtype, dist, direction)
     with poisoned_outputs(weight.device):
         result = benchmark.pedantic(call, rounds=1, iterations=1)
     out = result if direction == "fwd" else result[0]
     assert_close(out, eb.reference_forward(weight, ids), weight.dtype, what=f"{backend} forward")
     if direction == "fwd+bwd":
         grad_check(result[1], weight, ids, grad_out)
+    _cpu_info(benchmark, backend, shape, dtype, dist, direction)
+
+
+def _cpu_info(benchmark, backend, shape, dtype, dist, direction):
     benchmark.extra_info.update({"op": OP, "backend": backend, "shape": shape[0], "dtype": dtype, "dist": dist,
                                  "dir": direction, "returns": RETURNS[direction],
                                  **sources.stamp(sources.kernel_subject(OP, backend, ours=False)),

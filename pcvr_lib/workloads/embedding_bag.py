@@ -89,7 +89,10 @@ def perf_inputs(shape, dtype: str, dist: str, device) -> tuple[torch.Tensor, tor
 def bytes_moved(table: torch.Tensor, ids: torch.Tensor, direction: str) -> int:
     """Distinct valid rows + ids + output (fwd); plus grad_out read, ids read and the COO values + indices
     written (fwd+bwd, B*L entries of fp32 values and int64 indices: our layout; the merge of duplicate rows
-    after the kernel is not counted: a lower bound)."""
+    after the kernel is not counted: a lower bound). fwd+bwd+adagrad (the sparse train path: forward, backward
+    and an Adagrad step of the touched rows): fwd, grad_out read, each distinct row written and its accumulator
+    read and written at the table's dtype (a lower bound: no gradient buffer, as FBGEMM's fused step has
+    none)."""
     num_rows, dim = table.shape
     esize = table.element_size()
     # distinct rows: a row repeated within a call (Zipf ids) is read from DRAM once, then from L2; counting
@@ -98,6 +101,8 @@ def bytes_moved(table: torch.Tensor, ids: torch.Tensor, direction: str) -> int:
     fwd = valid * dim * esize + ids.numel() * ids.element_size() + ids.shape[0] * dim * esize
     if direction == "fwd":
         return fwd
+    if direction == "fwd+bwd+adagrad":
+        return fwd + ids.shape[0] * dim * esize + 3 * valid * dim * esize
     return fwd + ids.shape[0] * dim * esize + ids.numel() * (ids.element_size() + dim * 4 + 8)
 
 
