@@ -433,3 +433,33 @@ def test_converter_errors_come_wrapped_naming_file_group_and_rows_served(schema,
         assert served == 100
         if workers == 0:
             assert isinstance(info.value.__cause__, DataError)
+
+
+def test_loaders_reuse_decoded_row_groups_inside_the_block_only(schema, dataset, tmp_path):
+    """reusing_decoded_row_groups (the smoke's): a later loader of the same file gets the row groups decoded
+    already and the same batches; outside the block, or once the file changed, row groups are decoded again."""
+    import os
+    import shutil
+
+    from pcvr_lib.data.loader_pipeline import reusing_decoded_row_groups
+
+    def sweep(path):
+        loader = PcvrLoader(path, schema, preset="none", batch_size=BATCH, passes=1)
+        return list(loader), loader.stats()
+
+    plain, plain_stats = sweep(dataset)
+    assert plain_stats["row_groups_read"] == ROWS // GROUP
+    copy = tmp_path / "copy.parquet"
+    shutil.copy(dataset, copy)
+    with reusing_decoded_row_groups():
+        first, first_stats = sweep(copy)
+        again, again_stats = sweep(copy)
+        assert (first_stats["row_groups_read"], again_stats["row_groups_read"]) == (ROWS // GROUP, 0)
+        assert again_stats["row_groups_reused"] == ROWS // GROUP
+        for a, b, c in zip(plain, first, again, strict=True):
+            assert_batches_equal(a, b)
+            assert_batches_equal(a, c)
+        stat = copy.stat()
+        os.utime(copy, ns=(stat.st_atime_ns, stat.st_mtime_ns + 1_000_000))  # the file changed: decode again
+        assert sweep(copy)[1]["row_groups_read"] == ROWS // GROUP
+    assert sweep(copy)[1]["row_groups_read"] == ROWS // GROUP  # the block ended: nothing kept

@@ -12,7 +12,9 @@ fit a 2-core machine (queryformer alone has 2.17B table parameters at the refere
 Precision: bf16 autocast by default on a CPU with bf16 matmul instructions (AVX512-BF16 or AMX: the 2-core
 smoke 573 -> 433 s, every model's AUC the same within seed noise, notes/models.md), fp32 elsewhere and on
 CUDA; `--amp` / `--no-amp` choose. Training batches come through the loader's OPT cache
-(`SMOKE_LOADER_PRESET`): the same batches as uncached, each decoded and converted once instead of once per draw.
+(`SMOKE_LOADER_PRESET`): the same batches as uncached, each decoded and converted once instead of once per draw;
+and the row groups a process has decoded are reused by its later loaders (`reusing_decoded_row_groups`: the
+runs read the one file five times each).
 
 Runs go to OUT/<model>_seed<seed>/ and are spread over `--jobs` worker processes (default: 2 on a CPU
 with 2+ cores, 1 on CUDA; a fresh process per run so that each run's peak memory is its own), each with
@@ -83,6 +85,7 @@ def run_one(job: dict[str, Any], steps_done=None) -> dict[str, Any]:
     own progress bar counts them, so the run's own bars are silenced."""
     import torch
 
+    from pcvr_lib.data.loader_pipeline import reusing_decoded_row_groups
     from pcvr_lib.progress import QUIET_ENV
 
     threads_before = torch.get_num_threads()
@@ -90,7 +93,9 @@ def run_one(job: dict[str, Any], steps_done=None) -> dict[str, Any]:
     torch.set_num_threads(job["threads"])
     os.environ[QUIET_ENV] = "1"
     try:
-        return _run_one(job, steps_done)
+        # training, both holdouts, validation and inference read the same row groups: each decoded once
+        with reusing_decoded_row_groups():
+            return _run_one(job, steps_done)
     finally:  # matters when the run happens in the caller's process (--jobs 1)
         torch.set_num_threads(threads_before)
         if quiet_before is None:
@@ -293,9 +298,11 @@ def _execute(work: list[dict], jobs: int, stream) -> list[dict]:
 
     try:
         if jobs <= 1:
+            from pcvr_lib.data.loader_pipeline import reusing_decoded_row_groups
             from pcvr_lib.train import keeping_captured_steps
 
-            with keeping_captured_steps():  # the seeds of a model after its first replay its captured step
+            with keeping_captured_steps(), reusing_decoded_row_groups():
+                # the seeds of a model after its first replay its captured step; every run reads the one file
                 for job in work:
                     results.append(run_one(job, steps_bar.update))
                     show(results[-1])

@@ -224,6 +224,7 @@ class PcvrLoader(LoaderPlan):
             "rows": sum(w["rows"] for w in workers),
             "batches": sum(w["batches"] for w in workers),
             "row_groups_read": sum(w["row_groups_read"] for w in workers),
+            "row_groups_reused": sum(w["row_groups_reused"] for w in workers),
             "late_reads": sum(w["late_reads"] for w in workers),
             "reused_after_eviction": sum(w["reused_after_eviction"] for w in workers),
             "handoff": _handoff([w.get("handoff") for w in workers]),
