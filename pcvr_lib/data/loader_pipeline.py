@@ -27,7 +27,6 @@ from pcvr_lib.data.parquet import DataError
 from pcvr_lib.data.shared_cache import CachePlan, SharedBatchStore
 from pcvr_lib.data.split import splitmix64
 
-
 # Decoded row groups shared by the loaders of one process, only inside reusing_decoded_row_groups(): the smoke's
 # runs read one file five times each (training, holdouts, validation, inference), and a row group of the demo
 # data (1,000 rows of long event lists, 69 MB decoded) takes 55-220 ms to decode. Off everywhere else: the
