@@ -101,7 +101,8 @@ def save_checkpoint(run_dir: Path, model, schema, config: TrainConfig, step: int
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
     try:
-        tensors = {k: v.detach().contiguous().cpu() for k, v in raw_model(model).state_dict().items()}
+        state = raw_model(model).state_dict()
+        tensors = dict(zip(state, host_copies(list(state.values())), strict=True))
         save_file(tensors, str(tmp / MODEL_FILE), metadata={"model": config.model, "global_step": str(step)})
         (tmp / SCHEMA_FILE).write_text(json.dumps(dict(schema.raw), indent=2) + "\n")
         full = config.to_dict()
@@ -110,7 +111,7 @@ def save_checkpoint(run_dir: Path, model, schema, config: TrainConfig, step: int
         write_json(tmp / CONFIG_FILE, full)
         if optimizers is not None:
             state_tensors: dict[str, torch.Tensor] = {}
-            structure = _split_tensors(optimizers.state_dict(), "optimizer", state_tensors, compact=True)
+            structure = _split_tensors(_on_host(optimizers.state_dict()), "optimizer", state_tensors, compact=True)
             rng = {"torch": _split_tensors(torch.get_rng_state(), "rng.torch", state_tensors)}
             if torch.cuda.is_available():
                 rng["cuda"] = _split_tensors(torch.cuda.get_rng_state_all(), "rng.cuda", state_tensors)
@@ -202,6 +203,65 @@ def files_sha256(folder: Path, names: list[str]) -> dict[str, str]:
     go of the GIL): a checkpoint save waits for its largest file's hash, not for the sum of them."""
     with ThreadPoolExecutor(max_workers=max(1, min(len(names), os.cpu_count() or 1))) as pool:
         return dict(zip(names, pool.map(lambda name: file_sha256(folder / name), names), strict=True))
+
+
+def host_copies(tensors: list[torch.Tensor], batched=("cuda",), chunk_bytes: int = 256 << 20) -> list[torch.Tensor]:
+    """Host copies of `tensors` (detached, contiguous, each in its own memory, in order). Those on a device of
+    a `batched` type come over in a few large copies per device and dtype (joined there in chunks of about
+    `chunk_bytes`, split again on the host) instead of one synchronising copy each: a checkpoint holds
+    hundreds of small tensors (every parameter's optimizer state), and one copy each took 3.8 s of the H100
+    smoke's 92.8 s under cProfile (about 800 copies a save). Tensors elsewhere are copied as before."""
+    out: list[torch.Tensor | None] = [None] * len(tensors)
+    groups: dict[tuple, list[int]] = {}
+    for i, t in enumerate(tensors):
+        if t.device.type in batched and t.numel():
+            groups.setdefault((t.device, t.dtype), []).append(i)
+        else:
+            out[i] = t.detach().contiguous().cpu()
+    for indices in groups.values():
+        chunk: list[int] = []
+        size = 0
+        for i in [*indices, None]:
+            if i is not None and (not chunk or size + tensors[i].nbytes <= chunk_bytes):
+                chunk.append(i)
+                size += tensors[i].nbytes
+                continue
+            joined = torch.cat([tensors[j].detach().reshape(-1) for j in chunk]).cpu()
+            for j, piece in zip(chunk, joined.split([tensors[j].numel() for j in chunk]), strict=True):
+                out[j] = piece.view(tensors[j].shape).clone()  # its own memory: safetensors refuses shared storage
+            chunk, size = ([i], tensors[i].nbytes) if i is not None else ([], 0)
+    return out
+
+
+def _on_host(obj):
+    """`obj` (a nested state dict) with its tensors replaced by host_copies of them."""
+    found: list[torch.Tensor] = []
+
+    def collect(o):
+        if isinstance(o, torch.Tensor):
+            found.append(o)
+        elif isinstance(o, dict):
+            for v in o.values():
+                collect(v)
+        elif isinstance(o, (list, tuple)):
+            for v in o:
+                collect(v)
+
+    collect(obj)
+    copies = iter(host_copies(found))
+
+    def rebuild(o):
+        if isinstance(o, torch.Tensor):
+            return next(copies)
+        if isinstance(o, dict):
+            return {k: rebuild(v) for k, v in o.items()}
+        if isinstance(o, tuple):
+            return tuple(rebuild(v) for v in o)
+        if isinstance(o, list):
+            return [rebuild(v) for v in o]
+        return o
+
+    return rebuild(obj)
 
 
 def _split_tensors(obj, prefix: str, tensors: dict[str, torch.Tensor], compact: bool = False):
