@@ -103,16 +103,21 @@ FAILING_AFTER_TIMING = textwrap.dedent("""
 """)
 
 
-def test_a_case_that_fails_after_its_timing_is_left_out_and_named(tmp_path):
+def run_one_file(tmp_path: Path, name: str, source: str) -> tuple[int, str, dict]:
+    """(exit code, stdout, JSON) of a pytest run of `source` as test file `name` with the plugin loaded."""
     (tmp_path / "conftest.py").write_text('pytest_plugins = ["perf_tests.bench_plugin"]\n')
-    (tmp_path / "test_failing.py").write_text(FAILING_AFTER_TIMING)
+    (tmp_path / name).write_text(source)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     env.pop("PYTEST_ADDOPTS", None)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_failing.py",
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", name,
                            "--benchmark-json=out.json"], cwd=tmp_path, env=env, capture_output=True, text=True,
                           timeout=180)
-    assert done.returncode == pytest.ExitCode.TESTS_FAILED, done.stdout
-    data = json.loads((tmp_path / "out.json").read_text())
+    return done.returncode, done.stdout, json.loads((tmp_path / "out.json").read_text())
+
+
+def test_a_case_that_fails_after_its_timing_is_left_out_and_named(tmp_path):
+    rc, out, data = run_one_file(tmp_path, "test_failing.py", FAILING_AFTER_TIMING)
+    assert rc == pytest.ExitCode.TESTS_FAILED, out
     assert [b["extra_info"]["i"] for b in data["benchmarks"]] == [0, 2]
     assert list(data["failed"]) == ["test_failing.py::test_case[1]"]
     assert "a check after the timing failed" in data["failed"]["test_failing.py::test_case[1]"]
@@ -132,15 +137,8 @@ SKIPPING = textwrap.dedent("""
 
 
 def test_a_skipped_case_is_listed_with_its_reason(tmp_path):
-    (tmp_path / "conftest.py").write_text('pytest_plugins = ["perf_tests.bench_plugin"]\n')
-    (tmp_path / "test_skipping.py").write_text(SKIPPING)
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    env.pop("PYTEST_ADDOPTS", None)
-    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "test_skipping.py",
-                           "--benchmark-json=out.json"], cwd=tmp_path, env=env, capture_output=True, text=True,
-                          timeout=180)
-    assert done.returncode == pytest.ExitCode.OK, done.stdout
-    data = json.loads((tmp_path / "out.json").read_text())
+    rc, out, data = run_one_file(tmp_path, "test_skipping.py", SKIPPING)
+    assert rc == pytest.ExitCode.OK, out
     assert [b["name"] for b in data["benchmarks"]] == ["test_case[ours]"]
     why = "absent: package not installed (pip install absent)"
     assert data["skipped"] == {"test_skipping.py::test_case[absent]": why}
