@@ -1,5 +1,5 @@
 """tools/remaining_ids.py: after a benchmark process died, the plan's ids it did not reach, without the crashed
-model x backend x mode."""
+model x backend x mode (or, after a kill at the step's time limit, with it)."""
 
 from __future__ import annotations
 
@@ -43,3 +43,13 @@ def test_it_knows_the_checkpoint_of_a_process_that_died():
     from perf_tests.bench_plugin import DIED
 
     assert DIED.startswith(TOOL.DIED_PREFIX)
+
+
+def test_a_process_killed_at_its_time_limit_runs_its_last_id_again(tmp_path, capsys):
+    run = checkpoint(PLAN[:5], failed=[PLAN[5]])
+    assert TOOL.remaining(PLAN, run, time_limit=True) == (PLAN[6:], [])
+    (tmp_path / "plan.txt").write_text("\n".join(PLAN) + "\n")
+    (tmp_path / "run.json").write_text(json.dumps(run))
+    assert TOOL.main([str(tmp_path / "plan.txt"), str(tmp_path / "run.json"), "--time-limit"]) == 0
+    out = capsys.readouterr()
+    assert out.out.split() == PLAN[6:] and "time limit in " + PLAN[6] in out.err and "died" not in out.err

@@ -96,6 +96,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit (cut to what is left 
   for arg in "$@"; do [[ $arg == --benchmark-json=* ]] && json=${arg#--benchmark-json=}; done
   timeout -k 15 -s INT "$limit" "$@" > "$OUT/$name.log" 2>&1
   local rc=$?
+  STEP_AT_LIMIT=$(( $(date +%s) - t >= limit ))  # 1: the step ran into its limit (then rc 124, or 137 after -k)
   echo "[$(( $(date +%s) - T0 ))s] $name rc=$rc ($(( $(date +%s) - t ))s): $(grep -E '(passed|failed|error|ready|variants)' "$OUT/$name.log" | tail -1)"
   if [ -n "$json" ] && [ -s "$json" ]; then  # the report's lines after the machine: cut?, sources, case count
     echo "  $(basename "$json"): $(python3 -m pcvr_lib report "$json" --view status 2>&1 | awk 'NR > 1 {printf "%s%s", (NR > 2 ? " | " : ""), $0}')"
@@ -266,8 +267,10 @@ for s in "$@"; do
       # a process that died (a segfault building a model's graph: rc 128 + signal) left a checkpoint of its
       # finished cases; the plan's ids after the crashed model x backend x mode run once more, into
       # ${MODELS_JSON}_resumed.json (merge both into the snapshot)
+      # (killed at the step's limit instead, inductor building through the SIGINT: the id it was in runs again too)
       if (( $? >= 128 )) && [ -n "${MODELS_IDS:-}" ] && [ -s "$OUT/${MODELS_JSON:-models}.json" ]; then
-        python3 tools/remaining_ids.py "$MODELS_IDS" "$OUT/${MODELS_JSON:-models}.json" > "$OUT/models_remaining.txt"
+        python3 tools/remaining_ids.py "$MODELS_IDS" "$OUT/${MODELS_JSON:-models}.json" \
+          $( (( STEP_AT_LIMIT )) && echo --time-limit) > "$OUT/models_remaining.txt"
         mapfile -t rest < <(grep . "$OUT/models_remaining.txt")
         if (( ${#rest[@]} )); then
           step perf_models_resumed "${MODELS_S:-300}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfE \

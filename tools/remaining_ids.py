@@ -7,6 +7,12 @@ RUN_JSON is the run's checkpoint (perf_tests/bench_plugin.py): its timed cases a
 The first id of the plan that is neither is the one the process died in; it is left out, with every id of its
 group (the same id but for `phase=`: the model x backend x mode whose build crashed), and named on stderr. The
 ids after it are printed in the plan's order. A run that did not die (no `cut`, or cut otherwise) leaves nothing.
+
+    python3 tools/remaining_ids.py IDS_FILE RUN_JSON --time-limit > remaining.txt
+
+is for a process killed at its step's time limit (SIGKILL after a SIGINT it did not stop for: inductor builds a
+graph through it) rather than by a crash of its own: the id it was in is not to blame, so it and its group run
+again first.
 """
 
 from __future__ import annotations
@@ -21,8 +27,9 @@ PHASE = re.compile(r",?phase=[^,\]]*")
 DIED_PREFIX = "the process died"
 
 
-def remaining(ids: list[str], run: dict) -> tuple[list[str], list[str]]:
-    """(ids still to run, ids left out as the crashed group) of the plan `ids` after `run`."""
+def remaining(ids: list[str], run: dict, time_limit: bool = False) -> tuple[list[str], list[str]]:
+    """(ids still to run, ids left out as the crashed group) of the plan `ids` after `run`; with `time_limit`
+    nothing is left out."""
     cut = run.get("cut") or {}
     if not str(cut.get("reason", "")).startswith(DIED_PREFIX):
         return [], []
@@ -30,6 +37,8 @@ def remaining(ids: list[str], run: dict) -> tuple[list[str], list[str]]:
     todo = [node for node in ids if node not in done]
     if not todo:
         return [], []
+    if time_limit:
+        return todo, []
     group = PHASE.sub("", todo[0])
     crashed = [node for node in todo if PHASE.sub("", node) == group]
     return [node for node in todo if node not in crashed], crashed
@@ -39,6 +48,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("ids", type=Path, help="the plan: node ids, one a line, in the order they ran")
     parser.add_argument("run", type=Path, help="the run's benchmark JSON (its checkpoint after a crash)")
+    parser.add_argument("--time-limit", action="store_true",
+                        help="the process was killed at its step's time limit, not by a crash: keep its last id")
     args = parser.parse_args(argv)
     ids = [line.strip() for line in args.ids.read_text().splitlines() if line.strip()]
     try:
@@ -46,7 +57,10 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as exc:
         print(f"remaining_ids: {args.run}: not a readable benchmark JSON ({exc})", file=sys.stderr)
         return 2
-    left, crashed = remaining(ids, run)
+    left, crashed = remaining(ids, run, args.time_limit)
+    if args.time_limit and left:
+        print(f"remaining_ids: the step stopped at its time limit in {left[0]}; {len(left)} id(s) to run, that "
+              "one first", file=sys.stderr)
     if crashed:
         print(f"remaining_ids: the process died in {crashed[0]}; left out with its group: {len(crashed)} id(s); "
               f"{len(left)} to run again", file=sys.stderr)
