@@ -214,7 +214,7 @@ def host_copies(tensors: list[torch.Tensor], batched=("cuda",), chunk_bytes: int
     out: list[torch.Tensor | None] = [None] * len(tensors)
     groups: dict[tuple, list[int]] = {}
     for i, t in enumerate(tensors):
-        if t.device.type in batched and t.numel():
+        if t.device.type in batched and t.numel() and t.layout == torch.strided:
             groups.setdefault((t.device, t.dtype), []).append(i)
         else:
             out[i] = t.detach().contiguous().cpu()
