@@ -165,3 +165,25 @@ def test_a_planted_host_delay_is_flagged_by_counts_in_exactly_its_cases(processe
             k: v for k, v in clean[case].items() if k != "python_calls"}
     assert compare.failed(rows)
     assert not compare.failed(compare.diff_runs(_as_run(clean), _as_run(runs["seed2"]["first"]), None))
+
+
+def test_counting_leaves_a_compiled_function_compiled():
+    """A TorchDispatchMode cannot run inside a compiled graph: counting a torch.compile'd call without care made
+    dynamo drop its compiled code for good, so that every later call ran eagerly (torch 2.11: the model
+    benchmark's graph-mode inference, timed after its train step had been counted, measured eager code) or
+    raised (torch 2.13, fullgraph). The count runs it eagerly instead, and the function stays compiled."""
+    torch._dynamo.reset()
+    compiled = torch.compile(lambda x: torch.relu(x) * 2 + 1, fullgraph=True, backend="eager")
+    x = torch.randn(16)
+    expected = torch.relu(x) * 2 + 1
+
+    def regions():
+        with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as prof:
+            assert torch.equal(compiled(x), expected)
+        return [e.key for e in prof.key_averages() if "Torch-Compiled Region" in e.key]
+
+    assert regions()
+    work = timing.count_work(lambda: compiled(x), cuda=False)
+    assert work["torch_ops"] == 3 and "unstable" not in work  # relu, mul, add: the eager form's ops
+    assert regions(), "counting dropped the function's compiled code"
+    torch._dynamo.reset()

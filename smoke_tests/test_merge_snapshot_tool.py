@@ -107,3 +107,12 @@ def test_stale_cases_retire_into_an_archive_and_the_rest_stay(tmp_path):
     assert TOOL.main([str(other), "--retire-stale", str(archive)]) == 2  # an archive of another machine
     with pytest.raises(SystemExit):
         TOOL.main([str(snapshot)])  # neither a run nor --retire-stale
+
+
+def test_cases_found_wrong_retire_with_the_reason():
+    base = run([case("a", 1.0, "t"), case("b", 2.0, "t")])
+    kept, archive, moved = TOOL.retire(base, None, lambda b: b["name"] == "test_model[b]", "measured eager code")
+    assert moved == 1 and [b["name"] for b in kept["benchmarks"]] == ["test_model[a]"]
+    assert [(b["name"], b["extra_info"]["retired_why"]) for b in archive["benchmarks"]] == [
+        ("test_model[b]", "measured eager code")]
+    assert "retired_why" not in base["benchmarks"][1]["extra_info"]  # the input is not modified

@@ -84,23 +84,33 @@ def retire_stale(snapshot: dict, archive: dict | None) -> tuple[dict, dict, int]
     """(the snapshot without its stale cases, the archive with them, how many moved); neither input is modified."""
     from pcvr_lib import sources
 
+    recorded = snapshot.get("source_files") or {}
+    return retire(snapshot, archive,
+                  lambda b: sources.case_state(b.get("extra_info") or {}, recorded)["state"] == sources.STALE,
+                  "its library sources changed after it ran")
+
+
+def retire(snapshot: dict, archive: dict | None, select, why: str) -> tuple[dict, dict, int]:
+    """(the snapshot without the cases `select(case)` picks, the archive with them, each with `why` in its
+    extra_info.retired_why, how many moved); neither input is modified."""
     out = json.loads(json.dumps(snapshot))
     recorded = out.get("source_files") or {}
-    stale = [b for b in out["benchmarks"]
-             if sources.case_state(b.get("extra_info") or {}, recorded)["state"] == sources.STALE]
-    moved = {b["name"] for b in stale}
+    picked = [b for b in out["benchmarks"] if select(b)]
+    moved = {b["name"] for b in picked}
     out["benchmarks"] = [b for b in out["benchmarks"] if b["name"] not in moved]
+    for b in picked:
+        b.setdefault("extra_info", {})["retired_why"] = why
     if archive is None:
         archive = {key: value for key, value in out.items() if key not in ("benchmarks", "failed", "merged_runs")}
         archive["benchmarks"] = []
     archive = json.loads(json.dumps(archive))
     if _machine(archive) != _machine(out):
         raise MergeError(f"the archive comes from another machine ({_machine(archive)} vs {_machine(out)})")
-    archive["benchmarks"] = [b for b in archive["benchmarks"] if b["name"] not in moved] + stale
+    archive["benchmarks"] = [b for b in archive["benchmarks"] if b["name"] not in moved] + picked
     archive["source_files"] = {**(archive.get("source_files") or {}), **recorded}
-    archive["note"] = ("cases retired from the snapshot beside this file because their library sources changed "
-                       "after they ran: older trees' numbers, each with its measured_tree; not quoted anywhere")
-    return out, archive, len(stale)
+    archive["note"] = ("cases retired from the snapshot beside this file, each with extra_info.retired_why (older "
+                       "trees' sources, or a measurement found wrong): kept for reading, not quoted anywhere")
+    return out, archive, len(picked)
 
 
 def main(argv: list[str] | None = None) -> int:

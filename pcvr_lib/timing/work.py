@@ -10,7 +10,12 @@ warm-up calls (caches filled, lazy imports done, autotuning over):
                 module started, so the autograd engine's device thread, which runs a CUDA backward, is
                 counted too; on 3.11 the calling thread only)
   torch_ops     aten ops dispatched during one call (a TorchDispatchMode; the autograd engine carries it into
-                the backward)
+                the backward). Code compiled with torch.compile runs eagerly for this count
+                (`torch.compiler.set_stance("force_eager")`): a dispatch mode cannot run inside a compiled graph,
+                and without the stance dynamo drops the function's compiled code for good (torch 2.11 silently, so
+                every later call ran eagerly; 2.13 raises on the next call). So for a compiled call this counts
+                the ops of its eager form: exact and stable, which is what the gate needs, but not what the
+                compiled call dispatches
   host_reads    those of them that read device values back to the host: on CUDA each one is a sync
                 (kernels.testing.host_read: .item(), nonzero, unique, boolean-mask indexing, copies to the CPU)
   launches      CUDA only: kernels, copies and memsets the GPU ran per call (the profiler's device events
@@ -91,7 +96,9 @@ def torch_ops(fn: Callable[[], object]) -> tuple[int, int]:
                 counts[1] += 1
             return func(*args, **kwargs)
 
-    with _Count():
+    import torch
+
+    with torch.compiler.set_stance("force_eager"), _Count():
         fn()
     return counts[0], counts[1]
 
