@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 import torch
+import torch.utils._pytree as pytree
 from safetensors.torch import load_file, save_file
 
 from pcvr_lib.models import build_model
@@ -235,33 +236,11 @@ def host_copies(tensors: list[torch.Tensor], batched=("cuda",), chunk_bytes: int
 
 def _on_host(obj):
     """`obj` (a nested state dict) with its tensors replaced by host_copies of them."""
-    found: list[torch.Tensor] = []
-
-    def collect(o):
-        if isinstance(o, torch.Tensor):
-            found.append(o)
-        elif isinstance(o, dict):
-            for v in o.values():
-                collect(v)
-        elif isinstance(o, (list, tuple)):
-            for v in o:
-                collect(v)
-
-    collect(obj)
-    copies = iter(host_copies(found))
-
-    def rebuild(o):
-        if isinstance(o, torch.Tensor):
-            return next(copies)
-        if isinstance(o, dict):
-            return {k: rebuild(v) for k, v in o.items()}
-        if isinstance(o, tuple):
-            return tuple(rebuild(v) for v in o)
-        if isinstance(o, list):
-            return [rebuild(v) for v in o]
-        return o
-
-    return rebuild(obj)
+    leaves, spec = pytree.tree_flatten(obj)
+    at = [i for i, leaf in enumerate(leaves) if isinstance(leaf, torch.Tensor)]
+    for i, copy in zip(at, host_copies([leaves[i] for i in at]), strict=True):
+        leaves[i] = copy
+    return pytree.tree_unflatten(leaves, spec)
 
 
 def _split_tensors(obj, prefix: str, tensors: dict[str, torch.Tensor], compact: bool = False):
