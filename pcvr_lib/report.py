@@ -17,6 +17,7 @@ import json
 import math
 import re
 import sys
+from collections import Counter
 from pathlib import Path
 
 from pcvr_lib import sources
@@ -163,9 +164,7 @@ def skipped_summary(data: dict) -> str | None:
     skipped = data.get("skipped") or {}
     if not skipped:
         return None
-    counts: dict[str, int] = {}
-    for reason in skipped.values():
-        counts[reason] = counts.get(reason, 0) + 1
+    counts = Counter(skipped.values())
     parts = [f"{n} x {reason}" for reason, n in sorted(counts.items(), key=lambda item: (-item[1], item[0]))]
     return f"skipped {len(skipped)} case(s): " + "; ".join(parts)
 

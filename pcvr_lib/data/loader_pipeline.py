@@ -29,8 +29,8 @@ from pcvr_lib.data.split import splitmix64
 
 # Decoded row groups shared by the loaders of one process, only inside reusing_decoded_row_groups(): the smoke's
 # runs read one file five times each (training, holdouts, validation, inference), and a row group of the demo
-# data (1,000 rows of long event lists, 69 MB decoded) takes 55-220 ms to decode. Off everywhere else: the
-# loader's benchmarks time decoding, and its own caches are the ones it documents.
+# data (1,000 rows of long event lists, 69 MB decoded) takes 82 ms to decode on the H100 host, 220 ms on a 2-core
+# Xeon. Off everywhere else: the loader's benchmarks time decoding, and its own caches are the ones it documents.
 _REUSE_LOCK = threading.Lock()
 _REUSE: dict | None = None
 REUSE_MAX_BYTES = 2 << 30  # decoded tables kept at most; past it a row group is decoded again when asked
@@ -154,9 +154,6 @@ class Pipeline:
     def _read_group(self, group: int, late: bool = False) -> pa.Table:
         # Handles are opened lazily (DataLoader workers each get their own), and a late read in the
         # consuming thread uses its own handle: a ParquetFile must not be read from two threads at once.
-        name = "late_file" if late else "file"
-        if getattr(self, name) is None:
-            setattr(self, name, pq.ParquetFile(self.loader.path))
         reuse = _REUSE
         if reuse is not None:
             key = _reuse_key(self.loader.path, group, self.loader.columns)
@@ -165,6 +162,9 @@ class Pipeline:
             if table is not None:
                 self.groups_reused += 1
                 return table
+        name = "late_file" if late else "file"
+        if getattr(self, name) is None:
+            setattr(self, name, pq.ParquetFile(self.loader.path))
         self.groups_read += 1
         try:
             table = getattr(self, name).read_row_group(group, columns=self.loader.columns, use_threads=True)

@@ -219,18 +219,20 @@ def host_copies(tensors: list[torch.Tensor], batched=("cuda",), chunk_bytes: int
             groups.setdefault((t.device, t.dtype), []).append(i)
         else:
             out[i] = t.detach().contiguous().cpu()
+    chunks: list[list[int]] = []
     for indices in groups.values():
-        chunk: list[int] = []
+        chunks.append([])
         size = 0
-        for i in [*indices, None]:
-            if i is not None and (not chunk or size + tensors[i].nbytes <= chunk_bytes):
-                chunk.append(i)
-                size += tensors[i].nbytes
-                continue
-            joined = torch.cat([tensors[j].detach().reshape(-1) for j in chunk]).cpu()
-            for j, piece in zip(chunk, joined.split([tensors[j].numel() for j in chunk]), strict=True):
-                out[j] = piece.view(tensors[j].shape).clone()  # its own memory: safetensors refuses shared storage
-            chunk, size = ([i], tensors[i].nbytes) if i is not None else ([], 0)
+        for i in indices:
+            if chunks[-1] and size + tensors[i].nbytes > chunk_bytes:
+                chunks.append([])
+                size = 0
+            chunks[-1].append(i)
+            size += tensors[i].nbytes
+    for chunk in chunks:
+        joined = torch.cat([tensors[j].detach().reshape(-1) for j in chunk]).cpu()
+        for j, piece in zip(chunk, joined.split([tensors[j].numel() for j in chunk]), strict=True):
+            out[j] = piece.view(tensors[j].shape).clone()  # its own memory: safetensors refuses shared storage
     return out
 
 
