@@ -9,7 +9,7 @@
 # (BUDGET=seconds caps the whole command; steps: warm warm_norms accuracy accuracy_norms accuracy_attention
 #  sweep norm_sweep tune host perf_norms perf_embedding perf_attention noise planted aa aa1 aa2 gate planted_host optim
 #  gpu_timer host_ab smoke
-#  accuracy_parallel perf_models smoke_triton smoke_tilelang tune_long tune_small tune_one_tile tune_masks pcvr_ab
+#  accuracy_parallel perf_models throughput smoke_triton smoke_tilelang tune_long tune_small tune_one_tile tune_masks pcvr_ab
 #  profile profile_host loader_cores loader_ceiling)
 # pcvr_ab: tools/attention_pcvr_ab.py, our flash_attention against every SDPA backend at the PCVR shape, per call,
 #   interleaved rounds in one process, ours / best SDPA with a paired 95% interval ($OUT/pcvr_ab.json; ~80 s).
@@ -242,6 +242,10 @@ for s in "$@"; do
         --benchmark-json="$OUT/planted_tile256.json" ;;
     optim)
       step optim 150 $PYTEST perf_tests/test_optimizers.py -k cuda --benchmark-only --benchmark-json="$OUT/optim.json" ;;
+    throughput)  # perf_tests/test_train_throughput.py (the loader feeding the step, rows/s, and its bound) on the
+      # reference's 300x data, generated here first (~15 GB, 1-2 min); THROUGHPUT_K: -k (e.g. captured)
+      step throughput "${THROUGHPUT_S:-300}" $PYTEST perf_tests/test_train_throughput.py --data-scale full \
+        ${THROUGHPUT_K:+-k "$THROUGHPUT_K"} --benchmark-only --benchmark-json="$OUT/throughput.json" ;;
     perf_attention)
       step perf_attention "${ATTN_S:-150}" $PYTEST perf_tests/test_attention.py ${ATTN_K:+-k "$ATTN_K"} \
         --benchmark-only --benchmark-json="$OUT/attention.json" ;;
