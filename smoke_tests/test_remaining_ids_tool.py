@@ -53,3 +53,17 @@ def test_a_process_killed_at_its_time_limit_runs_its_last_id_again(tmp_path, cap
     assert TOOL.main([str(tmp_path / "plan.txt"), str(tmp_path / "run.json"), "--time-limit"]) == 0
     out = capsys.readouterr()
     assert out.out.split() == PLAN[6:] and "time limit in " + PLAN[6] in out.err and "died" not in out.err
+
+
+def test_a_later_call_runs_what_no_earlier_run_timed_or_failed(tmp_path, capsys):
+    first = checkpoint(PLAN[:3], failed=[PLAN[3]], reason="SIGINT")  # cut, not died: the crash mode leaves nothing
+    second = {"cut": None, "benchmarks": [{"fullname": PLAN[6]}]}
+    assert TOOL.untimed(PLAN, [first, second]) == PLAN[4:6] + PLAN[7:]
+    for name, run in (("first.json", first), ("second.json", second)):
+        (tmp_path / name).write_text(json.dumps(run))
+    (tmp_path / "plan.txt").write_text("\n".join(PLAN) + "\n")
+    runs = [str(tmp_path / n) for n in ("first.json", "second.json", "kept_nowhere.json")]  # a fresh machine's
+    assert TOOL.main([str(tmp_path / "plan.txt"), *runs, "--untimed"]) == 0
+    assert capsys.readouterr().out.split() == PLAN[4:6] + PLAN[7:]
+    assert TOOL.main([str(tmp_path / "plan.txt"), *runs[:2]]) == 2  # several runs only with --untimed
+    assert "--untimed" in capsys.readouterr().err

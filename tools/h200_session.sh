@@ -257,6 +257,14 @@ for s in "$@"; do
       # The models' TileLang variants load from the carried pack (a variant missing from it compiles here in
       # 16 processes, not one by one inside a test); then every case's outcome is logged as it ends (-v), a
       # failed check's reason at once (the test writes it past the capture), tracebacks of a case stuck 90 s.
+      # MODELS_DONE="RUN.json ...": runs of earlier calls (kept in $KEEP, or carried); the plan's ids they timed
+      # or failed are left out (each run is also kept in $KEEP for the lease's next call)
+      if [ -n "${MODELS_DONE:-}" ] && [ -n "${MODELS_IDS:-}" ]; then
+        python3 tools/remaining_ids.py "$MODELS_IDS" $MODELS_DONE --untimed > "$OUT/models_untimed.txt"
+        echo "perf_models: $(grep -c . "$OUT/models_untimed.txt") of $(grep -c . "$MODELS_IDS") ids not timed yet"
+        MODELS_IDS=$OUT/models_untimed.txt
+        grep -q . "$MODELS_IDS" || continue  # every id of the plan is timed: nothing to run (not the whole file)
+      fi
       [ "${MODELS_PRECOMPILE:-1}" = 0 ] || step precompile_models 120 python3 -m pcvr_lib.precompile --models --workers 16
       if [ -n "${MODELS_PREWARM:-}" ] && [ -n "${MODELS_IDS:-}" ]; then
         # torch.compile's caches on disk (inductor's FX graphs, AOTAutograd, Triton) filled first by one untimed
@@ -268,11 +276,13 @@ for s in "$@"; do
       step perf_models "${MODELS_S:-300}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfE --capture=sys \
         -o faulthandler_timeout=90 "${targets[@]}" ${MODELS_K:+-k "$MODELS_K"} --benchmark-only \
         --durations=10 --benchmark-json="$OUT/${MODELS_JSON:-models}.json"
+      models_rc=$?
+      keep "$OUT/${MODELS_JSON:-models}.json"
       # a process that died (a segfault building a model's graph: rc 128 + signal) left a checkpoint of its
       # finished cases; the plan's ids after the crashed model x backend x mode run once more, into
       # ${MODELS_JSON}_resumed.json (merge both into the snapshot)
       # (killed at the step's limit instead, inductor building through the SIGINT: the id it was in runs again too)
-      if (( $? >= 128 )) && [ -n "${MODELS_IDS:-}" ] && [ -s "$OUT/${MODELS_JSON:-models}.json" ]; then
+      if (( models_rc >= 128 )) && [ -n "${MODELS_IDS:-}" ] && [ -s "$OUT/${MODELS_JSON:-models}.json" ]; then
         python3 tools/remaining_ids.py "$MODELS_IDS" "$OUT/${MODELS_JSON:-models}.json" \
           $( (( STEP_AT_LIMIT )) && echo --time-limit) > "$OUT/models_remaining.txt"
         mapfile -t rest < <(grep . "$OUT/models_remaining.txt")
@@ -280,6 +290,7 @@ for s in "$@"; do
           step perf_models_resumed "${MODELS_S:-300}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfE \
             --capture=sys -o faulthandler_timeout=90 "${rest[@]}" --benchmark-only \
             --benchmark-json="$OUT/${MODELS_JSON:-models}_resumed.json"
+          keep "$OUT/${MODELS_JSON:-models}_resumed.json"
         fi
       fi ;;
     loader_cores)  # make bench's loader-worker cases (0/1/2 workers) pinned to 4 cores, then to 2 (taskset),
