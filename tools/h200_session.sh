@@ -243,7 +243,8 @@ for s in "$@"; do
     optim)
       step optim 150 $PYTEST perf_tests/test_optimizers.py -k cuda --benchmark-only --benchmark-json="$OUT/optim.json" ;;
     throughput)  # perf_tests/test_train_throughput.py (the loader feeding the step, rows/s, and its bound) on the
-      # reference's 300x data, generated here first (~15 GB, 1-2 min); THROUGHPUT_K: -k (e.g. captured)
+      # reference's 300x data, generated here first: 300 copies of the 52 MB demo file, about 15.7 GB (12x took 8.5 s
+      # on a 2-core Xeon; unmeasured on the GPU host); THROUGHPUT_K: -k (e.g. captured)
       step throughput "${THROUGHPUT_S:-300}" $PYTEST perf_tests/test_train_throughput.py --data-scale full \
         ${THROUGHPUT_K:+-k "$THROUGHPUT_K"} --benchmark-only --benchmark-json="$OUT/throughput.json" ;;
     perf_attention)
