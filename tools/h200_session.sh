@@ -92,6 +92,7 @@ step() {  # step NAME SECONDS COMMAND...: run with a limit (cut to what is left 
   local name=$1 limit=$2; shift 2
   local t=$(date +%s) left=$(( BUDGET - ($(date +%s) - T0) )) json="" arg
   if (( left < 15 )); then echo "$name: skipped, no time left"; return; fi
+  if (( limit < 1 )); then echo "$name: skipped, limit $limit"; return; fi  # `timeout 0` would mean no limit at all
   (( limit > left )) && limit=$left
   for arg in "$@"; do [[ $arg == --benchmark-json=* ]] && json=${arg#--benchmark-json=}; done
   timeout -k 15 -s INT "$limit" "$@" > "$OUT/$name.log" 2>&1
@@ -257,7 +258,9 @@ for s in "$@"; do
       # for one call at once. MODELS_PRECOMPILE=0 skips the TileLang warm-up (no tilelang case selected).
       # The models' TileLang variants load from the carried pack (a variant missing from it compiles here in
       # 16 processes, not one by one inside a test); then every case's outcome is logged as it ends (-v), a
-      # failed check's reason at once (the test writes it past the capture), tracebacks of a case stuck 90 s.
+      # failed check's reason at once (the test writes it past the capture). No faulthandler_timeout here: its
+      # dump of every thread's stack, taken while inductor builds a graph in the main thread, killed the
+      # process with SIGSEGV on the H100 (the log ends inside the dump, 90 s into interformer's build).
       # MODELS_DONE="RUN.json ...": runs of earlier calls (kept in $KEEP, or carried); the plan's ids they timed
       # or failed are left out (each run is also kept in $KEEP for the lease's next call)
       if [ -n "${MODELS_DONE:-}" ] && [ -n "${MODELS_IDS:-}" ]; then
@@ -267,7 +270,7 @@ for s in "$@"; do
         grep -q . "$MODELS_IDS" || continue  # every id of the plan is timed: nothing to run (not the whole file)
       fi
       [ "${MODELS_PRECOMPILE:-1}" = 0 ] || step precompile_models 120 python3 -m pcvr_lib.precompile --models --workers 16
-      if [ -n "${MODELS_PREWARM:-}" ] && [ -n "${MODELS_IDS:-}" ]; then
+      if [ -n "${MODELS_PREWARM:-}" ] && [ -n "${MODELS_IDS:-}" ]; then  # MODELS_PREWARM=0: none
         # torch.compile's caches on disk (inductor's FX graphs, AOTAutograd, Triton) filled first by one untimed
         # process per model x backend x mode, all at once; the timed run below then loads its graphs from them
         # instead of compiling one after another (each build still traces: dynamo runs in every process)
@@ -275,11 +278,11 @@ for s in "$@"; do
       fi
       if [ -n "${MODELS_IDS:-}" ]; then mapfile -t targets < "$MODELS_IDS"; else targets=(perf_tests/test_models.py); fi
       step perf_models "${MODELS_S:-300}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfE --capture=sys \
-        -o faulthandler_timeout=90 "${targets[@]}" ${MODELS_K:+-k "$MODELS_K"} --benchmark-only \
+        -o faulthandler_timeout=0 "${targets[@]}" ${MODELS_K:+-k "$MODELS_K"} --benchmark-only \
         --durations=10 --benchmark-json="$OUT/${MODELS_JSON:-models}.json"
       models_rc=$?
       keep "$OUT/${MODELS_JSON:-models}.json"
-      # a process that died (a segfault building a model's graph: rc 128 + signal) left a checkpoint of its
+      # a process that died (rc 128 + signal: a crash or the out-of-memory killer) left a checkpoint of its
       # finished cases; the plan's ids after the crashed model x backend x mode run once more, into
       # ${MODELS_JSON}_resumed.json (merge both into the snapshot)
       # (killed at the step's limit instead, inductor building through the SIGINT: the id it was in runs again too)
@@ -289,7 +292,7 @@ for s in "$@"; do
         mapfile -t rest < <(grep . "$OUT/models_remaining.txt")
         if (( ${#rest[@]} )); then
           step perf_models_resumed "${MODELS_S:-300}" python3 -m pytest -v -p no:cacheprovider --tb=short -rfE \
-            --capture=sys -o faulthandler_timeout=90 "${rest[@]}" --benchmark-only \
+            --capture=sys -o faulthandler_timeout=0 "${rest[@]}" --benchmark-only \
             --benchmark-json="$OUT/${MODELS_JSON:-models}_resumed.json"
           keep "$OUT/${MODELS_JSON:-models}_resumed.json"
         fi

@@ -35,6 +35,14 @@ def groups_of(ids: list[str]) -> dict[tuple[str, str, str], list[str]]:
     return out
 
 
+def why_failed(log: Path, tail: int = 3) -> list[str]:
+    """A failed build's reason from its pytest log: the short summary's FAILED / ERROR lines, else its last
+    lines (a crash or an error before any test ran)."""
+    lines = [line for line in log.read_text(errors="replace").splitlines() if line.strip()]
+    summary = [line for line in lines if line.startswith(("FAILED ", "ERROR "))]
+    return summary or lines[-tail:]
+
+
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("ids", help="a file of perf_tests/test_models.py node ids, one a line")
@@ -73,6 +81,8 @@ def main() -> int:
             failed += proc.returncode != 0
             print(f"[{time.perf_counter() - start:5.0f}s] {' '.join(key)}: rc {proc.returncode} in "
                   f"{time.perf_counter() - began:.0f} s", flush=True)
+            if proc.returncode != 0:  # why, here: the build's own log stays on the machine
+                print(*(f"    {line}" for line in why_failed(logs / f"prewarm_{'_'.join(key)}.log")), sep="\n")
     print(f"prewarm_models: {len(groups_of(ids))} builds, {failed} failed, {time.perf_counter() - start:.0f} s")
     return 0
 
