@@ -38,8 +38,8 @@ def test_host_profile_cpu(tmp_path, capsys):
     path.write_text(json.dumps(saved))
     assert tool.main(["--from", str(path), "--top", "3"]) == 0
     out = capsys.readouterr().out
-    assert "== baseline: torch host" in out and "triton: RuntimeError: no CUDA" in out
-    assert "package, own CPU us per step (cProfile)" in out and "op, self CPU us per step" in out
+    assert "== baseline train_step: torch host" in out and "triton: RuntimeError: no CUDA" in out
+    assert "package, own CPU us per call (cProfile)" in out and "op, self CPU us per call" in out
 
 
 def test_package_of():
@@ -50,6 +50,8 @@ def test_package_of():
     assert tool.package_of(f"{root}/pcvr_lib/kernels/_triton.py") == "pcvr_lib.kernels._triton"
     assert tool.package_of("/usr/lib/python3/site-packages/torch/autograd/function.py") == "torch.autograd"
     assert tool.package_of("/usr/lib/python3/site-packages/triton/runtime/jit.py") == "triton"
+    # a virtual environment inside the checkout holds libraries, not our modules
+    assert tool.package_of(f"{root}/.venv/lib/python3.12/site-packages/torch/nn/modules/module.py") == "torch.nn"
 
 
 def test_bf16_precision_runs_the_steps_under_autocast():
@@ -86,5 +88,26 @@ def test_backend_specs_name_a_mode_and_single_operator_switches(capsys):
     with pytest.raises(ValueError, match="mode 'grpah' is not one of"):
         tool.parse_backend("triton:grpah")
     with pytest.raises(SystemExit) as exit_info:  # refused before any model is built
-        tool.main(["--backends", "torch/rms_norm_backend=triton", "--host", "--device", "cpu"])
-    assert exit_info.value.code == 2 and "without modes or switches" in capsys.readouterr().err
+        tool.main(["--backends", "torch,torch:graph", "--host", "--device", "cpu"])
+    err = capsys.readouterr().err
+    assert exit_info.value.code == 2 and "--backends torch:graph: mode 'graph' replays CUDA graphs" in err
+    with pytest.raises(SystemExit) as exit_info:
+        tool.main(["--backends", "triton:grpah", "--host", "--device", "cpu"])
+    assert exit_info.value.code == 2 and "mode 'grpah' is not one of" in capsys.readouterr().err
+
+
+def test_the_infer_phase_profiles_inference_passes():
+    tool = load_tool("profile_models")
+    from pcvr_lib.workloads.models import demo_schema, random_batch
+
+    schema = demo_schema(8)
+    batch = random_batch(schema, batch=4, seed=3)
+    train = tool.host_profile("baseline", "torch", schema, batch, 1, "cpu", 40, config=TINY)
+    infer = tool.host_profile("baseline", "torch", schema, batch, 1, "cpu", 40, config=TINY, phase="infer")
+    assert any("step.py" in f and "(infer)" in f for f in infer["functions"]), list(infer["functions"])[:10]
+    assert not any("(train_step)" in f for f in infer["functions"])
+    assert "pcvr_lib.optim" not in "".join(infer["packages_us"])  # no optimizer step in an inference pass
+    assert any(p.startswith("pcvr_lib.optim") for p in train["packages_us"])
+    # a spec's switch reaches the model built (not called here), the other switches keep the spec's backend
+    switched = tool.build_step("baseline", "torch/rms_norm_backend=triton", schema, batch, "cpu", TINY)
+    assert switched.model.config.rms_norm_backend == "triton" and switched.model.config.embedding_backend == "torch"

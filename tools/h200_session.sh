@@ -18,7 +18,9 @@
 #   torch's norms, which inductor fuses) at PROFILE_PRECISION (bf16); $OUT/profile_models.json. Each compiled
 #   spec compiles for about a minute: PROFILE_S (300 s) holds three. A cut run keeps the specs it finished.
 # profile_host: tools/profile_models.py --host, where each model's train step spends its host time, torch vs
-#   triton backends ($OUT/profile_host.json; ~60-90 s).
+#   triton backends ($OUT/profile_host.json; ~60-90 s); PROFILE_HOST_MODELS, PROFILE_HOST_BACKENDS (specs with
+#   modes, e.g. torch:graph,triton:graph: each compiled spec builds for a minute or more) and PROFILE_HOST_PHASE
+#   (train_step or infer) narrow it, PROFILE_HOST_S is its limit (150 s).
 #
 # noise: the gated kernel suite (torch.compile peers, sweeps and host parts left out) REPS times, one JSON
 #   per repetition ($OUT/noise_repN.json), then `pcvr noise --from` them into $OUT/noise_h200.json. Every GPU
@@ -325,7 +327,10 @@ for s in "$@"; do
     pcvr_ab)
       step pcvr_ab 150 python3 tools/attention_pcvr_ab.py --seconds "${AB_SECONDS:-60}" --out "$OUT" ;;
     profile_host)
-      step profile_host 150 python3 tools/profile_models.py --host --steps 2 --out "$OUT" ;;
+      step profile_host "${PROFILE_HOST_S:-150}" python3 tools/profile_models.py --host --steps 2 --out "$OUT" \
+        --models "${PROFILE_HOST_MODELS:-all}" --backends "${PROFILE_HOST_BACKENDS:-torch,triton}" \
+        --phase "${PROFILE_HOST_PHASE:-train_step}"
+      tail -40 "$OUT/profile_host.log" ;;
     profile)  # device time per kernel of the PROFILE_BACKENDS specs' train steps (tools/profile_models.py)
       step profile "${PROFILE_S:-300}" python3 tools/profile_models.py --models "${PROFILE_MODELS:-symbiosis}" \
         --backends "${PROFILE_BACKENDS:-torch:graph,triton:graph,triton:graph/rms_norm_backend=torch}" \
