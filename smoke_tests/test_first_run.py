@@ -96,6 +96,20 @@ def test_a_run_keeps_its_best_and_last_checkpoint(data, tmp_path, monkeypatch):
     assert len(resumed["losses"]) == 5 and resumed["losses"][:4] == summary["losses"]
 
 
+def test_every_step_trains_in_train_mode_after_holdouts(data, tmp_path, monkeypatch):
+    """A holdout scores in eval mode (dropout off); the loop switches back only when it has to, and every
+    step, the first and each one after a holdout, runs in train mode."""
+    modes, real_step = [], loop._step
+
+    def spy(runner, batch, *args, **kwargs):
+        modes.append(all(module.training for module in runner.modules()))
+        return real_step(runner, batch, *args, **kwargs)
+
+    monkeypatch.setattr(loop, "_step", spy)
+    train(_config(data, tmp_path / "run", eval_at_init=True, eval_every=1))
+    assert modes == [True] * 4
+
+
 def test_keep_all_keeps_every_checkpoint_with_its_state(data, tmp_path):
     run_dir = tmp_path / "all"
     summary = train(_config(data, run_dir, steps=3, keep_checkpoints="all"))
