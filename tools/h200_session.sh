@@ -260,9 +260,9 @@ for s in "$@"; do
       # for one call at once. MODELS_PRECOMPILE=0 skips the TileLang warm-up (no tilelang case selected).
       # The models' TileLang variants load from the carried pack (a variant missing from it compiles here in
       # 16 processes, not one by one inside a test); then every case's outcome is logged as it ends (-v), a
-      # failed check's reason at once (the test writes it past the capture). No faulthandler_timeout here: its
-      # dump of every thread's stack, taken while inductor builds a graph in the main thread, killed the
-      # process with SIGSEGV on the H100 (the log ends inside the dump, 90 s into interformer's build).
+      # failed check's reason at once (the test writes it past the capture). No faulthandler_timeout here: a
+      # process died with SIGSEGV during its dump of every thread's stack, taken while inductor built a graph
+      # in the main thread (the log ends inside the dump, 90 s into interformer's build).
       # MODELS_DONE="RUN.json ...": runs of earlier calls (kept in $KEEP, or carried); the plan's ids they timed
       # or failed are left out (each run is also kept in $KEEP for the lease's next call)
       if [ -n "${MODELS_DONE:-}" ] && [ -n "${MODELS_IDS:-}" ]; then
