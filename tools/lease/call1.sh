@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# First call of a device lease for issue 27's model table (the `run` tool; carry .gpu-site and .cache/tlpack):
+# First call of a device lease for the README's model table (the `run` tool; carry .gpu-site and .cache/tlpack):
 #   PCVR_MEASURED_TREE=$(git rev-parse --short HEAD) bash tools/lease/call1.sh
 # On an H200: the smoke, then the graph cells of tools/lease/plans/$PLAN.txt (default models_graph20: torch graph
 # and Triton graph of five models, both phases; dualq's four ids are models_dualq4, whose builds take 400-470 s:
