@@ -10,6 +10,5 @@ done_runs=$(ls results/h200_session/models_graph*.json 2>/dev/null | tr '\n' ' '
 echo "done runs: $done_runs"
 MODELS_IDS=tools/lease/plans/${PLAN:-models_graph20}.txt MODELS_DONE="$done_runs" MODELS_PRECOMPILE=0 \
   MODELS_PREWARM=${PREWARM:-120} MODELS_S=${MODELS_S:-200} MODELS_JSON=models_graph2 \
-  THROUGHPUT_K="captured and baseline" THROUGHPUT_S=${THROUGHPUT_S:-200} BUDGET=575 \
+  THROUGHPUT_K="captured and baseline" THROUGHPUT_S=${THROUGHPUT_S:-200} BUDGET=${BUDGET:-575} \
   bash tools/h200_session.sh ${STEPS:-perf_models throughput perf_embedding}
-mkdir -p "$OUT/keep" && cp results/h200_session/*.json "$OUT/keep/" 2>/dev/null
