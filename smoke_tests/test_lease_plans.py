@@ -1,5 +1,6 @@
-"""tools/lease/plans/: every node id a device call runs from a plan file is a benchmark case that pytest
-collects (a renamed parameter would make the call's pytest stop at "not found" after its build time)."""
+"""What a device call needs before it starts: every node id it runs from a plan file in tools/lease/plans/ is a
+benchmark case that pytest collects (a renamed parameter would make the call's pytest stop at "not found" after
+its build time), and the tracked tree leaves room in the call's 64 MiB for what it carries."""
 
 from __future__ import annotations
 
@@ -8,6 +9,10 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+# A device call takes at most 64 MiB of working tree; it carries TileLang's site (about 43 MiB, .gpu-site/) and the
+# precompiled kernel pack (about 5 MiB, .cache/tlpack/), and the runs it brings back get committed.
+TRACKED_BUDGET = 14 * MiB
 PLANS = sorted((ROOT / "tools/lease/plans").glob("*.txt"))
 
 
@@ -22,3 +27,13 @@ def test_every_plan_id_is_a_collected_case():
         assert len(ids) == len(set(ids)), f"{plan.name} names an id twice"
         missing = [i for i in ids if i not in known]
         assert not missing, f"{plan.name}: not collected: {missing}"
+
+
+def test_the_tracked_tree_leaves_room_for_the_carried_site():
+    listing = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
+    sizes = {name: (ROOT / name).stat().st_size for name in listing.decode().split("\0") if (ROOT / name).is_file()}
+    total = sum(sizes.values())
+    largest = sorted(sizes, key=sizes.get, reverse=True)[:5]
+    assert total <= TRACKED_BUDGET, (
+        f"tracked files take {total / MiB:.1f} MiB, over the {TRACKED_BUDGET / MiB:.0f} MiB that leaves a device call "
+        f"room for .gpu-site and .cache/tlpack; gzip archived runs (gzip -9n; pcvr reads .json.gz). Largest: {largest}")
