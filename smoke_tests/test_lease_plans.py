@@ -8,6 +8,8 @@ import subprocess
 import sys
 from pathlib import Path
 
+from smoke_tests.test_code_hygiene import tracked_files
+
 ROOT = Path(__file__).resolve().parents[1]
 MiB = 1 << 20
 # A device call takes at most 64 MiB of working tree; it carries TileLang's site (about 43 MiB, .gpu-site/) and the
@@ -30,8 +32,7 @@ def test_every_plan_id_is_a_collected_case():
 
 
 def test_the_tracked_tree_leaves_room_for_the_carried_site():
-    listing = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True, check=True).stdout
-    sizes = {name: (ROOT / name).stat().st_size for name in listing.decode().split("\0") if (ROOT / name).is_file()}
+    sizes = {name: (ROOT / name).stat().st_size for name in tracked_files() if (ROOT / name).is_file()}
     total = sum(sizes.values())
     largest = sorted(sizes, key=sizes.get, reverse=True)[:5]
     assert total <= TRACKED_BUDGET, (
